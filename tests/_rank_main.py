@@ -1,0 +1,29 @@
+"""Entry point of one rank started by ``tests.multiproc.run_ranks(target=...)``.
+
+Usage: ``python -m tests._rank_main module:function kwargs.json``. Calls ``function(**kwargs)``
+and writes its JSON return value to ``$TEST_RESULT_DIR/result.$RANK.json``. An exception
+propagates (traceback on stderr, exit status 1), so the test sees it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    target, kwargs_file = sys.argv[1], sys.argv[2]
+    module_name, _, func_name = target.partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    result = func(**json.loads(Path(kwargs_file).read_text()))
+    out = Path(os.environ["TEST_RESULT_DIR"]) / f"result.{os.environ['RANK']}.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    main()

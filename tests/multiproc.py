@@ -1,0 +1,201 @@
+"""The one helper that runs N real ranks on CPU/gloo for multi-process tests.
+
+Every rank is a fresh ``python`` process (no fork of the pytest process), on a free localhost
+port, under a per-test deadline. When anything goes wrong the failure message carries every
+rank's exit status and its full output, tracebacks included.
+
+Two ways to say what a rank runs:
+
+* ``target="tests.dist.workers:fn"`` calls ``fn(**kwargs)`` in each rank; its JSON-serialisable
+  return value comes back as ``RankOutput.result``.
+* ``argv=["examples/demo.py", "--steps", "3"]`` runs a script (``python argv...``) in each rank.
+
+Environment given to each rank: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the
+simulated node index), MASTER_ADDR, MASTER_PORT, PYTHONPATH (the repository root first),
+PYTHONUNBUFFERED=1, TEST_RESULT_DIR, plus ``env``.
+
+``host_store=True`` hosts a ``torch.distributed.TCPStore`` server in the test process on
+MASTER_PORT and sets ``INPROCESS_STORE_HOSTED=1``, the same contract as ``inprocess.launch``:
+the store outlives every rank, so killing rank 0 does not take the store with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_POLL_S = 0.02
+
+
+@dataclass
+class RankOutput:
+    """What one rank process did."""
+
+    rank: int
+    pid: int
+    returncode: int | None  # None: still running at the deadline, then killed
+    output: str  # stdout and stderr, interleaved
+    result: Any  # the target's return value (JSON), None for scripts or failures
+
+
+class RanksFailed(AssertionError):
+    """A multi-process test failed; the message holds every rank's status and output."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def describe(outputs: Sequence[RankOutput]) -> str:
+    """Every rank's status and full output, for failure messages."""
+    parts = []
+    for o in outputs:
+        status = "killed at deadline" if o.returncode is None else f"exit {o.returncode}"
+        parts.append(f"----- rank {o.rank} (pid {o.pid}, {status}) -----\n{o.output}")
+    return "\n".join(parts)
+
+
+def run_ranks(
+    nprocs: int,
+    *,
+    target: str | None = None,
+    argv: Sequence[str] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    deadline: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    local_world_size: int | None = None,
+    host_store: bool = False,
+    expect_success: bool = True,
+    on_started: Any = None,
+) -> list[RankOutput]:
+    """Start ``nprocs`` ranks, wait for all of them (at most ``deadline`` s), return their outputs.
+
+    Raises ``RanksFailed`` when the deadline passes (all ranks are killed first) or, with
+    ``expect_success``, when any rank exits non-zero. ``on_started(procs)`` is called once all
+    processes exist, with the list of ``subprocess.Popen`` objects (for tests that signal a rank).
+    """
+    if (target is None) == (argv is None):
+        raise ValueError("run_ranks needs exactly one of target= or argv=")
+    lws = local_world_size or nprocs
+    if nprocs % lws:
+        raise ValueError(f"local_world_size ({lws}) must divide nprocs ({nprocs})")
+
+    workdir = Path(tempfile.mkdtemp(prefix="ranks-"))
+    store = None
+    if host_store:
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = store.port
+    else:
+        port = free_port()
+
+    base_env = dict(os.environ)
+    base_env.update(
+        {
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(lws),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "PYTHONUNBUFFERED": "1",
+            "TEST_RESULT_DIR": str(workdir),
+        }
+    )
+    if host_store:
+        base_env["INPROCESS_STORE_HOSTED"] = "1"
+    base_env.update(env or {})
+
+    if target is not None:
+        module, _, func = target.partition(":")
+        kwargs_file = workdir / "kwargs.json"
+        kwargs_file.write_text(json.dumps(dict(kwargs or {})))
+        cmd = [sys.executable, "-m", "tests._rank_main", f"{module}:{func}", str(kwargs_file)]
+    else:
+        cmd = [sys.executable, *(argv or [])]
+
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    stuck: set[int] = set()
+    try:
+        for rank in range(nprocs):
+            rank_env = dict(base_env)
+            rank_env.update(
+                {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank % lws),
+                    "GROUP_RANK": str(rank // lws),
+                }
+            )
+            log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO_ROOT,
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    # Own process group: the deadline kill reaches the rank's children too.
+                    start_new_session=True,
+                )
+            )
+        if on_started is not None:
+            on_started(procs)
+        end = time.monotonic() + deadline
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(_POLL_S)
+        stuck = {i for i, p in enumerate(procs) if p.poll() is None}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p)
+        for log in logs:
+            log.close()
+        del store  # the server stops only after every rank has exited
+
+    timed_out = bool(stuck)
+    outputs = []
+    for rank, p in enumerate(procs):
+        text = (workdir / f"rank{rank}.log").read_bytes().decode(errors="replace")
+        result_file = workdir / f"result.{rank}.json"
+        result = json.loads(result_file.read_text()) if result_file.exists() else None
+        outputs.append(
+            RankOutput(
+                rank=rank,
+                pid=p.pid,
+                returncode=None if rank in stuck else p.returncode,
+                output=text,
+                result=result,
+            )
+        )
+    if timed_out:
+        raise RanksFailed(
+            f"ranks still running after the {deadline:.0f} s deadline\n" + describe(outputs)
+        )
+    if expect_success and any(o.returncode != 0 for o in outputs):
+        raise RanksFailed("a rank exited non-zero\n" + describe(outputs))
+    return outputs
+
+
+def _kill_group(p: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
