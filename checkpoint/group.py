@@ -1,0 +1,121 @@
+"""A dedicated gloo process group for background checkpoint work that follows the default group."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from checkpoint.errors import CheckpointConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundGroup:
+    """Owner of a dedicated gloo group that follows the current default process group.
+
+    Background threads (persistent writes, replication) must never issue collectives on the
+    training group: two threads sharing one group deadlock. This object creates one gloo group
+    over the same ranks as the default group and recreates it when the default group changes
+    (after an in-process restart the old default group is destroyed and a new one, perhaps with
+    other ranks, exists).
+
+    ``current()`` is COLLECTIVE whenever it has to (re)create the group: every rank of the
+    default group must call it at the same point of the program (save / load entry). Callers
+    must make sure no background work still uses the previous group before calling it.
+    Thread-safety: calls are serialised by a lock, but the collective contract still holds.
+    """
+
+    def __init__(self, *, timeout: float) -> None:
+        if not timeout > 0:
+            raise CheckpointConfigError(
+                f"timeout ({timeout!r}) must be a positive number of seconds: pass e.g. 600.0"
+            )
+        self._timeout = float(timeout)
+        self._lock = threading.Lock()
+        # The default group our group was built for. Holding a strong reference keeps its
+        # identity from being reused by a new group object after the old one is collected.
+        self._default: ProcessGroup | None = None
+        self._group: ProcessGroup | None = None
+        self._generation = 0
+        self._closed = False
+
+    @property
+    def timeout(self) -> float:
+        """The timeout (seconds) of every collective on the dedicated group."""
+        return self._timeout
+
+    @property
+    def generation(self) -> int:
+        """Incremented each time a new dedicated group is created (lets callers notice rebinds)."""
+        return self._generation
+
+    def current(self) -> ProcessGroup | None:
+        """The dedicated group for the current default group; None when not distributed.
+
+        COLLECTIVE over the default group when the default group changed since the last call.
+        """
+        import torch.distributed as dist
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("BackgroundGroup.current() called after close()")
+            if not (dist.is_available() and dist.is_initialized()):
+                self._drop_locked()
+                return None
+            default = dist.distributed_c10d._get_default_group()
+            if self._group is not None and default is self._default:
+                return self._group
+            self._drop_locked()
+            self._group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self._timeout)
+            )
+            self._default = default
+            self._generation += 1
+            log.debug(
+                "created dedicated gloo group (generation %d, %d ranks)",
+                self._generation,
+                dist.get_world_size(),
+            )
+            return self._group
+
+    def drop(self) -> None:
+        """Abandon the dedicated group now (not collective). The next ``current()`` recreates it.
+
+        Destroying the group closes its sockets, which releases peers blocked on it once every
+        rank has dropped it (or their timeout expires).
+        """
+        with self._lock:
+            self._drop_locked()
+
+    def close(self) -> None:
+        """Destroy the dedicated group if it still exists. Idempotent."""
+        with self._lock:
+            self._drop_locked()
+            self._closed = True
+
+    def __enter__(self) -> BackgroundGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _drop_locked(self) -> None:
+        group, self._group, self._default = self._group, None, None
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        # After destroy_process_group() of the default group every subgroup is already gone
+        # from the registry; destroying it again would raise.
+        if group in dist.distributed_c10d._world.pg_map:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group)
+        else:
+            with contextlib.suppress(Exception):
+                group.shutdown()
