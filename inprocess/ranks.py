@@ -1,0 +1,200 @@
+"""Rank assignment: which initial ranks run ``train()``, which wait as reserves, which left.
+
+Pure functions (no I/O, no torch): every rank computes the same assignment from the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from inprocess.errors import InprocessError
+
+GRANULARITIES = ("rank", "node")
+
+
+class NotEnoughRanksError(InprocessError):
+    """Fewer healthy ranks remain than ``min_active_world_size``: the job cannot go on."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The roles of every initial rank for one restart iteration.
+
+    ``active[i]`` is the initial rank that runs ``train()`` as rank ``i`` (so active ranks are
+    always numbered 0..len(active)-1); ``reserve`` holds the healthy ranks that wait, in the order
+    they will be activated; ``retired`` holds the ranks that left the job for good. Every initial
+    rank is in exactly one of the three.
+    """
+
+    active: tuple[int, ...]
+    reserve: tuple[int, ...]
+    retired: frozenset[int]
+
+    def rank_of(self, initial_rank: int) -> int | None:
+        """The rank ``initial_rank`` runs ``train()`` as, or None for a reserve / retired rank."""
+        try:
+            return self.active.index(initial_rank)
+        except ValueError:
+            return None
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks that run ``train()``."""
+        return len(self.active)
+
+
+def initial_assignment(
+    *,
+    world_size: int,
+    node_of: Sequence[int],
+    active_world_size: int | None,
+    granularity: str,
+) -> Assignment:
+    """The first iteration's assignment: initial ranks 0..K-1 active, the rest reserves in order.
+
+    ``node_of[r]`` is the node index of initial rank ``r``; ``active_world_size=None`` means
+    every rank is active. Raises ``ValueError`` naming the field for bad input.
+    """
+    _check_common(world_size=world_size, node_of=node_of, granularity=granularity)
+    k = world_size if active_world_size is None else active_world_size
+    if not 1 <= k <= world_size:
+        raise ValueError(
+            f"active_world_size ({active_world_size}) must be between 1 and the number of "
+            f"launched ranks ({world_size}): lower active_world_size or launch more ranks"
+        )
+    return Assignment(
+        active=tuple(range(k)), reserve=tuple(range(k, world_size)), retired=frozenset()
+    )
+
+
+def reassign(
+    previous: Assignment,
+    *,
+    node_of: Sequence[int],
+    lost: Collection[int],
+    demoted: Collection[int] = (),
+    granularity: str,
+    active_world_size: int,
+    min_active_world_size: int,
+) -> Assignment:
+    """The next iteration's assignment after a fault.
+
+    ``lost`` ranks (dead, killed at the hard timeout, unhealthy, over ``max_rank_faults``) are
+    retired for good; ``demoted`` ranks move to the back of the reserve pool. With
+    ``granularity="node"`` the healthy node-mates of a lost or demoted rank leave the active set
+    too (to the back of the reserve pool). Active survivors keep their rank number; reserves
+    fill the holes, whole healthy nodes first under node granularity. With fewer than
+    ``active_world_size`` ranks available the job shrinks (renumbered 0..n-1, survivors keeping
+    their number where it is < n); below ``min_active_world_size`` it raises
+    ``NotEnoughRanksError``.
+    """
+    world_size = len(node_of)
+    _check_common(world_size=world_size, node_of=node_of, granularity=granularity)
+    if not 1 <= min_active_world_size <= active_world_size:
+        raise ValueError(
+            f"min_active_world_size ({min_active_world_size}) must be between 1 and "
+            f"active_world_size ({active_world_size}): lower min_active_world_size"
+        )
+    for name, ranks in (("lost", lost), ("demoted", demoted)):
+        bad = sorted(r for r in ranks if not 0 <= r < world_size)
+        if bad:
+            raise ValueError(
+                f"{name} ({bad}) holds ranks outside 0..{world_size - 1}: pass initial ranks"
+            )
+
+    retired = previous.retired | frozenset(lost)
+    leaving = set(demoted) - retired
+    if granularity == "node":
+        # A fault on a node makes the whole node suspect (shared PCIe switch, NIC, host memory):
+        # its healthy ranks step back rather than exit, so they can still fill in later.
+        bad_nodes = {node_of[r] for r in (set(lost) - previous.retired) | set(demoted)}
+        leaving |= {r for r in range(world_size) if node_of[r] in bad_nodes} - retired
+
+    # Ranks beyond active_world_size (a larger active set earlier) step back to the pool front.
+    kept = [r if r not in retired and r not in leaving else None for r in previous.active]
+    extra = [r for r in kept[active_world_size:] if r is not None]
+    slots = kept[:active_world_size] + [None] * max(0, active_world_size - len(kept))
+    # Demoted / excluded ranks go to the back, in initial-rank order so every rank agrees.
+    pool = extra + [r for r in previous.reserve if r not in retired and r not in leaving]
+    pool += sorted(leaving)
+
+    holes = [i for i, r in enumerate(slots) if r is None]
+    chosen = _pick_reserves(pool, len(holes), node_of=node_of, granularity=granularity)
+    for pos, rank in zip(holes, chosen, strict=False):  # fewer chosen: shrink
+        slots[pos] = rank
+    active = _compact(slots)
+    if len(active) < min_active_world_size:
+        raise NotEnoughRanksError(
+            f"only {len(active)} healthy rank(s) remain but min_active_world_size is "
+            f"{min_active_world_size} (active_world_size {active_world_size}, retired ranks "
+            f"{sorted(retired)}): launch more ranks as reserves or lower min_active_world_size"
+        )
+    taken = set(active)
+    return Assignment(
+        active=tuple(active),
+        reserve=tuple(r for r in pool if r not in taken),
+        retired=retired,
+    )
+
+
+def node_of_ranks(*, world_size: int, local_world_size: int) -> tuple[int, ...]:
+    """Node index per initial rank when nodes are consecutive groups of ``local_world_size``."""
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ValueError(
+            f"local_world_size ({local_world_size}) must be >= 1 and divide world_size "
+            f"({world_size}): set LOCAL_WORLD_SIZE to the number of ranks per node"
+        )
+    return tuple(r // local_world_size for r in range(world_size))
+
+
+def _pick_reserves(
+    pool: Sequence[int],
+    wanted: int,
+    *,
+    node_of: Sequence[int],
+    granularity: str,
+) -> list[int]:
+    """Up to ``wanted`` ranks from the front of ``pool``; whole healthy nodes first for "node"."""
+    if granularity == "rank" or wanted == 0:
+        return list(pool[:wanted])
+    groups: dict[int, list[int]] = {}
+    for r in pool:
+        groups.setdefault(node_of[r], []).append(r)
+    node_size: dict[int, int] = {}
+    for n in node_of:
+        node_size[n] = node_size.get(n, 0) + 1
+    chosen: list[int] = []
+    # First pass: complete nodes (every rank of the node healthy and waiting) that still fit.
+    for node, ranks in groups.items():
+        if len(ranks) == node_size[node] and len(chosen) + len(ranks) <= wanted:
+            chosen += ranks
+    # Second pass: no whole node fits any more; take single ranks front first rather than shrink.
+    for r in pool:
+        if len(chosen) == wanted:
+            break
+        if r not in chosen:
+            chosen.append(r)
+    return chosen
+
+
+def _compact(slots: list[int | None]) -> list[int]:
+    """Close remaining holes: the highest-numbered ranks move into them (the rest keep theirs)."""
+    n = sum(r is not None for r in slots)
+    tail = [r for r in slots[n:] if r is not None]
+    return [r if r is not None else tail.pop() for r in slots[:n]]
+
+
+def _check_common(*, world_size: int, node_of: Sequence[int], granularity: str) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size ({world_size}) must be >= 1: launch at least one rank")
+    if len(node_of) != world_size:
+        raise ValueError(
+            f"node_of has {len(node_of)} entries but world_size is {world_size}: give one node "
+            "index per initial rank"
+        )
+    if granularity not in GRANULARITIES:
+        raise ValueError(
+            f"granularity ({granularity!r}) must be one of {GRANULARITIES}: use 'rank' to "
+            "retire only the faulty rank or 'node' to retire its whole node"
+        )
