@@ -179,8 +179,9 @@ class HealthChecker:
             reasons.append(f"GPU {index} NVML recovery action {action} (not NONE)")
         if self._xid_events is not None:
             xid = _optional(lambda: nvml.nvmlEventSetWait_v2(self._xid_events, 0), nvml)
-            if xid is not None and getattr(xid, "eventData", 0):
-                reasons.append(f"GPU {index} reported critical XID {xid.eventData}")
+            data: int = 0 if xid is None else getattr(xid, "eventData", 0)
+            if data:
+                reasons.append(f"GPU {index} reported critical XID {data}")
         return "; ".join(reasons) or None
 
     def _init_nvml(self, index: int) -> bool:
