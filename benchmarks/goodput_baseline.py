@@ -1,0 +1,149 @@
+"""The usual alternative to restartable, for benchmarks/goodput.py: torchrun + synchronous DCP.
+
+Same model, data, fault plan and event log as ``examples/train.py``, but no in-process restart:
+every fault ends the worker processes, ``torchrun --max-restarts=K`` starts new ones, and they
+resume from the last checkpoint written with synchronous ``torch.distributed.checkpoint.save``
+every ``--persistent-every`` steps. Hangs end when the gloo collective timeout (set to the same
+value as our soft timeout) fires; NaN losses crash the step (no re-run machinery).
+
+    torchrun --nproc-per-node 2 --max-restarts 8 benchmarks/goodput_baseline.py --faults demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from faultplan import PlannedFault, claim, fired_faults, parse_plan
+from gpt import GPTConfig, batch, build_model, corpus
+from report import EventLog, build_report, format_report
+
+
+def fire(fault: PlannedFault) -> None:
+    if fault.kind in ("exception", "nan"):
+        raise RuntimeError(f"injected fault {fault.name}")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        time.sleep(3600)
+    if fault.kind == "hang_gil":
+        ctypes.PyDLL(None).sleep(3600)
+
+
+def latest_step(ckpt_root: Path) -> int | None:
+    committed = [
+        int(p.name.split("_")[1]) for p in ckpt_root.glob("step_*") if (p / "DONE").exists()
+    ]
+    return max(committed, default=None)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--faults", default="demo")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--persistent-every", type=int, default=50)
+    p.add_argument("--soft-timeout", type=float, default=2.0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.soft_timeout))
+    rank = dist.get_rank()
+    events = EventLog(args.run_dir, rank + 100 * restart_count)
+    events.emit("start")
+    events.emit("enter", iteration=restart_count, rank=rank, restart={})
+    plan = [f for f in parse_plan(args.faults, steps=args.steps) if f.rank == rank]
+
+    cfg = GPTConfig()
+    data = corpus()
+    model = build_model(cfg, args.seed)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ckpt_root = args.run_dir / "ckpt"
+    t0 = time.monotonic()
+    start = latest_step(ckpt_root) or 0
+    if start:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(ckpt_root / f"step_{start}"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    events.emit(
+        "restored",
+        iteration=restart_count,
+        rank=rank,
+        step=start,
+        tier="persistent" if start else None,
+        seconds=time.monotonic() - t0,
+    )
+
+    loss = torch.tensor(float("nan"))
+    for step in range(start, args.steps):
+        t_step = time.monotonic()
+        for fault in (f for f in plan if f.step == step):
+            if claim(args.run_dir, fault):
+                fire(fault)
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(
+            data, seed=args.seed, step=step, rank=rank, batch_size=args.batch_size, seq=cfg.seq
+        )
+        loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+        if (step + 1) % args.persistent_every == 0:
+            t_save = time.monotonic()
+            model_sd, optim_sd = get_state_dict(model, opt)
+            path = ckpt_root / f"step_{step + 1}"
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+            dist.barrier()
+            if rank == 0:
+                (path / "DONE").touch()
+            events.emit("save", step=step + 1, rank=rank, stall=time.monotonic() - t_save)
+        events.emit(
+            "step", step=step, rank=rank, loss=loss.item(), seconds=time.monotonic() - t_step
+        )
+
+    events.emit("done", rank=rank, step=args.steps, loss=loss.item())
+    dist.barrier()
+    if rank == 0:
+        starts = [e["t"] for e in _read(args.run_dir) if e["ev"] == "start"]
+        report = build_report(
+            args.run_dir,
+            faults=fired_faults(args.run_dir),
+            wall_start=min(starts),
+            wall_end=time.time(),
+        )
+        (args.run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        print(format_report(report), flush=True)
+    dist.destroy_process_group()
+    events.close()
+    return 0
+
+
+def _read(run_dir: Path) -> list[dict[str, object]]:
+    from report import read_events
+
+    return read_events(run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Train a tiny byte-level GPT with DDP through injected faults, then report the downtime.
+
+Run (4 ranks on this machine's CPU, each fault kind once, about a minute):
+
+    python -m inprocess.launch --nproc-per-node 4 examples/train.py --faults demo
+
+It uses all three packages: ``@restartable`` re-runs ``train()`` in place after a fault (warm
+reserves replace lost ranks), ``CheckpointManager`` keeps a host-memory copy every step and a
+torch_dist checkpoint every ``--persistent-every`` steps, and ``RerunStateMachine`` re-runs a step
+whose loss is NaN or spiky. At the end one rank prints the downtime report and writes it to
+``RUN_DIR/report.json`` (and a PNG timeline with ``--report-png``).
+
+SIGTERM (forwarded by the launcher, or sent by Slurm before the time limit) makes every rank
+finish its step, write a persistent checkpoint and exit with status 75; the next launch with the
+same ``--run-dir`` resumes from that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from faultplan import PlannedFault, claim, fired_faults, parse_plan
+from gpt import GPTConfig, batch, build_model, corpus
+from report import EventLog, build_report, format_report, write_png
+
+from checkpoint import CheckpointManager
+from inprocess import context, restartable
+from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from rerun import RerunDataIterator, RerunStateMachine
+
+log = logging.getLogger("train")
+
+LOSES_RANK = ("kill", "hang_gil")  # faults after which a reserve must take the rank's place
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--faults", default="demo", help="fault plan, 'demo' or 'none'")
+    p.add_argument("--active", type=int, default=None, help="ranks running train(); rest reserve")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--run-dir", type=Path, default=Path("runs/example"))
+    p.add_argument("--persistent-every", type=int, default=50)
+    p.add_argument("--local-dir", default=None, help="node-local checkpoint dir (default: memory)")
+    p.add_argument("--soft-timeout", type=float, default=2.0)
+    p.add_argument("--hard-timeout", type=float, default=5.0)
+    p.add_argument("--report-png", type=Path, default=None)
+    p.add_argument("--log-every", type=int, default=25)
+    return p.parse_args(argv)
+
+
+class TrainState(Stateful):
+    """Everything a restart restores: model, optimizer, re-run machine, step."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, rsm: RerunStateMachine):
+        self.model, self.opt, self.rsm = model, opt, rsm
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "rerun": self.rsm.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        self.rsm.load_state_dict(sd["rerun"])
+        self.step = int(sd["step"])
+
+
+def fire(fault: PlannedFault) -> None:
+    """Make the planned fault happen in this rank, now."""
+    log.warning("injecting %s", fault.name)
+    if fault.kind == "exception":
+        raise RuntimeError(f"injected fault {fault.name}")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        time.sleep(3600)  # GIL released: the soft timeout notices
+    if fault.kind == "hang_gil":
+        # A foreign C call that never returns while holding the GIL: only the hard timeout helps.
+        ctypes.PyDLL(None).sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    initial_rank = int(os.environ.get("RANK", "0"))
+    plan = parse_plan(args.faults, steps=args.steps)
+    losing = sum(f.kind in LOSES_RANK for f in plan)
+    active = args.active or max(1, world - losing)
+    run_dir = args.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(run_dir, initial_rank)
+    events.emit("start")
+    data = corpus()
+    cfg = GPTConfig()
+
+    mgr = CheckpointManager(
+        str(run_dir / "ckpt"),
+        persistent_every=args.persistent_every,
+        keep=2,
+        local_every=1,
+        local_dir=args.local_dir,
+        replication_factor=2 if active > 1 else 1,
+    )
+    rsm = RerunStateMachine(
+        mode="validate_results", check_for_nan_in_loss=True, check_for_spiky_loss=True
+    )
+
+    @restartable(
+        soft_timeout=args.soft_timeout,
+        hard_timeout=args.hard_timeout,
+        heartbeat_interval=0.5,
+        active_world_size=active,
+        granularity="rank",
+    )
+    def train(preempt: PreemptionHandler) -> dict[str, Any]:
+        ctx = context()
+        events.emit("enter", iteration=ctx.iteration, rank=ctx.rank, restart=_restart_phases(ctx))
+        model = build_model(cfg, args.seed)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        state = TrainState(model, opt, rsm)
+        ckpt = {"train": state}
+
+        t0 = time.monotonic()
+        restored = mgr.load_latest(ckpt)
+        restore = mgr.last_restore
+        start = state.step if restored is not None else 0
+        events.emit(
+            "restored",
+            iteration=ctx.iteration,
+            rank=ctx.rank,
+            step=start,
+            tier=getattr(restore, "tier", None),
+            seconds=time.monotonic() - t0,
+        )
+        my_faults = [f for f in plan if f.rank == ctx.rank]
+        loss = torch.tensor(float("nan"))
+        tick = time.monotonic()
+        for step in range(start, args.steps):
+            t_step = time.monotonic()
+            due = [f for f in my_faults if f.step == step]
+            for fault in due:
+                if fault.kind != "nan" and claim(run_dir, fault):
+                    fire(fault)
+            nan_due = [f for f in due if f.kind == "nan"]
+            batches = RerunDataIterator(
+                iter(
+                    [
+                        batch(
+                            data,
+                            seed=args.seed,
+                            step=step,
+                            rank=ctx.rank,
+                            batch_size=args.batch_size,
+                            seq=cfg.seq,
+                        )
+                    ]
+                )
+            )
+            attempts = 0
+            t_detect = 0.0
+            while rsm.should_run_forward_backward(batches):
+                attempts += 1
+                opt.zero_grad(set_to_none=True)
+                x, y = next(batches)
+                loss = ddp(x, y)
+                if nan_due and claim(run_dir, nan_due[0]):
+                    loss = loss * float("nan")  # a transient numerical fault on this rank
+                loss.backward()
+                t_check = time.monotonic()
+                rsm.validate_loss(loss)
+                t_detect = time.monotonic() - t_check
+            if attempts > 1:
+                events.emit(
+                    "rerun",
+                    step=step,
+                    rank=ctx.rank,
+                    attempts=attempts,
+                    detect_s=t_detect,
+                    rerun_s=time.monotonic() - t_step,
+                    verdict="transient",
+                )
+            _, exit_now, code = rsm.should_checkpoint_and_exit()
+            if exit_now:
+                rsm.exit_or_raise(code)
+            opt.step()
+            state.step = step + 1
+            t_save = time.monotonic()
+            stop = preempt.should_stop()
+            mgr.save(state.step, ckpt, force_persistent=stop)
+            events.emit("save", step=state.step, rank=ctx.rank, stall=time.monotonic() - t_save)
+            events.emit(
+                "step",
+                step=step,
+                rank=ctx.rank,
+                loss=loss.item(),
+                seconds=time.monotonic() - t_step,
+            )
+            if ctx.rank == 0 and (step + 1) % args.log_every == 0:
+                rate = args.log_every / (time.monotonic() - tick)
+                tick = time.monotonic()
+                print(
+                    f"step {step + 1:5d}  loss {loss.item():.4f}  {rate:6.1f} steps/s", flush=True
+                )
+            if stop:
+                mgr.wait()
+                return {
+                    "step": state.step,
+                    "loss": loss.item(),
+                    "preempted": True,
+                    "rank": ctx.rank,
+                }
+        mgr.wait()
+        return {"step": state.step, "loss": loss.item(), "preempted": False, "rank": ctx.rank}
+
+    with PreemptionHandler(exit_signal=signal.SIGTERM) as preempt:
+        result = train(preempt)
+    mgr.close()
+    if result is None:  # a reserve that was never needed
+        events.close()
+        return 0
+    events.emit("done", rank=result["rank"], step=result["step"], loss=result["loss"])
+    if result["rank"] == 0:
+        starts = [e["t"] for e in _events(run_dir) if e["ev"] == "start"]
+        report = build_report(
+            run_dir, faults=fired_faults(run_dir), wall_start=min(starts), wall_end=time.time()
+        )
+        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+        print(format_report(report), flush=True)
+        print(f"report written to {run_dir / 'report.json'}", flush=True)
+        if args.report_png is not None:
+            write_png(report, args.report_png)
+            print(f"timeline written to {args.report_png}", flush=True)
+    events.close()
+    return PREEMPTED_EXIT_CODE if result["preempted"] else 0
+
+
+def _restart_phases(ctx: Any) -> dict[str, float]:
+    record = getattr(ctx, "last_restart", None)
+    if not record:
+        return {}
+    with contextlib.suppress(AttributeError, TypeError):
+        return dict(record.phases if hasattr(record, "phases") else record)
+    return {}
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    from report import read_events
+
+    return read_events(run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
