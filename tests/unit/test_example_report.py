@@ -1,0 +1,98 @@
+"""The example's fault plan parser and downtime report arithmetic."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from faultplan import PlannedFault, claim, fired_faults, parse_plan
+from report import build_report, format_report
+
+
+def test_parse_plan_and_demo() -> None:
+    plan = parse_plan("exception@rank1:step30,kill@rank2:step60", steps=100)
+    assert plan == [PlannedFault("exception", 1, 30), PlannedFault("kill", 2, 60)]
+    demo = parse_plan("demo", steps=300)
+    assert {f.kind for f in demo} >= {"exception", "kill", "hang", "nan"}
+    assert parse_plan("none", steps=10) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("boom@rank1:step3", "KIND@rankR:stepS"),
+        ("exception@1:3", "KIND@rankR:stepS"),
+        ("exception@rank1:step300", "only 300 steps"),
+    ],
+)
+def test_parse_plan_rejects_bad_items(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_plan(text, steps=300)
+
+
+def test_claim_fires_once(tmp_path: Path) -> None:
+    fault = PlannedFault("exception", 0, 5)
+    assert claim(tmp_path, fault)
+    assert not claim(tmp_path, fault)
+    assert [r["fault"] for r in fired_faults(tmp_path)] == [fault.name]
+
+
+def _write(run_dir: Path, events: list[dict[str, object]]) -> None:
+    (run_dir / "events").mkdir(parents=True)
+    lines = "".join(json.dumps(e) + "\n" for e in events)
+    (run_dir / "events" / "rank0.jsonl").write_text(lines)
+
+
+def test_report_terms_add_up(tmp_path: Path) -> None:
+    # 10 steps of 0.1 s; an exception after step 4 at t=1.05; back in train() at 1.45 with a
+    # restore of step 4 (0.05 s); 2 saves of 0.01 s; a NaN re-run at step 8.
+    ev: list[dict[str, object]] = [{"ev": "start", "t": 0.0, "initial_rank": 0}]
+    ev.append({"ev": "enter", "t": 0.5, "iteration": 0, "rank": 0})
+    ev.append({"ev": "restored", "t": 0.5, "iteration": 0, "rank": 0, "step": 0, "seconds": 0.0})
+    t = 0.5
+    for step in range(5):
+        t += 0.1
+        ev.append({"ev": "step", "t": t, "step": step, "rank": 0, "seconds": 0.1})
+    ev.append({"ev": "save", "t": t, "step": 5, "rank": 0, "stall": 0.01})
+    ev.append({"ev": "enter", "t": 1.45, "iteration": 1, "rank": 0, "restart": {"detect_s": 0.1}})
+    ev.append(
+        {
+            "ev": "restored",
+            "t": 1.5,
+            "iteration": 1,
+            "rank": 0,
+            "step": 4,
+            "seconds": 0.05,
+            "tier": "memory",
+        }
+    )
+    t = 1.5
+    for step in range(4, 10):
+        t += 0.1
+        ev.append({"ev": "step", "t": t, "step": step, "rank": 0, "seconds": 0.1})
+    ev.append({"ev": "save", "t": t, "step": 10, "rank": 0, "stall": 0.01})
+    ev.append({"ev": "rerun", "t": 2.0, "step": 8, "rank": 0, "detect_s": 0.001, "rerun_s": 0.2})
+    ev.append({"ev": "done", "t": t, "rank": 0, "step": 10, "loss": 1.5})
+    _write(tmp_path, ev)
+    faults = [
+        {"fault": "exception@rank0:step5", "kind": "exception", "time": 1.05},
+        {"fault": "nan@rank0:step8", "kind": "nan", "time": 1.95},
+    ]
+    report = build_report(tmp_path, faults=faults, wall_start=0.0, wall_end=2.1)
+    exc, nan = report["faults"]
+    assert exc["tier"] == "memory" and exc["restored_step"] == 4
+    assert exc["lost_steps"] == 1  # step 4 ran before the fault and again after the restore
+    assert exc["detection_s"] == pytest.approx(0.1)
+    assert exc["shutdown_restart_s"] == pytest.approx(0.3)
+    assert exc["downtime_s"] == pytest.approx(0.1 + 0.3 + 0.05 + 0.1)
+    assert nan["downtime_s"] == pytest.approx(0.201) and nan["shutdown_restart_s"] == 0.0
+    tot = report["totals"]
+    assert tot["restarts"] == 1 and tot["checkpoint_saves"] == 2
+    assert tot["downtime_s"] == pytest.approx(0.02 + exc["downtime_s"] + nan["downtime_s"])
+    assert tot["startup_s"] + tot["productive_s"] + tot["downtime_s"] == pytest.approx(2.1)
+    assert tot["goodput"] == pytest.approx(tot["productive_s"] / 2.1, abs=1e-3)
+    assert "goodput" in format_report(report)
