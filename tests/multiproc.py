@@ -199,3 +199,66 @@ def _kill_group(p: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
+
+
+@dataclass
+class JobOutput:
+    """What a whole launched job (launcher + ranks) did."""
+
+    returncode: int
+    output: str
+
+
+def run_job(
+    argv: Sequence[str],
+    *,
+    deadline: float,
+    env: Mapping[str, str] | None = None,
+    signal_when: tuple[str, int] | None = None,
+) -> JobOutput:
+    """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from the repo root.
+
+    ``signal_when=(text, signum)`` sends ``signum`` to the job's main process once ``text``
+    appears in its output (for preemption tests). Raises ``RanksFailed`` with the whole output
+    when the deadline passes (the job's process group is killed first).
+    """
+    full_env = dict(os.environ)
+    full_env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    full_env.update(env or {})
+    log_path = Path(tempfile.mkdtemp(prefix="job-")) / "job.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=REPO_ROOT,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        end = time.monotonic() + deadline
+        signalled = signal_when is None
+        try:
+            while proc.poll() is None and time.monotonic() < end:
+                if (
+                    not signalled
+                    and signal_when is not None
+                    and signal_when[0] in log_path.read_bytes().decode(errors="replace")
+                ):
+                    proc.send_signal(signal_when[1])
+                    signalled = True
+                time.sleep(_POLL_S)
+        finally:
+            stuck = proc.poll() is None
+            if stuck:
+                _kill_group(proc)
+    text = log_path.read_bytes().decode(errors="replace")
+    if stuck:
+        raise RanksFailed(f"job still running after the {deadline:.0f} s deadline\n{text}")
+    return JobOutput(returncode=proc.returncode, output=text)
