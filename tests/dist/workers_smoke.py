@@ -1,0 +1,28 @@
+"""Rank functions for the helper's own smoke test."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def allreduce_rank_sum() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"sum": t.item(), "pid": os.getpid()}
+
+
+def fail_on_rank1() -> None:
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom from rank 1")
+
+
+def sleep_forever() -> None:
+    import time
+
+    time.sleep(3600)
