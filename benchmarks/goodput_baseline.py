@@ -69,7 +69,8 @@ def main() -> int:
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.soft_timeout))
     rank = dist.get_rank()
-    events = EventLog(args.run_dir, rank + 100 * restart_count)
+    events_dir = args.run_dir / "events" / os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    events = EventLog(events_dir, rank + 100 * restart_count)
     events.emit("start")
     events.emit("enter", iteration=restart_count, rank=rank, restart={})
     plan = [f for f in parse_plan(args.faults, steps=args.steps) if f.rank == rank]
@@ -125,24 +126,12 @@ def main() -> int:
     events.emit("done", rank=rank, step=args.steps, loss=loss.item())
     dist.barrier()
     if rank == 0:
-        starts = [e["t"] for e in _read(args.run_dir) if e["ev"] == "start"]
-        report = build_report(
-            args.run_dir,
-            faults=fired_faults(args.run_dir),
-            wall_start=min(starts),
-            wall_end=time.time(),
-        )
+        report = build_report(events_dir, faults=fired_faults(args.run_dir), wall_end=time.time())
         (args.run_dir / "report.json").write_text(json.dumps(report, indent=2))
         print(format_report(report), flush=True)
     dist.destroy_process_group()
     events.close()
     return 0
-
-
-def _read(run_dir: Path) -> list[dict[str, object]]:
-    from report import read_events
-
-    return read_events(run_dir)
 
 
 if __name__ == "__main__":

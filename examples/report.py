@@ -1,7 +1,8 @@
 """The example's event log and its downtime report (JSON, a printed table, an optional PNG).
 
-Every rank appends events to ``RUN_DIR/events/rank<initial rank>.jsonl`` (flushed per line, so a
-SIGKILLed rank loses nothing it already wrote). After training, one rank builds the report:
+Every rank appends events to ``EVENTS_DIR/rank<initial rank>.jsonl`` (flushed per line, so a
+SIGKILLed rank loses nothing it already wrote); each launch of a job has its own EVENTS_DIR.
+After training, one rank builds the report:
 
     downtime = checkpoint overhead + sum over faults of (detection + recovery)
     recovery = shutdown/restart + state reload + lost work (recomputed steps)
@@ -23,8 +24,8 @@ RESTART_KINDS = ("exception", "kill", "hang", "hang_gil")
 class EventLog:
     """Append-only JSONL event file of one rank (owner of the file handle)."""
 
-    def __init__(self, run_dir: Path, initial_rank: int) -> None:
-        path = run_dir / "events" / f"rank{initial_rank}.jsonl"
+    def __init__(self, events_dir: Path, initial_rank: int) -> None:
+        path = events_dir / f"rank{initial_rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - owned, closed in close()
         self.initial_rank = initial_rank
@@ -38,9 +39,9 @@ class EventLog:
             self._f.close()
 
 
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
+def read_events(events_dir: Path) -> list[dict[str, Any]]:
     events = []
-    for path in sorted((run_dir / "events").glob("rank*.jsonl")):
+    for path in sorted(events_dir.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
             if line.strip():
                 events.append(json.loads(line))
@@ -48,10 +49,16 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def build_report(
-    run_dir: Path, *, faults: list[dict[str, Any]], wall_start: float, wall_end: float
+    events_dir: Path, *, faults: list[dict[str, Any]], wall_end: float
 ) -> dict[str, Any]:
-    """Compute the downtime report from the events and the fired-fault markers."""
-    events = read_events(run_dir)
+    """Compute the downtime report of one launch from its events and the fired-fault markers.
+
+    The launch starts at its earliest "start" event; faults fired by earlier launches of the
+    same run directory are left out.
+    """
+    events = read_events(events_dir)
+    wall_start = min(float(e["t"]) for e in events if e["ev"] == "start")
+    faults = [f for f in faults if float(f["time"]) >= wall_start]
     steps = [e for e in events if e["ev"] == "step" and e["rank"] == 0]
     step_times = [float(e["seconds"]) for e in steps]
     median_step = statistics.median(step_times) if step_times else 0.0

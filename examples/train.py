@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     active = args.active or max(1, world - losing)
     run_dir = args.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(run_dir, initial_rank)
+    # One event directory per launch (a resumed run is a new launch with the same run dir).
+    launch_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    launch_id = launch_id or f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}"
+    events_dir = run_dir / "events" / launch_id
+    events = EventLog(events_dir, initial_rank)
     events.emit("start")
     data = corpus()
     cfg = GPTConfig()
@@ -249,10 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     events.emit("done", rank=result["rank"], step=result["step"], loss=result["loss"])
     if result["rank"] == 0:
-        starts = [e["t"] for e in _events(run_dir) if e["ev"] == "start"]
-        report = build_report(
-            run_dir, faults=fired_faults(run_dir), wall_start=min(starts), wall_end=time.time()
-        )
+        report = build_report(events_dir, faults=fired_faults(run_dir), wall_end=time.time())
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))
         print(format_report(report), flush=True)
         print(f"report written to {run_dir / 'report.json'}", flush=True)
@@ -270,12 +271,6 @@ def _restart_phases(ctx: Any) -> dict[str, float]:
     with contextlib.suppress(AttributeError, TypeError):
         return dict(record.phases if hasattr(record, "phases") else record)
     return {}
-
-
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    from report import read_events
-
-    return read_events(run_dir)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,8 @@ def test_claim_fires_once(tmp_path: Path) -> None:
 
 
 def _write(run_dir: Path, events: list[dict[str, object]]) -> None:
-    (run_dir / "events").mkdir(parents=True)
     lines = "".join(json.dumps(e) + "\n" for e in events)
-    (run_dir / "events" / "rank0.jsonl").write_text(lines)
+    (run_dir / "rank0.jsonl").write_text(lines)
 
 
 def test_report_terms_add_up(tmp_path: Path) -> None:
@@ -82,7 +81,7 @@ def test_report_terms_add_up(tmp_path: Path) -> None:
         {"fault": "exception@rank0:step5", "kind": "exception", "time": 1.05},
         {"fault": "nan@rank0:step8", "kind": "nan", "time": 1.95},
     ]
-    report = build_report(tmp_path, faults=faults, wall_start=0.0, wall_end=2.1)
+    report = build_report(tmp_path, faults=faults, wall_end=2.1)
     exc, nan = report["faults"]
     assert exc["tier"] == "memory" and exc["restored_step"] == 4
     assert exc["lost_steps"] == 1  # step 4 ran before the fault and again after the restore
