@@ -1,0 +1,318 @@
+"""The local checkpoint tier: host-memory copies, an optional node-local directory, peer replicas.
+
+`CheckpointManager` owns one LocalTier and calls save / wait / load / close from the training
+thread; the copy to the directory and the replication run on one background thread on the
+manager's dedicated gloo group, never on the training group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import local_dir as ldir
+from checkpoint import packing, replication
+from checkpoint.errors import CheckpointConfigError, CheckpointError
+from checkpoint.local_restore import RestoreResult, Shard, restore
+from checkpoint.packing import ReplicatedState
+from checkpoint.replication_transport import Outgoing, exchange
+
+__all__ = ["ALGOS", "LocalTier", "ReplicatedState", "RestoreResult"]
+
+log = logging.getLogger(__name__)
+
+ALGOS = ("atomic", "fully_parallel")
+
+
+class GroupSource(Protocol):
+    """What the tier needs from checkpoint.group.BackgroundGroup."""
+
+    def current(self) -> dist.ProcessGroup | None: ...
+
+
+def _rank_world(pg: dist.ProcessGroup | None) -> tuple[int, int]:
+    if pg is None:
+        return 0, 1
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+@dataclass
+class _Cache:
+    """Per-structure plan, rebuilt only when the state's keys, dtypes or shapes change."""
+
+    signature: tuple[Any, ...]
+    world: int
+    rank: int
+    keep_keys: frozenset[str]  # tensor keys this rank stores (fully_parallel drops the others)
+    layout: packing.Layout
+
+
+class LocalTier:
+    """Local tier owner: memory copies (+ directory + replicas) of the last `keep` steps.
+
+    Call order (training thread, every rank): save(step, state) ... wait() ... load(...) ...
+    close(). save() and load() are collective over the group's ranks. A failed background save is
+    logged as a WARNING and leaves that step unrestorable from this tier (the persistent tier is
+    the fallback); it never raises into training.
+
+    Memory: up to keep + 2 shard buffers of this rank (kept steps, one incomplete, one in flight),
+    and as many for each replica it holds; buffers are reused from save to save.
+    """
+
+    def __init__(
+        self,
+        *,
+        local_dir: str | None,
+        replication_factor: int,
+        algo: str,
+        keep: int,
+        group: GroupSource,
+    ) -> None:
+        if algo not in ALGOS:
+            raise CheckpointConfigError(f"local_algo ({algo!r}) must be one of {ALGOS}: pick one")
+        if replication_factor < 1:
+            raise CheckpointConfigError(
+                f"replication_factor ({replication_factor}) must be >= 1: use 1 for no replicas"
+            )
+        if keep < 1:
+            raise CheckpointConfigError(f"keep ({keep}) must be >= 1: keep at least one local step")
+        self._dir: Path | None = ldir.validate(local_dir) if local_dir is not None else None
+        self._factor = replication_factor
+        self._algo = algo
+        self._keep = keep
+        self._group = group
+        # Node = LOCAL_WORLD_SIZE consecutive ranks (torchrun / our launcher set it).
+        lws = os.environ.get("LOCAL_WORLD_SIZE")
+        self._lws: int | None = int(lws) if lws else None
+        self._lock = threading.Lock()  # guards _held / _complete / _free (training vs worker)
+        self._held: dict[tuple[int, int], Shard] = {}
+        self._complete: list[int] = []
+        self._free: list[torch.Tensor] = []
+        self._cache: _Cache | None = None
+        self._capacity_checked = 0
+        self._warned_factor = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-ckpt")
+        self._future: Future[None] | None = None
+        self._closed = False
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Copy `state` into reused host memory and return; dir write + replication go on behind.
+
+        Waits first for the previous local save's background work (one in flight at a time).
+        """
+        if self._closed:
+            raise CheckpointError("LocalTier.save() after close(): create a new manager")
+        self.wait()
+        t0 = time.perf_counter()
+        pg = self._group.current()
+        rank, world = _rank_world(pg)
+        statefuls: list[tuple[Any, dict[str, Any]]] = []
+        leaves = packing.leaves(state, statefuls)
+        cache = self._plan(leaves, rank, world)
+        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
+        tensors = [x for x in tensors if x.key in cache.keep_keys]
+        objects = {x.key: x.value for x in leaves if not isinstance(x.value, torch.Tensor)}
+        extra = {"step": step, "owner": rank, "world": world, "algo": self._algo}
+        header = packing.header_bytes(cache.layout, objects, extra)
+        size = packing.packed_size(cache.layout, header)
+        if self._dir is not None and size > self._capacity_checked:
+            factor = replication.effective_factor(world, self._lws or world, self._factor)
+            used = sum(s.nbytes for s in self._held.values())
+            ldir.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
+            self._capacity_checked = size
+        buf = self._take(size)
+        nbytes = packing.pack_into(buf, cache.layout, header, tensors)
+        if any(x.value.is_cuda for x in tensors):
+            torch.cuda.synchronize()  # the copy must be complete before save() returns
+        shard = Shard(step, rank, world, nbytes, None, buf)
+        with self._lock:
+            self._held[(step, rank)] = shard
+        stall = time.perf_counter() - t0
+        log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
+        self._future = self._pool.submit(self._background, shard, pg)
+
+    def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
+        sig = tuple(
+            (x.key, str(x.value.dtype), tuple(x.value.shape), x.replicated)
+            for x in leaves
+            if isinstance(x.value, torch.Tensor)
+        )
+        c = self._cache
+        if c is not None and c.signature == sig and c.world == world and c.rank == rank:
+            return c
+        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
+        owner = replicated_owner(tensors, world) if self._algo == "fully_parallel" else {}
+        keep = frozenset(x.key for x in tensors if owner.get(x.key, rank) == rank)
+        layout = packing.Layout.of([x for x in tensors if x.key in keep])
+        self._cache = _Cache(sig, world, rank, keep, layout)
+        return self._cache
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        """A reused buffer of at least nbytes, else a new pre-faulted one (first saves only)."""
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
+                self._free = [b for b in self._free if b is not best]
+                return best
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf.zero_()  # fault the pages in now, not during the copy of a later save
+        return buf
+
+    def _background(self, shard: Shard, pg: dist.ProcessGroup | None) -> None:
+        """Checksum, directory write, replication, then agreement that the step is complete."""
+        t0 = time.perf_counter()
+        ok = True
+        shard.crc = packing.crc32(shard.buf, shard.nbytes)
+        if self._dir is not None:
+            try:
+                ldir.write(self._dir, shard.meta(), shard.buf)
+            except OSError as e:
+                ok = False
+                log.warning(
+                    "local save of step %d: writing %s failed: %s", shard.step, self._dir, e
+                )
+        if pg is not None and shard.world > 1:
+            try:
+                ok = self._replicate(shard, pg) and ok
+                flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
+                ok = bool(flag.item())
+            except Exception as e:  # a dead peer or a torn-down group: the step is incomplete
+                log.warning("local save of step %d: replication failed: %s", shard.step, e)
+                ok = False
+        if ok:
+            with self._lock:
+                self._complete.append(shard.step)
+            self._prune()
+            log.info(
+                "local save of step %d complete on every rank (%d bytes) in %.3f s",
+                shard.step,
+                shard.nbytes,
+                time.perf_counter() - t0,
+            )
+        else:
+            log.warning("local step %d is incomplete: it will not be restored", shard.step)
+
+    def _replicate(self, shard: Shard, pg: dist.ProcessGroup) -> bool:
+        lws = self._lws or shard.world
+        eff = replication.effective_factor(shard.world, lws, self._factor)
+        if eff < self._factor and not self._warned_factor:
+            self._warned_factor = True
+            log.warning(
+                "replication_factor %d needs %d nodes, the job has %d (LOCAL_WORLD_SIZE=%s): "
+                "keeping %d cop%s per shard",
+                self._factor,
+                self._factor,
+                replication.num_nodes(shard.world, lws),
+                self._lws,
+                eff,
+                "y" if eff == 1 else "ies",
+            )
+        if eff == 1:
+            return True
+        m = shard.meta()
+        sends = [
+            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.crc, shard.buf)
+            for dst in replication.holders(shard.owner, shard.world, lws, self._factor)
+        ]
+        srcs = replication.owners_held_by(shard.owner, shard.world, lws, self._factor)
+        ok = True
+        for inc in exchange(pg, sends, srcs, self._take):
+            if inc.buf is None or packing.crc32(inc.buf, inc.nbytes) != inc.crc:
+                log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
+                ok = False
+                continue
+            rep = Shard(inc.step, inc.owner, inc.world, inc.nbytes, inc.crc, inc.buf)
+            with self._lock:
+                self._held[(rep.step, rep.owner)] = rep
+            if self._dir is not None:
+                try:
+                    ldir.write(self._dir, rep.meta(), rep.buf)
+                except OSError as e:
+                    log.warning(
+                        "writing replica of rank %d to %s failed: %s", inc.src, self._dir, e
+                    )
+                    ok = False
+        return ok
+
+    def _prune(self) -> None:
+        """Free steps older than the newest `keep` complete ones (they are complete everywhere)."""
+        with self._lock:
+            self._complete = self._complete[-self._keep :]
+            oldest = self._complete[0]
+            for key in [k for k in self._held if k[0] < oldest]:
+                self._free.append(self._held.pop(key).buf)
+        if self._dir is not None:
+            # Only older steps: a co-located rank may already be writing a newer one.
+            ldir.remove_steps_older_than(self._dir, oldest)
+
+    # ---------------------------------------------------------------- wait / load / close
+
+    def wait(self) -> None:
+        """Wait for the background work of the last save (bounded by the group's timeout)."""
+        fut, self._future = self._future, None
+        if fut is not None:
+            try:
+                fut.result()
+            except Exception:
+                log.warning("local save background work failed", exc_info=True)
+
+    def load(self, state: dict[str, Any], *, min_step: int | None) -> RestoreResult | None:
+        """COLLECTIVE: restore the newest step >= min_step every rank can obtain, into `state`.
+
+        Returns None (the manager falls back to the persistent tier) when no such step exists,
+        e.g. the world size changed since the save or every copy of a shard was lost or corrupt.
+        """
+        if self._closed:
+            raise CheckpointError("LocalTier.load() after close(): create a new manager")
+        self.wait()
+        pg = self._group.current()
+        rank, world = _rank_world(pg)
+        with self._lock:
+            held = {k: s for k, s in self._held.items() if s.world == world}
+        fp = replicated_owner if self._algo == "fully_parallel" else None
+        return restore(
+            state,
+            pg=pg,
+            rank=rank,
+            world=world,
+            held=held,
+            local_dir=self._dir,
+            min_step=min_step,
+            replicated_owner=fp,
+        )
+
+    def close(self) -> None:
+        """Wait for background work, stop the worker thread and drop every buffer. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.wait()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._held.clear()
+            self._free.clear()
+
+    def __enter__(self) -> LocalTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def replicated_owner(tensors: list[packing.Leaf], world: int) -> dict[str, int]:
+    """fully_parallel: the rank that keeps each tensor under a ReplicatedState."""
+    rep = [(x.key, x.value.numel() * x.value.element_size()) for x in tensors if x.replicated]
+    return replication.assign_replicated(rep, world)

@@ -1,0 +1,149 @@
+"""Node-local directory of the local tier: one plain file per shard, fsynced, with a checksum.
+
+Layout: ``<local_dir>/step_<9-digit step>/owner_<owner rank>.bin`` (the packed buffer) and
+``owner_<owner>.json`` (step, owner, world size, bytes, crc32), written after the data is durable,
+so a shard without its .json is incomplete and ignored. Plain files won over tensorstore by
+measurement (README, "Local tier"): a shard is one contiguous buffer, so one write is all it takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from checkpoint.errors import CheckpointStorageError
+from checkpoint.packing import crc32
+
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+_META = re.compile(r"^owner_(\d+)\.json$")
+_PROBE = ".restartable-probe"
+_MIN_FREE = 16 << 20  # a directory with less free space than this cannot hold any useful shard
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """What is known about a shard before reading it."""
+
+    step: int
+    owner: int
+    world: int
+    nbytes: int
+    crc: int
+
+
+def validate(local_dir: str) -> Path:
+    """Construction-time check: the directory exists, is writable and not nearly full."""
+    path = Path(local_dir)
+    if not path.is_dir():
+        raise CheckpointStorageError(
+            f"local_dir ({local_dir!r}) does not exist or is not a directory: create it "
+            "(node-local NVMe or /dev/shm) or pass local_dir=None for memory only"
+        )
+    probe = path / f"{_PROBE}.{os.getpid()}"
+    try:
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointStorageError(
+            f"local_dir ({local_dir!r}) is not writable ({e.strerror}): fix its permissions or "
+            "choose another directory"
+        ) from e
+    free = shutil.disk_usage(path).free
+    if free < _MIN_FREE:
+        raise CheckpointStorageError(
+            f"local_dir ({local_dir!r}) has {free} bytes free, less than {_MIN_FREE}: free space "
+            "or choose a larger directory"
+        )
+    return path
+
+
+def check_capacity(path: Path, needed: int, used: int) -> None:
+    """First-save check, once the shard size is known: the kept steps must fit."""
+    free = shutil.disk_usage(path).free + used
+    if free < needed:
+        raise CheckpointStorageError(
+            f"local_dir ({str(path)!r}) is too small: {needed} bytes needed for the kept local "
+            f"steps and replicas, {free} available: lower keep or replication_factor, or choose "
+            "a larger directory"
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(root: Path, meta: ShardMeta, buf: torch.Tensor) -> None:
+    """Write one shard durably: data, fsync, rename; then its .json the same way."""
+    step_dir = root / f"step_{meta.step:09d}"
+    step_dir.mkdir(exist_ok=True)
+    tag = f".{os.getpid()}.tmp"
+    data = step_dir / f"owner_{meta.owner}.bin"
+    with open(str(data) + tag, "wb") as f:
+        f.write(buf[: meta.nbytes].numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(str(data) + tag, data)
+    doc = json.dumps(meta.__dict__).encode()
+    js = step_dir / f"owner_{meta.owner}.json"
+    with open(str(js) + tag, "wb") as f:
+        f.write(doc)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(str(js) + tag, js)
+    _fsync_dir(step_dir)
+
+
+def scan(root: Path) -> list[ShardMeta]:
+    """Every complete shard in the directory (unverified: read() checks the crc)."""
+    out = []
+    for step_dir in root.iterdir() if root.is_dir() else ():
+        m = _STEP_DIR.match(step_dir.name)
+        if not m or not step_dir.is_dir():
+            continue
+        for js in step_dir.iterdir():
+            if not _META.match(js.name):
+                continue
+            try:
+                doc = json.loads(js.read_text())
+                out.append(ShardMeta(**doc))
+            except (OSError, ValueError, TypeError):
+                continue  # torn or foreign file: not a shard we can use
+    return out
+
+
+def read(root: Path, meta: ShardMeta, into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Read a shard into a uint8 tensor; None when it is missing, truncated or fails its crc."""
+    data = root / f"step_{meta.step:09d}" / f"owner_{meta.owner}.bin"
+    buf = (
+        into
+        if into is not None and into.numel() >= meta.nbytes
+        else torch.empty(meta.nbytes, dtype=torch.uint8)
+    )
+    try:
+        with open(data, "rb", buffering=0) as f:
+            got = f.readinto(buf[: meta.nbytes].numpy().data)
+    except OSError:
+        return None
+    if got != meta.nbytes or crc32(buf, meta.nbytes) != meta.crc:
+        return None
+    return buf
+
+
+def remove_steps_older_than(root: Path, step: int) -> None:
+    """Delete this tier's step directories older than `step` (never other files)."""
+    for step_dir in root.iterdir() if root.is_dir() else ():
+        m = _STEP_DIR.match(step_dir.name)
+        if m and int(m.group(1)) < step:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(step_dir)

@@ -1,0 +1,219 @@
+"""Collective restore of the local tier: agree on a step, fetch each rank's shard, verify, fill.
+
+Called by LocalTier.load() on every rank of the current world, on the tier's gloo group. Sources
+in order of preference: own memory (a memcpy, no file read, trusted: this process wrote it),
+own node-local directory, a peer (memory or directory). Every copy read from a file or received
+from a peer is checked against its crc32; a bad copy is excluded and the plan recomputed, so a
+corrupt replica is never loaded (the step falls back to another copy, an older step, or None).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import local_dir as ldir
+from checkpoint import packing, replication
+from checkpoint.replication_transport import Outgoing, exchange
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What LocalTier.load() restored on this rank: the step, where this rank's shard came from
+    ("memory" | "local_dir" | "peer") and how long the whole restore took."""
+
+    step: int
+    tier: str
+    seconds: float
+
+
+@dataclass
+class Shard:
+    """One packed shard held in memory: `buf[:nbytes]` as saved by rank `owner` at `step`."""
+
+    step: int
+    owner: int
+    world: int
+    nbytes: int
+    crc: int | None  # None until the background worker has computed it
+    buf: torch.Tensor
+
+    def meta(self) -> ldir.ShardMeta:
+        crc = self.crc if self.crc is not None else packing.crc32(self.buf, self.nbytes)
+        return ldir.ShardMeta(self.step, self.owner, self.world, self.nbytes, crc)
+
+
+def _gather(pg: dist.ProcessGroup | None, obj: Any, world: int) -> list[Any]:
+    if pg is None:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+ReplicatedOwner = Callable[[list[packing.Leaf], int], dict[str, int]]
+
+
+def restore(
+    state: dict[str, Any],
+    *,
+    pg: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    held: dict[tuple[int, int], Shard],
+    local_dir: Path | None,
+    min_step: int | None,
+    replicated_owner: ReplicatedOwner | None,
+) -> RestoreResult | None:
+    """COLLECTIVE: see LocalTier.load(). `held` = this rank's in-memory shards for this world."""
+    t0 = time.perf_counter()
+    on_disk: dict[tuple[int, int], ldir.ShardMeta] = {}
+    # The directory is scanned only when memory is empty (a fresh process or a reserve): a
+    # surviving process holds in memory everything it wrote, and a memory restore reads no file.
+    if local_dir is not None and not held:
+        on_disk = {(m.step, m.owner): m for m in ldir.scan(local_dir) if m.world == world}
+    mine = sorted(set(held) | set(on_disk))
+    inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
+    bad: set[tuple[int, int, int]] = set()
+    fetched: tuple[torch.Tensor, str] | None = None
+    plan = None
+    # Each failed round excludes at least one copy, so the loop ends within the copy count.
+    for _ in range(1 + sum(len(inv) for inv in inventories)):
+        plan = replication.plan_restore(world, inventories, min_step=min_step, bad=bad)
+        if plan is None:
+            break
+        fetched, newly_bad = _fetch(plan, pg, rank, world, held, local_dir, on_disk)
+        all_bad = _gather(pg, newly_bad, world)
+        if not any(all_bad):
+            break
+        for lst in all_bad:
+            bad.update(tuple(x) for x in lst)
+        log.warning(
+            "local step %d: copies failed verification (step, owner, holder) %s; trying the "
+            "next source",
+            plan.step,
+            sorted(bad),
+        )
+        plan, fetched = None, None
+    if plan is None or fetched is None:
+        level = logging.WARNING if any(inventories) else logging.INFO
+        log.log(
+            level,
+            "local tier: no step >= %s that every one of %d ranks can obtain; use the "
+            "persistent tier",
+            min_step,
+            world,
+        )
+        return None
+    buf, tier = fetched
+    _fill(state, buf, pg, rank, world, replicated_owner)
+    seconds = time.perf_counter() - t0
+    log.info("restored local step %d on rank %d from %s in %.3f s", plan.step, rank, tier, seconds)
+    return RestoreResult(plan.step, tier, seconds)
+
+
+def _fetch(
+    plan: replication.RestorePlan,
+    pg: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    held: dict[tuple[int, int], Shard],
+    local_dir: Path | None,
+    on_disk: dict[tuple[int, int], ldir.ShardMeta],
+) -> tuple[tuple[torch.Tensor, str] | None, list[tuple[int, int, int]]]:
+    """Run one plan: serve the shards assigned to this rank, obtain this rank's own."""
+    step = plan.step
+
+    def obtain(owner: int) -> tuple[torch.Tensor, int, int, str] | None:
+        sh = held.get((step, owner))
+        if sh is not None:
+            crc = sh.crc if sh.crc is not None else packing.crc32(sh.buf, sh.nbytes)
+            return sh.buf, sh.nbytes, crc, "memory"
+        m = on_disk.get((step, owner))
+        if m is not None and local_dir is not None:
+            b = ldir.read(local_dir, m)
+            if b is not None:
+                return b, m.nbytes, m.crc, "local_dir"
+        return None
+
+    bad: list[tuple[int, int, int]] = []
+    sends = []
+    for r in range(world):
+        if r != rank and plan.sources[r] == rank:
+            got = obtain(r)
+            if got is None:
+                bad.append((step, r, rank))
+                sends.append(Outgoing(r, step, r, world, 0, 0, None))
+            else:
+                sends.append(Outgoing(r, step, r, world, got[1], got[2], got[0]))
+    mine: tuple[torch.Tensor, str] | None = None
+    srcs: list[int] = []
+    if plan.sources[rank] == rank:
+        got = obtain(rank)
+        if got is None:
+            bad.append((step, rank, rank))
+        else:
+            mine = (got[0], got[3])
+    else:
+        srcs = [plan.sources[rank]]
+    if pg is not None and (sends or srcs):
+        alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+        for inc in exchange(pg, sends, srcs, alloc):
+            ok = (
+                inc.buf is not None
+                and (inc.step, inc.owner, inc.world) == (step, rank, world)
+                and packing.crc32(inc.buf, inc.nbytes) == inc.crc
+            )
+            if ok and inc.buf is not None:
+                mine = (inc.buf, "peer")
+            else:
+                log.warning(
+                    "replica of rank %d step %d from rank %d failed verification",
+                    rank,
+                    step,
+                    inc.src,
+                )
+                bad.append((step, rank, inc.src))
+    return mine, bad
+
+
+def _fill(
+    state: dict[str, Any],
+    buf: torch.Tensor,
+    pg: dist.ProcessGroup | None,
+    rank: int,
+    world: int,
+    replicated_owner: ReplicatedOwner | None,
+) -> None:
+    """Fill `state` from this rank's shard; fully_parallel then exchanges the replicated parts."""
+    statefuls: list[tuple[Any, dict[str, Any]]] = []
+    leaves = packing.leaves(state, statefuls)
+    if replicated_owner is None:
+        packing.fill_leaves(buf, leaves)
+    else:
+        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
+        owner = replicated_owner(tensors, world)
+        packing.fill_leaves(buf, leaves, keep=lambda k: owner.get(k, rank) == rank)
+        # One flat broadcast per rank of the replicated tensors it kept (never one per tensor).
+        for q in range(world):
+            part = [x for x in tensors if owner.get(x.key) == q]
+            if not part or pg is None:
+                continue
+            layout = packing.Layout.of(part)
+            flat = torch.empty(layout.data_nbytes, dtype=torch.uint8)
+            if q == rank:
+                packing.copy_in(flat, layout, part)
+            dist.broadcast(flat, group=pg, group_src=q)
+            if q != rank:
+                packing.copy_out(flat, layout, part)
+    for obj, sd in statefuls:
+        obj.load_state_dict(sd)

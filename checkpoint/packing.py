@@ -1,0 +1,282 @@
+"""Flat buffers for the local tier: pack a state's tensors and scalars into one uint8 buffer.
+
+One buffer per shard lets the local tier copy, checksum, write and send a shard as a single block
+(one file, one message per peer) instead of one operation per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from checkpoint.errors import CheckpointError, CheckpointMismatchError
+
+MAGIC = b"RSTLOCAL"
+_PREFIX = struct.Struct("<8sQ")  # magic, header length
+ALIGN = 64  # every tensor starts on a 64-byte boundary so a uint8 slice can be viewed as any dtype
+_CRC_CHUNK = 64 << 20  # zlib releases the GIL per call; chunks keep each call bounded
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives in the data part of a packed buffer."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # from the start of the data part
+    nbytes: int
+
+
+class ReplicatedState(dict[str, Any]):
+    """Marks the part of a state that is identical on every rank (plain data parallelism).
+
+    ``state = {"model": ReplicatedState(model.state_dict()), "rng": rng_state}``: with
+    ``local_algo="fully_parallel"`` each rank keeps and replicates only its share of the tensors
+    under a ReplicatedState, and a restore exchanges the shares. It is a plain dict to every other
+    reader (the persistent tier, DCP), so it changes nothing there.
+    """
+
+
+@dataclass
+class Leaf:
+    """One leaf of a state: a tensor or a JSON scalar, and where it sits (for in-place fills)."""
+
+    key: str
+    value: Any
+    container: Any  # the dict / list that holds it
+    index: Any  # its key / position in `container`
+    replicated: bool = False  # under a ReplicatedState
+
+
+def is_stateful(obj: Any) -> bool:
+    """DCP's Stateful protocol: an object with state_dict() and load_state_dict()."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _is_json_scalar_tree(obj: Any) -> bool:
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(_is_json_scalar_tree(x) for x in obj)
+    if isinstance(obj, Mapping):
+        return all(isinstance(k, str) and _is_json_scalar_tree(v) for k, v in obj.items())
+    return False
+
+
+def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]) -> list[Leaf]:
+    """Every leaf of `state`, keyed by its '/'-joined path, in a deterministic order.
+
+    Stateful objects are expanded through their state_dict(); each (object, that dict) pair is
+    appended to `statefuls` so a load can hand the filled dict back via load_state_dict().
+    """
+    out: list[Leaf] = []
+
+    def walk(obj: Any, prefix: str, container: Any, index: Any, rep: bool) -> None:
+        if isinstance(obj, torch.Tensor):
+            out.append(Leaf(prefix, obj, container, index, rep))
+        elif is_stateful(obj) and not isinstance(obj, Mapping):
+            sd = obj.state_dict()
+            statefuls.append((obj, sd))
+            walk(sd, prefix, None, None, rep)
+        elif isinstance(obj, Mapping):
+            rep = rep or isinstance(obj, ReplicatedState)
+            for k in sorted(obj, key=str):
+                walk(obj[k], f"{prefix}/{k}" if prefix else str(k), obj, k, rep)
+        elif isinstance(obj, (list, tuple)) and not _is_json_scalar_tree(obj):
+            for i, v in enumerate(obj):
+                walk(v, f"{prefix}/{i}", obj, i, rep)
+        elif _is_json_scalar_tree(obj):
+            out.append(Leaf(prefix, obj, container, index, rep))
+        else:
+            raise CheckpointError(
+                f"state entry {prefix!r} has type {type(obj).__name__}, which the local tier "
+                "cannot save: use tensors, dicts, lists, JSON scalars or Stateful objects"
+            )
+
+    walk(state, "", None, None, False)
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensor placement of one state: reused while the state's structure stays the same."""
+
+    entries: tuple[TensorEntry, ...]
+    data_nbytes: int
+
+    @staticmethod
+    def of(tensors: list[Leaf]) -> Layout:
+        entries = []
+        off = 0
+        for leaf in tensors:
+            t: torch.Tensor = leaf.value
+            nbytes = t.numel() * t.element_size()
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype not in _DTYPES:
+                raise CheckpointError(
+                    f"state entry {leaf.key!r} has dtype {t.dtype}, which the local tier does not "
+                    f"support: use one of {sorted(_DTYPES)}"
+                )
+            entries.append(TensorEntry(leaf.key, dtype, tuple(t.shape), off, nbytes))
+            off = _align(off + nbytes)
+        return Layout(tuple(entries), off)
+
+
+def header_bytes(layout: Layout, objects: dict[str, Any], extra: dict[str, Any]) -> bytes:
+    """The JSON header that makes a packed buffer self-describing (for files and peers)."""
+    doc = {
+        "tensors": [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in layout.entries],
+        "objects": objects,
+        "extra": extra,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def packed_size(layout: Layout, header: bytes) -> int:
+    return _align(_PREFIX.size + len(header)) + layout.data_nbytes
+
+
+def pack_into(buf: torch.Tensor, layout: Layout, header: bytes, tensors: list[Leaf]) -> int:
+    """Copy header and tensors into `buf` (uint8, CPU, large enough); returns the bytes used.
+
+    This is the whole stall of a local save: one copy per tensor into a reused buffer.
+    """
+    data_start = _align(_PREFIX.size + len(header))
+    prefix = _PREFIX.pack(MAGIC, len(header)) + header
+    buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    for entry, leaf in zip(layout.entries, tensors, strict=True):
+        if entry.nbytes:
+            start = data_start + entry.offset
+            _view(buf, start, entry).copy_(leaf.value)
+    return data_start + layout.data_nbytes
+
+
+def _view(buf: torch.Tensor, start: int, entry: TensorEntry) -> torch.Tensor:
+    raw = buf[start : start + entry.nbytes]
+    return raw.view(_DTYPES[entry.dtype]).view(entry.shape)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A packed buffer's header, decoded."""
+
+    entries: dict[str, TensorEntry]
+    objects: dict[str, Any]
+    extra: dict[str, Any]
+    data_start: int
+
+
+def parse(buf: torch.Tensor) -> Parsed:
+    """Decode the header of a packed buffer; CheckpointError when it is not one."""
+    raw = bytes(buf[: _PREFIX.size].numpy())
+    magic, hlen = _PREFIX.unpack(raw)
+    if magic != MAGIC or hlen > buf.numel():
+        raise CheckpointError("not a local-tier shard (bad magic or header length)")
+    doc = json.loads(bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy()))
+    entries = {k: TensorEntry(k, d, tuple(s), off, n) for k, d, s, off, n in doc["tensors"]}
+    return Parsed(entries, doc["objects"], doc["extra"], _align(_PREFIX.size + hlen))
+
+
+def unpack_into(buf: torch.Tensor, state: Mapping[str, Any]) -> None:
+    """Fill `state` in place from a packed buffer: tensors by copy_, scalars by assignment.
+
+    A key, dtype or shape mismatch raises CheckpointError listing them all (nothing is filled).
+    """
+    statefuls: list[tuple[Any, dict[str, Any]]] = []
+    fill_leaves(buf, leaves(state, statefuls))
+    for obj, sd in statefuls:
+        obj.load_state_dict(sd)
+
+
+def fill_leaves(
+    buf: torch.Tensor, state_leaves: list[Leaf], keep: Callable[[str], bool] = lambda k: True
+) -> None:
+    """unpack_into for the leaves for which keep(key) is true; Stateful objects not finished."""
+    parsed = parse(buf)
+    bad: list[str] = []
+    todo: list[tuple[Leaf, Any]] = []
+    for leaf in state_leaves:
+        if not keep(leaf.key):
+            continue
+        if isinstance(leaf.value, torch.Tensor):
+            e = parsed.entries.get(leaf.key)
+            t = leaf.value
+            if e is None:
+                bad.append(f"{leaf.key} (missing from the saved shard)")
+            elif e.dtype != str(t.dtype).removeprefix("torch.") or e.shape != tuple(t.shape):
+                bad.append(
+                    f"{leaf.key} (saved {e.dtype}{list(e.shape)}, state {t.dtype}{list(t.shape)})"
+                )
+            else:
+                todo.append((leaf, e))
+        elif leaf.key not in parsed.objects:
+            bad.append(f"{leaf.key} (missing from the saved shard)")
+        else:
+            todo.append((leaf, parsed.objects[leaf.key]))
+    if bad:
+        bad_keys = [b.split(" (")[0] for b in bad]
+        raise CheckpointMismatchError(
+            "local checkpoint does not match the state (same structure needed): " + ", ".join(bad),
+            keys=bad_keys,
+        )
+    for leaf, src in todo:
+        if isinstance(src, TensorEntry):
+            if src.nbytes:
+                leaf.value.copy_(_view(buf, parsed.data_start + src.offset, src))
+        elif isinstance(leaf.container, (MutableMapping, MutableSequence)):
+            value = tuple(src) if isinstance(leaf.value, tuple) else src
+            leaf.container[leaf.index] = value
+
+
+def copy_in(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
+    """Copy tensors into a header-less buffer laid out by `layout` (fully_parallel exchange)."""
+    for entry, leaf in zip(layout.entries, tensors, strict=True):
+        if entry.nbytes:
+            _view(buf, entry.offset, entry).copy_(leaf.value)
+
+
+def copy_out(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
+    """The inverse of copy_in: fill the tensors from the buffer."""
+    for entry, leaf in zip(layout.entries, tensors, strict=True):
+        if entry.nbytes:
+            leaf.value.copy_(_view(buf, entry.offset, entry))
+
+
+def crc32(buf: torch.Tensor, nbytes: int) -> int:
+    """CRC32 of the first `nbytes` of a uint8 CPU tensor (zlib; releases the GIL per chunk)."""
+    arr = buf[:nbytes].numpy()
+    crc = 0
+    for start in range(0, nbytes, _CRC_CHUNK):
+        crc = zlib.crc32(arr[start : start + _CRC_CHUNK].data, crc)
+    return crc
