@@ -84,6 +84,21 @@ class BackgroundGroup:
             )
             return self._group
 
+    def is_stale(self) -> bool:
+        """True when a dedicated group exists but the default group changed (or is gone) since.
+
+        Not collective; lets an owner notice that work in flight on the old group must be
+        abandoned before calling ``current()``.
+        """
+        import torch.distributed as dist
+
+        with self._lock:
+            if self._group is None:
+                return False
+            if not (dist.is_available() and dist.is_initialized()):
+                return True
+            return dist.distributed_c10d._get_default_group() is not self._default
+
     def drop(self) -> None:
         """Abandon the dedicated group now (not collective). The next ``current()`` recreates it.
 

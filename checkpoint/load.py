@@ -1,0 +1,145 @@
+"""The persistent tier's load path: choose a committed checkpoint, verify it, check the keys, load.
+
+COLLECTIVE over the dedicated group: every rank calls ``load_latest`` / ``load_step`` together.
+Rank 0's listing is broadcast so all ranks consider the same candidates; checksum verification
+is split across ranks (file i is read by rank i mod world) and its outcome all-gathered, so a
+corrupt file is detected once and every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from checkpoint.collectives import all_gather, broadcast, rank_and_size
+from checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+)
+from checkpoint.integrity import verify_files
+from checkpoint.layout import Committed, Layout
+from checkpoint.staging import expand_stateful
+from checkpoint.writer import make_reader
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+
+def list_committed(layout: Layout, group: ProcessGroup | None) -> list[Committed]:
+    """Committed checkpoints as rank 0 sees them, on every rank (oldest first)."""
+    rank, _ = rank_and_size(group)
+    mine = layout.list_committed() if rank == 0 else None
+    result: list[Committed] = broadcast(mine, group)
+    return result
+
+
+def verify(layout: Layout, ckpt: Committed, group: ProcessGroup | None) -> list[str]:
+    """Problems found in ``ckpt``'s files by any rank (empty: all checksums match)."""
+    rank, world = rank_and_size(group)
+    names = sorted(ckpt.files)
+    try:
+        mine = verify_files(
+            layout.fs, lambda n: layout.join_dir(ckpt.path, n), ckpt.files, names[rank::world]
+        )
+    except Exception as e:
+        mine = [f"{ckpt.path}: verification failed on rank {rank}: {e}"]
+    return [p for problems in all_gather(mine, group) for p in problems]
+
+
+def _mismatches(state: dict[str, Any], metadata: Any) -> list[str]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    flat, _ = flatten_state_dict(expand_stateful(state))
+    stored = metadata.state_dict_metadata
+    problems = []
+    for key, value in flat.items():
+        if key not in stored:
+            problems.append(f"{key}: not in the checkpoint")
+            continue
+        meta = stored[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(meta, TensorStorageMetadata):
+                problems.append(f"{key}: a tensor here, not a tensor in the checkpoint")
+            elif tuple(value.shape) != tuple(meta.size):
+                problems.append(
+                    f"{key}: shape {tuple(value.shape)} here, {tuple(meta.size)} in the checkpoint"
+                )
+    return problems
+
+
+def load_one(
+    layout: Layout, ckpt: Committed, state: dict[str, Any], group: ProcessGroup | None
+) -> None:
+    """Fill ``state`` in place from ``ckpt`` (already verified). Raises on key/shape mismatch."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = make_reader(layout, ckpt.path)
+    try:
+        problems = _mismatches(state, reader.read_metadata())
+    except Exception as e:
+        problems = [f"<reading metadata>: {type(e).__name__}: {e}"]
+    gathered = all_gather(problems, group)
+    if any(gathered):
+        keys = sorted({p.split(":", 1)[0] for ps in gathered for p in ps})
+        lines = sorted({p for ps in gathered for p in ps})
+        raise CheckpointMismatchError(
+            f"state does not match checkpoint {ckpt.path} (step {ckpt.step}) at "
+            f"{len(keys)} key(s):\n  " + "\n  ".join(lines) + "\nload into a state with the "
+            "same structure as the saved one (same model/optimizer configuration)",
+            keys=keys,
+        )
+    try:
+        dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
+
+
+def load_latest(
+    layout: Layout,
+    state: dict[str, Any],
+    group: ProcessGroup | None,
+    *,
+    fallback_on_corruption: bool,
+    min_step: int | None = None,
+) -> Committed | None:
+    """Load the newest committed checkpoint that verifies; None if there is none.
+
+    A corrupt newest checkpoint is skipped with a WARNING (or raises, without fallback). When
+    every candidate is corrupt, raises ``CheckpointCorruptError`` (never silently starts over).
+    """
+    candidates = [
+        c for c in list_committed(layout, group) if min_step is None or c.step >= min_step
+    ]
+    corrupt: list[str] = []
+    for ckpt in reversed(candidates):
+        t0 = time.perf_counter()
+        problems = verify(layout, ckpt, group)
+        if problems:
+            msg = f"checkpoint of step {ckpt.step} is corrupt: " + "; ".join(problems)
+            if not fallback_on_corruption:
+                raise CheckpointCorruptError(msg, path=problems[0].split(":", 1)[0])
+            log.warning("%s; falling back to the previous committed checkpoint", msg)
+            corrupt.append(msg)
+            continue
+        load_one(layout, ckpt, state, group)
+        log.info(
+            "checkpoint: loaded step %d from %s in %.2f s",
+            ckpt.step,
+            ckpt.path,
+            time.perf_counter() - t0,
+        )
+        return ckpt
+    if corrupt:
+        raise CheckpointCorruptError(
+            "every committed checkpoint is corrupt:\n  " + "\n  ".join(corrupt), path=layout.url
+        )
+    return None

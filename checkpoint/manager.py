@@ -1,0 +1,223 @@
+"""``CheckpointManager``: the one entry point; picks the tier to save to and to restore from."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from checkpoint.async_save import PersistentSaver, SaveStats
+from checkpoint.config import PersistentConfig, read_test_hooks
+from checkpoint.errors import CheckpointConfigError, CheckpointError
+from checkpoint.group import BackgroundGroup
+from checkpoint.layout import Committed, Layout
+from checkpoint.load import list_committed, load_latest
+
+log = logging.getLogger(__name__)
+
+TIERS = ("memory", "local_dir", "peer", "persistent")
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore:
+    """What the last ``load_latest`` did: the step (None: nothing to load), tier and duration."""
+
+    step: int | None
+    tier: str | None  # one of TIERS, None when nothing was loaded
+    seconds: float
+
+
+class CheckpointManager:
+    """Saves training state to a local tier (optional) and a persistent torch_dist tier.
+
+    Create it once, OUTSIDE the restartable ``train()``: it survives in-process restarts (the
+    local tier's memory copy is the point) and rebinds to the new default process group at the
+    next ``save``/``load_latest``. ``save``, ``load_latest``, ``wait`` and ``close`` are
+    COLLECTIVE: every rank calls them in the same order with the same steps. Without
+    ``torch.distributed`` initialised it works as a single process.
+
+    Example::
+
+        with CheckpointManager("ckpts/", persistent_every=100, keep=3) as mgr:
+            start = mgr.load_latest(state) or 0
+            for step in range(start + 1, steps + 1):
+                train_step()
+                mgr.save(step, state)   # returns after staging; writes in the background
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        persistent_every: int = 100,
+        keep: int = 3,
+        local_every: int | None = None,
+        local_dir: str | None = None,
+        replication_factor: int = 1,
+        local_algo: str = "atomic",
+        local_keep: int = 2,
+        timeout: float = 600.0,
+        fallback_on_corruption: bool = True,
+        on_busy: str = "wait",
+    ) -> None:
+        root = str(root) if root is not None else root  # accept os.PathLike
+        self._cfg = PersistentConfig(
+            root=root,
+            every=persistent_every,
+            keep=keep,
+            timeout=timeout,
+            fallback_on_corruption=fallback_on_corruption,
+            on_busy=on_busy,
+        )
+        if local_every is not None and (
+            isinstance(local_every, bool) or not isinstance(local_every, int) or local_every < 1
+        ):
+            raise CheckpointConfigError(
+                f"local_every ({local_every!r}) must be None or an integer >= 1: pass None to "
+                "disable the local tier, or e.g. 1 to keep a local copy every step"
+            )
+        self._layout = Layout(self._cfg.root)
+        self._layout.check_writable()
+        self._group = BackgroundGroup(timeout=self._cfg.timeout)
+        self._persistent = PersistentSaver(self._cfg, self._layout, self._group, read_test_hooks())
+        self._local_every = local_every
+        self._local: Any = None
+        self._local_group: BackgroundGroup | None = None
+        self._closed = False
+        self.last_restore: Restore | None = None
+        if local_every is not None:
+            # Imported lazily: the persistent tier works (and is tested) without it. The local
+            # tier gets its OWN dedicated group: two background threads must never share one.
+            from checkpoint.local import LocalTier
+
+            self._local_group = BackgroundGroup(timeout=self._cfg.timeout)
+            try:
+                self._local = LocalTier(
+                    local_dir=local_dir,
+                    replication_factor=replication_factor,
+                    algo=local_algo,
+                    keep=local_keep,
+                    group=self._local_group,
+                )
+            except BaseException:
+                self.close()
+                raise
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def root(self) -> str:
+        return self._cfg.root
+
+    @property
+    def last_save(self) -> SaveStats | None:
+        """Stats of the last persistent save that finished (stall, write time, bytes, path)."""
+        return self._persistent.last
+
+    def committed(self) -> list[Committed]:
+        """Committed persistent checkpoints, oldest first (rank-local listing, not collective)."""
+        return self._layout.list_committed()
+
+    def latest_step(self) -> int | None:
+        """Newest committed persistent step (rank-local listing), or None."""
+        found = self._layout.list_committed()
+        return found[-1].step if found else None
+
+    # -- save / load ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Save ``state`` for ``step`` to the tiers whose interval divides ``step``.
+
+        COLLECTIVE. Returns once the state is staged (host copy); writes continue in the
+        background. A second save while a persistent one is in flight waits for it (default
+        ``on_busy="wait"``) or is skipped (``on_busy="skip"``). A failed earlier background
+        save raises here (or from ``wait()``) as ``CheckpointRankError`` on every rank.
+        """
+        self._check_open("save")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointConfigError(
+                f"step ({step!r}) must be an integer >= 0: pass the training iteration number"
+            )
+        if not isinstance(state, dict):
+            raise CheckpointConfigError(
+                f"state ({type(state).__name__}) must be a dict: wrap it, e.g. "
+                "{'model': model, 'optimizer': optimizer}"
+            )
+        if self._local is not None and self._local_every and step % self._local_every == 0:
+            self._local.save(step, state)
+        if step % self._cfg.every == 0:
+            self._persistent.save(step, state)
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Fill ``state`` in place from the newest checkpoint of any tier; its step, or None.
+
+        COLLECTIVE. Waits for saves in flight first. The local tier is asked for a step at
+        least as new as the newest committed persistent one; otherwise the persistent tier
+        loads (verifying checksums, falling back past a corrupt checkpoint with a WARNING
+        unless ``fallback_on_corruption=False``).
+        """
+        self._check_open("load_latest")
+        t0 = time.perf_counter()
+        self._persistent.wait()
+        group = self._group.current()
+        committed = list_committed(self._layout, group)
+        newest = committed[-1].step if committed else None
+        if self._local is not None:
+            self._local.wait()
+            result = self._local.load(state, min_step=newest)
+            if result is not None:
+                self.last_restore = Restore(
+                    step=int(result.step), tier=str(result.tier), seconds=float(result.seconds)
+                )
+                log.info(
+                    "checkpoint: restored step %d from the %s tier in %.3f s",
+                    result.step,
+                    result.tier,
+                    result.seconds,
+                )
+                return int(result.step)
+        ckpt = load_latest(
+            self._layout, state, group, fallback_on_corruption=self._cfg.fallback_on_corruption
+        )
+        seconds = time.perf_counter() - t0
+        if ckpt is None:
+            self.last_restore = Restore(step=None, tier=None, seconds=seconds)
+            log.info("checkpoint: no checkpoint under %s; starting fresh", self._cfg.root)
+            return None
+        self.last_restore = Restore(step=ckpt.step, tier="persistent", seconds=seconds)
+        return ckpt.step
+
+    def wait(self) -> None:
+        """Wait (bounded) for background saves of every tier; raise the first failure."""
+        self._check_open("wait")
+        if self._local is not None:
+            self._local.wait()
+        self._persistent.wait()
+
+    def close(self) -> None:
+        """Finish saves in flight (failures are logged), stop every thread, free buffers.
+
+        Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._local is not None:
+                self._local.close()
+        finally:
+            self._persistent.close()
+            self._group.close()
+            if self._local_group is not None:
+                self._local_group.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CheckpointError(f"CheckpointManager.{what}() called after close()")
