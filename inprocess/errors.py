@@ -1,0 +1,76 @@
+"""The exceptions of the ``inprocess`` package: one base class, and the restart signal."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    """One fault of one rank in one restart iteration, as stored in the coordination store.
+
+    ``kind`` is one of "exception", "soft_timeout", "dead", "hard_timeout", "unhealthy" (others
+    may be added). ``exc_type``/``where``/``step``/``action`` are filled in for exceptions raised
+    out of ``train()``: the exception class, the ``file:line`` of the raise, the last step the
+    user reported (``ctx.step``) and a rank action ("demote"/"retire") the exception asked for.
+    """
+
+    iteration: int
+    initial_rank: int
+    kind: str
+    detail: str
+    exc_type: str = ""
+    where: str = ""
+    step: int | None = None
+    action: str = ""
+
+    def summary(self) -> str:
+        """One line for logs and error messages."""
+        at = f" at {self.where}" if self.where else ""
+        step = f" (step {self.step})" if self.step is not None else ""
+        return (
+            f"iteration {self.iteration}: rank {self.initial_rank} {self.kind}{step}{at}: "
+            f"{self.detail}"
+        )
+
+
+class InprocessError(Exception):
+    """Base class of every error the ``inprocess`` package raises on purpose."""
+
+
+class ConfigError(InprocessError, ValueError):
+    """A configuration value is invalid; the message names field, value, rule and fix."""
+
+
+class ContextError(InprocessError, RuntimeError):
+    """``inprocess.context()`` was called outside a ``@restartable`` function."""
+
+
+class StoreTimeoutError(InprocessError, TimeoutError):
+    """A barrier or wait on the coordination store did not complete within its bound."""
+
+
+class RestartAbortedError(InprocessError):
+    """The job stopped restarting: raised on every surviving rank with the fault history.
+
+    Causes: ``max_iterations`` reached, the same fault repeated ``max_same_fault`` times, not
+    enough healthy ranks left, or a rank that left the job. ``history`` lists every fault seen.
+    """
+
+    def __init__(self, message: str, history: Sequence[FaultRecord] = ()) -> None:
+        self.history: tuple[FaultRecord, ...] = tuple(history)
+        lines = [message]
+        if self.history:
+            lines.append("fault history:")
+            lines.extend(f"  {r.summary()}" for r in self.history)
+        super().__init__("\n".join(lines))
+        self.reason = message
+
+
+class RestartInterrupt(BaseException):
+    """Raised inside ``train()`` (from the monitor thread) to unwind it for a restart.
+
+    A ``BaseException`` so that ``except Exception`` in user code does not swallow it. User code
+    should let it propagate; ``finally`` blocks and context managers run as usual.
+    """

@@ -1,0 +1,251 @@
+"""Every key and barrier the restart protocol keeps in the coordination store.
+
+Layout (all under ``restartable/``): ``it{n}/`` is restart iteration ``n``'s namespace, so no key
+of an earlier iteration is ever read again. Inside it:
+
+* ``faults``        appended JSON lines, one ``FaultRecord`` each
+* ``end``           first writer wins: ``"fault"`` (any fault) or ``"done"`` (all active ranks
+                    returned); every monitor and every waiting rank blocks on this one key
+* ``join/*``        the barrier active ranks pass before ``train()``; a fault breaks it
+* ``done/*``        the completion counter
+* ``restart/*``     the barrier after a fault; its release value is the next assignment (JSON),
+                    written once by the rank that completes it, so every rank reads the same one
+* ``pg/``           the prefix handed to ``init_process_group`` and to ``ctx.store``
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from inprocess.errors import FaultRecord, StoreTimeoutError
+
+log = logging.getLogger(__name__)
+
+ROOT = "restartable/"
+OUTCOME_FAULT = "fault"
+OUTCOME_DONE = "done"
+# Kinds after which the rank's process is gone: it will not arrive at any barrier.
+GONE_KINDS = frozenset({"dead", "hard_timeout"})
+# How long one blocking wait lasts before a waiter re-checks for a rank that died meanwhile.
+_RECHECK_S = 0.1
+
+
+class StoreLike(Protocol):
+    """The subset of ``torch.distributed.Store`` this module uses (a fake store implements it)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, value: int) -> int: ...
+    def append(self, key: str, value: str | bytes) -> None: ...
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
+
+
+def iteration_prefix(iteration: int) -> str:
+    """The key prefix of restart iteration ``iteration`` (for ``PrefixStore`` and tests)."""
+    return f"{ROOT}it{iteration}/"
+
+
+def _key(iteration: int, name: str) -> str:
+    return iteration_prefix(iteration) + name
+
+
+def record_fault(store: StoreLike, record: FaultRecord) -> None:
+    """Append ``record`` to its iteration's fault list and end that iteration (wake everyone).
+
+    Two writes that never block: an append, then first-writer-wins sets of the iteration's
+    outcome and of its join barrier, so ranks waiting there (monitors, barriers, reserves)
+    all wake with the same answer at once. Safe to call from any process, any number of times.
+    """
+    it = record.iteration
+    store.append(_key(it, "faults"), json.dumps(asdict(record)) + "\n")
+    store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
+    store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
+
+
+def report_fault(store: Any, *, iteration: int, initial_rank: int, kind: str, detail: str) -> None:
+    """Record a fault of ``initial_rank`` in restart iteration ``iteration`` and wake every rank.
+
+    ``store`` is a client of the job's coordination store (``torch.distributed.Store``, not a
+    prefixed one). ``kind``: "exception", "soft_timeout", "dead", "hard_timeout", "unhealthy",
+    ... Called by the rank itself, by its watchdog process, or by health checks. Idempotent in
+    effect: a repeated report adds a record but the iteration ends once.
+    """
+    record_fault(
+        store, FaultRecord(iteration=iteration, initial_rank=initial_rank, kind=kind, detail=detail)
+    )
+
+
+def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
+    """Every fault recorded for ``iteration`` so far, in arrival order."""
+    key = _key(iteration, "faults")
+    if not store.check([key]):
+        return []
+    lines = store.get(key).decode().splitlines()
+    return [FaultRecord(**json.loads(line)) for line in lines if line]
+
+
+def outcome(store: StoreLike, iteration: int) -> str | None:
+    """``"fault"``, ``"done"`` or None (the iteration is still running); never blocks."""
+    key = _key(iteration, "end")
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def end_key(iteration: int) -> str:
+    """The key every waiter of ``iteration`` blocks on (see ``wait_outcome``)."""
+    return _key(iteration, "end")
+
+
+def wait_outcome(
+    store: StoreLike, iteration: int, *, timeout: float | None, clock: Callable[[], float]
+) -> str | None:
+    """Block until ``iteration`` ends; return its outcome, or None after ``timeout`` seconds.
+
+    ``timeout=None`` waits for as long as the iteration runs (reserves), in bounded waits.
+    """
+    key = end_key(iteration)
+    deadline = None if timeout is None else clock() + timeout
+    while True:
+        left = 3600.0 if deadline is None else deadline - clock()
+        if left <= 0:
+            return None
+        try:
+            store.wait([key], datetime.timedelta(seconds=min(left, 3600.0)))
+        except Exception as exc:  # DistStoreError on timeout; anything else is fatal
+            if not _is_timeout(exc):
+                raise
+            continue
+        return store.get(key).decode()
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or "timeout" in str(exc).lower()
+
+
+def _wait_released(
+    store: StoreLike,
+    go_key: str,
+    *,
+    deadline: float,
+    clock: Callable[[], float],
+    what: str,
+    recheck: Callable[[], bool] | None = None,
+) -> str:
+    """Wait for ``go_key``; every ``_RECHECK_S`` call ``recheck`` (True: it released the key)."""
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            raise StoreTimeoutError(f"{what} did not complete within its timeout")
+        step = left if recheck is None else min(left, _RECHECK_S)
+        try:
+            store.wait([go_key], datetime.timedelta(seconds=step))
+        except Exception as exc:
+            if not _is_timeout(exc):
+                raise
+            if recheck is not None:
+                recheck()
+            continue
+        return store.get(go_key).decode()
+
+
+def counting_barrier(
+    store: StoreLike,
+    name: str,
+    *,
+    expected: int,
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
+    """Arrive at barrier ``name`` of ``expected`` ranks; return its release value.
+
+    Two round trips per rank (an ``add``, then a ``wait`` on one release key); the last arrival
+    releases it with "ok". Anyone may release it earlier with another value (a fault breaks the
+    ``join`` barrier with "fault"). Raises ``StoreTimeoutError`` after ``timeout`` seconds.
+    """
+    go = f"{name}/go"
+    deadline = clock() + timeout
+    if store.add(f"{name}/n", 1) >= expected:
+        store.compare_set(go, "", "ok")
+    return _wait_released(store, go, deadline=deadline, clock=clock, what=f"barrier {name!r}")
+
+
+def join_barrier(
+    store: StoreLike, iteration: int, *, expected: int, timeout: float, clock: Callable[[], float]
+) -> bool:
+    """Active ranks meet before ``train()`` of ``iteration``; False when a fault broke it."""
+    value = counting_barrier(
+        store, _key(iteration, "join"), expected=expected, timeout=timeout, clock=clock
+    )
+    return value == "ok"
+
+
+def initial_barrier(
+    store: StoreLike, *, world_size: int, timeout: float, clock: Callable[[], float]
+) -> None:
+    """Every rank of the job arrives once before the first iteration (bounded by ``timeout``)."""
+    counting_barrier(store, f"{ROOT}init", expected=world_size, timeout=timeout, clock=clock)
+
+
+def mark_completed(store: StoreLike, iteration: int, *, active: int) -> None:
+    """An active rank's ``train()`` returned; the last of ``active`` ends the iteration "done"."""
+    if store.add(_key(iteration, "done/n"), 1) >= active:
+        store.compare_set(_key(iteration, "end"), "", OUTCOME_DONE)
+
+
+def restart_barrier(
+    store: StoreLike,
+    iteration: int,
+    *,
+    initial_rank: int,
+    participants: Collection[int],
+    decide: Callable[[list[FaultRecord]], str],
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> str:
+    """Every live participant meets after iteration ``iteration`` faulted; returns the decision.
+
+    ``participants``: the initial ranks of the previous assignment (active and reserve). A rank
+    reported gone (``GONE_KINDS``) is not waited for. The rank whose arrival completes the
+    barrier calls ``decide(faults)`` once and publishes its result as the release value, so all
+    ranks continue with the same decision even if more faults are recorded later. Raises
+    ``StoreTimeoutError`` after ``timeout`` seconds.
+    """
+    who, go = _key(iteration, "restart/who"), _key(iteration, "restart/go")
+    store.append(who, f"{initial_rank},")
+    deadline = clock() + timeout
+
+    def try_release() -> bool:
+        faults = read_faults(store, iteration)
+        gone = {f.initial_rank for f in faults if f.kind in GONE_KINDS}
+        arrived = {int(x) for x in store.get(who).decode().split(",") if x}
+        if set(participants) - gone <= arrived:
+            store.compare_set(go, "", decide(faults))
+            return True
+        return False
+
+    try_release()
+    return _wait_released(
+        store,
+        go,
+        deadline=deadline,
+        clock=clock,
+        what=f"restart barrier {iteration}",
+        recheck=try_release,
+    )
+
+
+def pg_prefix(iteration: int) -> str:
+    """The prefix under which iteration ``iteration``'s process group and ``ctx.store`` live."""
+    return _key(iteration, "pg")
+
+
+def describe_keys(iteration: int) -> Sequence[str]:
+    """The well-known keys of ``iteration`` (for debugging tools)."""
+    return [_key(iteration, k) for k in ("faults", "end", "join/go", "restart/go")]
