@@ -1,0 +1,116 @@
+"""Local checkpoint tier on real gloo ranks: memory, node-local directories, peer replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+from tests.multiproc import run_ranks
+
+W = "tests.dist.workers_local"
+
+
+def test_in_process_restart_restores_from_memory_and_algos_agree(tmp_path: Path) -> None:
+    outs = run_ranks(
+        4,
+        target=f"{W}:memory_after_restart",
+        kwargs={"base": str(tmp_path)},
+        local_world_size=2,
+        host_store=True,
+        deadline=60,
+    )
+    for o in outs:
+        r = o.result
+        for algo in ("atomic", "fully_parallel"):
+            assert r[algo] == {"step": 3, "tier": "memory", "ok": True}, (o.rank, r)
+        assert r["identical"], o.rank
+        # fully_parallel keeps ~1/4 of the replicated model on each rank (plus its own parts).
+        assert r["fully_parallel_held_bytes"] < 0.6 * r["atomic_held_bytes"], r
+
+
+def test_lost_node_every_shard_comes_back(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    kwargs = {"base": base, "algo": "fully_parallel"}
+    run_ranks(
+        6,
+        target=f"{W}:save_steps",
+        kwargs={**kwargs, "steps": [1, 2, 3]},
+        local_world_size=2,
+        host_store=True,
+        deadline=60,
+    )
+    # Node 1 (ranks 2 and 3) is lost with its disk; fresh processes replace every rank.
+    import shutil
+
+    shutil.rmtree(tmp_path / "node1")
+    outs = run_ranks(
+        6,
+        target=f"{W}:restore_fresh",
+        kwargs=kwargs,
+        local_world_size=2,
+        host_store=True,
+        deadline=60,
+    )
+    tiers = {o.rank: o.result["tier"] for o in outs}
+    assert all(o.result["step"] == 3 and o.result["ok"] for o in outs), [o.result for o in outs]
+    assert tiers == {
+        0: "local_dir",
+        1: "local_dir",
+        2: "peer",
+        3: "peer",
+        4: "local_dir",
+        5: "local_dir",
+    }
+
+
+def test_corrupt_copy_is_never_loaded(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    run_ranks(
+        4,
+        target=f"{W}:save_steps",
+        kwargs={"base": base, "algo": "atomic", "steps": [1, 2]},
+        local_world_size=2,
+        host_store=True,
+        deadline=60,
+    )
+    outs = run_ranks(
+        4,
+        target=f"{W}:restore_corrupt",
+        kwargs={"base": base},
+        local_world_size=2,
+        host_store=True,
+        deadline=60,
+    )
+    first, second, third = outs[0].result["results"]
+    assert first == {"step": 2, "tier": "peer", "ok": True}  # own copy corrupt -> replica
+    assert second == {"step": 1, "tier": "local_dir", "ok": True}  # both corrupt -> older step
+    assert third is None  # nothing left -> the persistent tier's turn
+    for o in outs[1:]:
+        assert [r and r["step"] for r in o.result["results"]] == [2, 1, None], o.result
+
+
+def test_killed_rank_replaced_by_fresh_process_restores_from_peer(tmp_path: Path) -> None:
+    try:
+        outs = run_ranks(
+            4,
+            target=f"{W}:killed_rank_replaced",
+            kwargs={"base": str(tmp_path)},
+            local_world_size=2,
+            host_store=True,
+            deadline=60,
+            expect_success=False,
+        )
+    finally:
+        pid_file = tmp_path / "replacement.pid"
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert outs[1].returncode == -signal.SIGKILL
+    for o in (outs[0], outs[2], outs[3]):
+        assert o.returncode == 0, o.output
+        assert o.result == {"step": 2, "tier": "memory", "ok": True}
+    replaced = json.loads((tmp_path / "replacement_result.json").read_text())
+    assert replaced == {"step": 2, "tier": "peer", "ok": True}

@@ -1,0 +1,247 @@
+"""Rank functions for the local checkpoint tier's multi-process tests (tests/dist/test_local_*)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def _node_dir(base: str) -> str:
+    # One directory per simulated node: what a node-local disk looks like on one machine.
+    path = Path(base) / f"node{os.environ['GROUP_RANK']}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def _init(iteration: int) -> None:
+    """(Re)join the default group in a fresh store namespace, as an in-process restart does."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"iter{iteration}", store),
+        rank=_rank(),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
+def _state(rank: int, world: int, step: int) -> dict[str, Any]:
+    """Deterministic state at `step`: a data-parallel replicated model part and per-rank parts."""
+    from checkpoint.local import ReplicatedState
+
+    g = torch.Generator().manual_seed(1000 * step)
+    shared = {f"layer{i}.weight": torch.randn(64, 16 + i, generator=g) for i in range(6)}
+    shared["layer0.bias"] = torch.randn(64, generator=g).to(torch.bfloat16)
+    g.manual_seed(1000 * step + 1 + rank)
+    return {
+        "model": ReplicatedState(shared),
+        "rng": torch.randint(0, 255, (32,), dtype=torch.uint8, generator=g),
+        "opt": {"exp_avg": torch.randn(100, generator=g), "count": torch.tensor(step + rank)},
+        "meta": {"step": step, "world": world, "name": f"rank{rank}"},
+    }
+
+
+def _zero(state: dict[str, Any]) -> None:
+    for part in (state["model"], state["opt"]):
+        for t in part.values():
+            t.zero_()
+    state["rng"].zero_()
+    state["meta"]["step"] = -1
+
+
+def _matches(state: dict[str, Any], rank: int, world: int, step: int) -> bool:
+    want = _state(rank, world, step)
+    ok = state["meta"] == want["meta"] and torch.equal(state["rng"], want["rng"])
+    for part in ("model", "opt"):
+        ok = ok and all(torch.equal(state[part][k], v) for k, v in want[part].items())
+    return bool(ok)
+
+
+def _save_steps(tier: Any, rank: int, world: int, steps: list[int], state: dict[str, Any]) -> None:
+    for step in steps:
+        fresh = _state(rank, world, step)
+        for part in ("model", "opt"):
+            for k, v in fresh[part].items():
+                state[part][k].copy_(v)
+        state["rng"].copy_(fresh["rng"])
+        state["meta"] = fresh["meta"]
+        tier.save(step, state)
+    tier.wait()
+
+
+def _tier(local_dir: str | None, algo: str, factor: int = 2, keep: int = 2) -> Any:
+    from checkpoint.group import BackgroundGroup
+    from checkpoint.local import LocalTier
+
+    group = BackgroundGroup(timeout=30.0)
+    tier = LocalTier(
+        local_dir=local_dir, replication_factor=factor, algo=algo, keep=keep, group=group
+    )
+    return tier, group
+
+
+def memory_after_restart(base: str) -> dict[str, Any]:
+    """Save with atomic and fully_parallel, restart in-process, restore both from memory.
+
+    The directories are emptied and local_dir.read is replaced by a function that fails, so a
+    restore that touched a file would show up as a wrong tier or an exception.
+    """
+    import checkpoint.local_dir as ldir
+
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    _init(0)
+    out: dict[str, Any] = {}
+    tiers = {}
+    for algo in ("atomic", "fully_parallel"):
+        tier, group = _tier(_node_dir(f"{base}/{algo}"), algo)
+        state = _state(rank, world, 0)
+        _save_steps(tier, rank, world, [1, 2, 3], state)
+        tiers[algo] = (tier, group, state)
+        out[f"{algo}_held_bytes"] = sum(s.nbytes for s in tier._held.values() if s.step == 3)
+    dist.barrier()
+    dist.destroy_process_group()  # the restart: old groups gone, memory kept
+    for algo in ("atomic", "fully_parallel"):
+        shutil.rmtree(f"{base}/{algo}", ignore_errors=True)
+
+    def no_file_read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a memory restore read a file")
+
+    ldir.read = no_file_read
+    _init(1)
+    restored = {}
+    for algo, (tier, group, state) in tiers.items():
+        _zero(state)
+        res = tier.load(state, min_step=None)
+        out[algo] = {"step": res.step, "tier": res.tier, "ok": _matches(state, rank, world, 3)}
+        restored[algo] = state
+        tier.close()
+        group.close()
+    a, f = restored["atomic"], restored["fully_parallel"]
+    out["identical"] = all(torch.equal(a["model"][k], f["model"][k]) for k in a["model"]) and all(
+        torch.equal(a["opt"][k], f["opt"][k]) for k in a["opt"]
+    )
+    dist.destroy_process_group()
+    return out
+
+
+def save_steps(base: str, algo: str, steps: list[int]) -> dict[str, Any]:
+    """Phase 1 of the node-loss and corruption tests: save, then exit (memory gone)."""
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    _init(0)
+    tier, group = _tier(_node_dir(base), algo)
+    _save_steps(tier, rank, world, steps, _state(rank, world, 0))
+    tier.close()
+    group.close()
+    dist.destroy_process_group()
+    return {"saved": steps}
+
+
+def restore_fresh(base: str, algo: str) -> dict[str, Any]:
+    """Phase 2: a fresh process per rank restores from its node directory or from peers."""
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    _init(0)
+    tier, group = _tier(_node_dir(base), algo)
+    state = _state(rank, world, 0)
+    _zero(state)
+    res = tier.load(state, min_step=None)
+    out = {"step": res.step, "tier": res.tier, "ok": _matches(state, rank, world, res.step)}
+    tier.close()
+    group.close()
+    dist.destroy_process_group()
+    return out
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # inside the last tensor: only the checksum can notice
+    path.write_bytes(bytes(data))
+
+
+def restore_corrupt(base: str) -> dict[str, Any]:
+    """Phase 2 of the corruption test: corrupt copies one by one, restore after each.
+
+    Rank 0's shard of step 2 lives in node0 (own) and node1 (replica); step 1 likewise.
+    """
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    _init(0)
+    tier, group = _tier(_node_dir(base), "atomic")
+    results = []
+    corrupt_before = [
+        [f"node0/step_{2:09d}/owner_0.bin"],  # own copy bad -> the peer's replica
+        [f"node1/step_{2:09d}/owner_0.bin"],  # both copies of step 2 bad -> step 1
+        [f"node0/step_{1:09d}/owner_0.bin", f"node1/step_{1:09d}/owner_0.bin"],  # -> None
+    ]
+    for paths in corrupt_before:
+        if rank == 0:
+            for p in paths:
+                _flip_byte(Path(base) / p)
+        dist.barrier()
+        state = _state(rank, world, 0)
+        _zero(state)
+        res = tier.load(state, min_step=None)
+        if res is None:
+            results.append(None)
+        else:
+            ok = _matches(state, rank, world, res.step)
+            results.append({"step": res.step, "tier": res.tier, "ok": ok})
+        dist.barrier()
+    tier.close()
+    group.close()
+    dist.destroy_process_group()
+    return {"results": results}
+
+
+def killed_rank_replaced(base: str, replacement: bool = False) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed after saving; a fresh process takes its place and restores from a peer.
+
+    Memory-only tier (local_dir=None), so the peer replica is the only copy of rank 1's shard.
+    The survivors keep their memory across the re-join (as after an in-process restart).
+    """
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    if replacement:
+        Path(base, "replacement.pid").write_text(str(os.getpid()))
+        _init(1)
+        tier, group = _tier(None, "atomic")
+    else:
+        _init(0)
+        tier, group = _tier(None, "atomic")
+        _save_steps(tier, rank, world, [1, 2], _state(rank, world, 0))
+        dist.barrier()
+        if rank == 1:
+            kwargs = Path(base) / "replacement.json"
+            kwargs.write_text(json.dumps({"base": base, "replacement": True}))
+            target = "tests.dist.workers_local:killed_rank_replaced"
+            subprocess.Popen([sys.executable, "-m", "tests._rank_main", target, str(kwargs)])
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.destroy_process_group()
+        _init(1)
+    state = _state(rank, world, 0)
+    _zero(state)
+    res = tier.load(state, min_step=None)
+    out = {"step": res.step, "tier": res.tier, "ok": _matches(state, rank, world, res.step)}
+    tier.close()
+    group.close()
+    if replacement:
+        # Write the result before the survivors may exit (run_ranks waits only for them).
+        Path(base, "replacement_result.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
