@@ -1,0 +1,219 @@
+"""Per-rank watchdog: a separate process that reports the rank's death and enforces hard_timeout.
+
+The rank owns a ``Watchdog`` (the process plus a heartbeat thread); ``python -m
+inprocess.watchdog`` is the process side (``inprocess/_watchdog_main.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+CLOSE_MESSAGE = b"close\n"
+READY_MESSAGE = b"ready\n"
+_CLOSE_WAIT_S = 5.0  # the process exits within milliseconds of "close"; kill it after this
+
+
+class Watchdog:
+    """Owner, in the rank, of its watchdog process and heartbeat thread.
+
+    Call order: ``start()`` once when the wrapper starts, ``set_iteration(n)`` at the start of
+    every restart iteration, ``close()`` when the rank leaves normally (idempotent; also on
+    ``__exit__``). Nothing here blocks for longer than a pipe write, except ``close()``, which
+    waits at most a few seconds for the process.
+
+    How it works: a daemon thread writes the current iteration to the process's stdin every
+    ``heartbeat_interval``. That thread needs the GIL, so the beats stop only when the process
+    is frozen or its main thread holds the GIL in a C call. The process then sends SIGCONT and
+    SIGTERM, waits ``termination_grace_time``, sends SIGKILL and reports ``kind="hard_timeout"``.
+    When the rank process disappears (killed, OOM, segfault) the watchdog notices at once (pidfd
+    and EOF on its stdin, no polling) and reports ``kind="dead"`` for the current iteration.
+    After a report, or after ``close()``, the process exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        store_host: str,
+        store_port: int,
+        initial_rank: int,
+        hard_timeout: float,
+        termination_grace_time: float,
+        heartbeat_interval: float,
+        logdir: str | None,
+    ) -> None:
+        for name, value in (
+            ("hard_timeout", hard_timeout),
+            ("heartbeat_interval", heartbeat_interval),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} ({value}) must be > 0 seconds: give a positive duration")
+        if termination_grace_time < 0:
+            raise ValueError(
+                f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds: "
+                "give the time a rank gets between SIGTERM and SIGKILL"
+            )
+        if heartbeat_interval >= hard_timeout:
+            raise ValueError(
+                f"heartbeat_interval ({heartbeat_interval}) must be smaller than hard_timeout "
+                f"({hard_timeout}), or a healthy rank is killed between two beats: lower "
+                "heartbeat_interval"
+            )
+        if not 0 < store_port < 65536:
+            raise ValueError(f"store_port ({store_port}) must be a TCP port (1..65535)")
+        self._store_host = store_host
+        self._store_port = store_port
+        self._initial_rank = initial_rank
+        self._hard_timeout = hard_timeout
+        self._grace = termination_grace_time
+        self._interval = heartbeat_interval
+        self._logdir = logdir
+        self._iteration = 0
+        self._lock = threading.Lock()  # one writer at a time on the pipe
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._broken = False
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The watchdog process's pid once started (for logs and tests)."""
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> None:
+        """Start the watchdog process and the heartbeat thread (returns at once)."""
+        if self._proc is not None or self._closed:
+            raise RuntimeError("Watchdog.start() called twice or after close(): create a new one")
+        cmd = [
+            sys.executable,
+            "-m",
+            "inprocess.watchdog",
+            f"--store-host={self._store_host}",
+            f"--store-port={self._store_port}",
+            f"--initial-rank={self._initial_rank}",
+            f"--pid={os.getpid()}",
+            f"--iteration={self._iteration}",
+            f"--hard-timeout={self._hard_timeout}",
+            f"--termination-grace-time={self._grace}",
+        ]
+        stderr = None
+        if self._logdir is not None:
+            Path(self._logdir).mkdir(parents=True, exist_ok=True)
+            path = Path(self._logdir) / f"watchdog_rank{self._initial_rank}.log"
+            cmd.append(f"--logfile={path}")
+            stderr = open(path, "ab")  # noqa: SIM115 - the child keeps its own copy
+        try:
+            # subprocess (fork+exec at once), never a bare fork of a process that loaded torch;
+            # own session, so a signal to the rank's process group does not take it along.
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()
+        assert self._proc.stdin is not None
+        # A full pipe (watchdog stalled) must never block the rank: drop the beat instead.
+        os.set_blocking(self._proc.stdin.fileno(), False)
+        self._thread = threading.Thread(
+            target=self._beat, name=f"inprocess-heartbeat-{self._initial_rank}", daemon=True
+        )
+        self._thread.start()
+        log.debug("watchdog pid %d started for rank %d", self._proc.pid, self._initial_rank)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s until the process is connected to the store and watching.
+
+        Optional: deaths before that moment are still reported, only later (the process first
+        imports torch to reach the store). Tests and benchmarks use it to measure detection alone.
+        """
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            raise RuntimeError("Watchdog.wait_ready() before start()")
+        readable, _, _ = select.select([proc.stdout], [], [], timeout)
+        return bool(readable) and proc.stdout.readline() == READY_MESSAGE
+
+    def set_iteration(self, iteration: int) -> None:
+        """Deaths from now on are reported for ``iteration``; tells the process at once."""
+        self._iteration = iteration
+        self._send(f"{iteration}\n".encode())
+
+    def close(self) -> None:
+        """Stop the heartbeat and the process without reporting anything (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self._interval + 1.0)
+        proc = self._proc
+        if proc is None:
+            return
+        self._send(CLOSE_MESSAGE)
+        with self._lock:
+            if proc.stdin is not None:
+                # OSError: the process is already gone, there is nothing left to tell it.
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        try:
+            proc.wait(_CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("watchdog pid %d did not exit after close; killing it", proc.pid)
+            proc.kill()
+            proc.wait(_CLOSE_WAIT_S)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _beat(self) -> None:
+        self._send(f"{self._iteration}\n".encode())
+        while not self._stop.wait(self._interval):
+            self._send(f"{self._iteration}\n".encode())
+
+    def _send(self, data: bytes) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None or self._broken:
+            return
+        with self._lock:
+            try:
+                os.write(proc.stdin.fileno(), data)
+            except BlockingIOError:
+                pass  # the pipe is full: the process has beats enough to read
+            except (BrokenPipeError, ValueError, OSError):
+                self._broken = True
+                if not self._closed:
+                    log.warning(
+                        "watchdog process of rank %d is gone (exit %s): this rank's death or "
+                        "hang will not be reported",
+                        self._initial_rank,
+                        proc.poll(),
+                    )
+
+
+if __name__ == "__main__":
+    from inprocess._watchdog_main import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,203 @@
+"""The watchdog process on its own: a dummy rank process that exits, is SIGKILLed, holds the GIL,
+sleeps, or closes cleanly; faults must land in a real TCPStore (or not at all)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed import TCPStore
+
+from inprocess.watchdog import Watchdog
+from tests.multiproc import REPO_ROOT
+
+pytestmark = pytest.mark.timeout(60)
+
+HARD_TIMEOUT = 1.5
+GRACE = 0.5
+ITERATION = 4
+RANK = 3
+
+# The dummy rank: starts its watchdog, says "ready <watchdog pid>", then does what argv[2] says.
+CHILD = textwrap.dedent(
+    f"""
+    import ctypes, os, sys, time
+    from inprocess.watchdog import Watchdog
+    port, mode = int(sys.argv[1]), sys.argv[2]
+    w = Watchdog(store_host="127.0.0.1", store_port=port, initial_rank={RANK},
+                 hard_timeout={HARD_TIMEOUT}, termination_grace_time={GRACE},
+                 heartbeat_interval=0.05, logdir=sys.argv[3] if len(sys.argv) > 3 else None)
+    w.start()
+    w.set_iteration({ITERATION})
+    assert w.wait_ready(30), "the watchdog process did not come up"
+    print("ready", w.pid, flush=True)
+    if mode == "exit":
+        os._exit(3)
+    if mode == "wait":
+        time.sleep(3600)
+    if mode == "gil":
+        # A foreign C call that never returns and never releases the GIL.
+        ctypes.PyDLL(None).sleep(3600)
+    if mode == "sleep_then_close":
+        time.sleep({2 * HARD_TIMEOUT})  # GIL released: the heartbeat goes on, no kill
+        w.close()
+        print("closed", flush=True)
+    """
+)
+
+
+@pytest.fixture
+def store() -> Iterator[TCPStore]:
+    s = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    yield s
+    del s
+
+
+def start_rank(store: TCPStore, mode: str, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(store.port), mode, *extra],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    line = read_line(proc, timeout=30)
+    assert line.startswith("ready"), line
+    return proc, int(line.split()[1])
+
+
+def read_line(proc: subprocess.Popen[str], *, timeout: float) -> str:
+    assert proc.stdout is not None
+    readable, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert readable, f"the dummy rank printed nothing within {timeout} s"
+    return proc.stdout.readline().strip()
+
+
+def wait_fault(store: TCPStore, *, timeout: float) -> tuple[str, str, float]:
+    """(kind, detail, seconds waited) of the fault reported for RANK in ITERATION."""
+    from inprocess.store import read_faults  # A's reader for what report_fault wrote
+
+    t0 = time.monotonic()
+    faults = read_faults(store, iteration=ITERATION, timeout=timeout)
+    waited = time.monotonic() - t0
+    mine = [f for f in faults if f.initial_rank == RANK]
+    assert mine, f"no fault of rank {RANK} in iteration {ITERATION}: {faults}"
+    return mine[0].kind, mine[0].detail, waited
+
+
+def no_fault(store: TCPStore) -> bool:
+    from inprocess.store import read_faults
+
+    return not read_faults(store, iteration=ITERATION, timeout=0.0)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def test_sigkill_of_rank_is_reported_within_milliseconds(store: TCPStore) -> None:
+    proc, watchdog_pid = start_rank(store, "wait")
+    t0 = time.monotonic()
+    proc.kill()
+    kind, detail, _ = wait_fault(store, timeout=10)
+    elapsed = time.monotonic() - t0
+    proc.wait()
+    assert kind == "dead"
+    assert str(proc.pid) in detail
+    # Event-driven (pidfd + pipe EOF): milliseconds; the bound is loose for a shared 2-core box.
+    assert elapsed < 1.0, f"death reported after {elapsed:.3f} s"
+    assert wait_gone(watchdog_pid, 5), "the watchdog outlived its rank"
+
+
+def test_rank_exiting_without_close_is_reported_dead(store: TCPStore) -> None:
+    proc, watchdog_pid = start_rank(store, "exit")
+    assert proc.wait(10) == 3
+    kind, _, _ = wait_fault(store, timeout=10)
+    assert kind == "dead"
+    assert wait_gone(watchdog_pid, 5)
+
+
+def test_gil_held_hang_is_killed_after_hard_timeout(store: TCPStore, tmp_path: str) -> None:
+    t0 = time.monotonic()
+    proc, watchdog_pid = start_rank(store, "gil", str(tmp_path))
+    kind, detail, _ = wait_fault(store, timeout=20)
+    elapsed = time.monotonic() - t0
+    assert kind == "hard_timeout"
+    assert "no heartbeat" in detail
+    # SIGTERM's default action ends a process even while its main thread holds the GIL.
+    assert proc.wait(5) == -signal.SIGTERM
+    assert elapsed >= HARD_TIMEOUT
+    assert wait_gone(watchdog_pid, 5)
+    log = (tmp_path / f"watchdog_rank{RANK}.log").read_text()  # type: ignore[operator]
+    assert "hard_timeout" in log
+
+
+def test_sleeping_rank_is_not_killed_and_clean_close_reports_nothing(store: TCPStore) -> None:
+    proc, watchdog_pid = start_rank(store, "sleep_then_close")
+    assert read_line(proc, timeout=20) == "closed"
+    assert proc.wait(10) == 0
+    assert wait_gone(watchdog_pid, 5), "close() left the watchdog process running"
+    assert no_fault(store)
+
+
+def test_close_is_idempotent_and_stops_the_process() -> None:
+    w = Watchdog(
+        store_host="127.0.0.1",
+        store_port=1,  # nothing listens: the watchdog only logs, and close() must still work
+        initial_rank=0,
+        hard_timeout=5.0,
+        termination_grace_time=0.1,
+        heartbeat_interval=0.05,
+        logdir=None,
+    )
+    with w:
+        w.start()
+        pid = w.pid
+        assert pid is not None
+    w.close()
+    assert wait_gone(pid, 5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hard_timeout": 0.0}, r"hard_timeout \(0.0\) must be > 0"),
+        ({"heartbeat_interval": 10.0}, r"heartbeat_interval \(10.0\) must be smaller"),
+        ({"termination_grace_time": -1.0}, r"termination_grace_time \(-1.0\)"),
+        ({"store_port": 0}, r"store_port \(0\)"),
+    ],
+)
+def test_bad_arguments_name_the_field(kwargs: dict[str, float], message: str) -> None:
+    base = {
+        "store_host": "127.0.0.1",
+        "store_port": 29500,
+        "initial_rank": 0,
+        "hard_timeout": 5.0,
+        "termination_grace_time": 1.0,
+        "heartbeat_interval": 0.5,
+        "logdir": None,
+    }
+    with pytest.raises(ValueError, match=message):
+        Watchdog(**{**base, **kwargs})  # type: ignore[arg-type]
