@@ -1,0 +1,40 @@
+"""Cross-rank agreement: one small MAX all-reduce per pass, objects only on the fault path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def comm_device() -> torch.device:
+    """The device the default group reduces on: CUDA for NCCL, CPU otherwise."""
+    if is_distributed() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_max_(vec: torch.Tensor) -> None:
+    """Element-wise MAX over ranks, in place (a no-op on a single process)."""
+    if is_distributed():
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (fault path only: pickles and costs a collective)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

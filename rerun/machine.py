@@ -1,0 +1,597 @@
+"""``RerunStateMachine``: drives the pure transitions from a training loop (RNG, data, agreement).
+
+Call order per step, on every rank (the loop of ``README.md``)::
+
+    while rsm.should_run_forward_backward(data):   # BEGIN, then END of each pass
+        zero_grad(); loss = forward_backward(next(data))
+        rsm.validate_loss(loss)                     # and/or rsm.validate_result(...)
+    checkpoint, exit, code = rsm.should_checkpoint_and_exit()
+
+Costs in ``validate_results`` mode without faults: one RNG snapshot (host only), one MAX
+all-reduce of a 6-element int32 tensor on the default group (only when torch.distributed is
+initialised with more than one rank) and one device-to-host read per step; the checks themselves
+stay on the device until that read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import socket
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from rerun import agree, rng, tracker
+from rerun.checks import (
+    LargeValueTracker,
+    Rejection,
+    Value,
+    as_float,
+    compare_floats,
+    is_not_finite,
+)
+from rerun.data import RerunDataIterator
+from rerun.errors import InvalidTransition, RankAction, RerunConfigError, RerunExit
+from rerun.injector import RerunErrorInjector
+from rerun.record import Rejected, StepRecord
+from rerun.state_machine import (
+    NUM_FLAGS,
+    Diagnostic,
+    Event,
+    Flag,
+    RerunMode,
+    State,
+    exit_decision,
+    persisted_state,
+    transition,
+)
+from rerun.stats import QuickStats
+
+logger = logging.getLogger(__name__)
+
+NAN_LOSS_MESSAGE = "loss is NaN or Inf"
+SPIKY_LOSS_MESSAGE = "Spiky loss"
+STATE_DICT_VERSION = 1
+REPORT_INTERVAL_ITERATIONS = 100  # determinism stats are logged every this many steps
+
+_BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
+
+_BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
+
+Data = RerunDataIterator | list[RerunDataIterator | None] | None
+
+
+def _default_hardware_id() -> str:
+    dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_initialized() else "cpu"
+    return f"{socket.gethostname()}:{dev}"
+
+
+class RerunStateMachine:
+    """Validates results, re-runs a step with a rejected result, attributes the fault.
+
+    Verdicts: a result that does not reproduce in place is a transient fault (exit 17, no
+    checkpoint: resume from an earlier one); one that reproduces is re-run on other hardware
+    (checkpoint, exit 16); there, a different result means a persistent fault of the first
+    hardware and the same result a correct result / application problem (exit 17). Non-fatal
+    checks (spiky loss) only log and continue with the re-run's result.
+
+    ``in_job=True`` (under ``@restartable`` with warm reserves): after a persistent-fault verdict
+    the step's work already runs on healthy hardware, so training continues; the faulty hardware
+    is remembered (also in ``state_dict``) and a rank that later starts a step on it raises
+    ``RerunExit`` with ``restartable_rank_action="retire"``.
+    """
+
+    def __init__(
+        self,
+        mode: str | RerunMode = RerunMode.DISABLED,
+        *,
+        check_for_nan_in_loss: bool = True,
+        check_for_spiky_loss: bool = False,
+        spiky_loss_factor: float = 10.0,
+        spiky_loss_warmup: int = 100,
+        error_injector: RerunErrorInjector | None = None,
+        result_rejected_tracker_filename: str | None = None,
+        hardware_id: str | None = None,
+        in_job: bool = False,
+        state_save_func: Callable[[], Any] | None = None,
+        state_restore_func: Callable[[Any], None] | None = None,
+    ) -> None:
+        modes = [m.value for m in RerunMode]
+        value = mode.value if isinstance(mode, RerunMode) else mode
+        if value not in modes:
+            raise RerunConfigError(f"mode ({mode!r}) must be one of {modes}: pick one of those")
+        if not (isinstance(spiky_loss_factor, (int, float)) and spiky_loss_factor > 1.0):
+            raise RerunConfigError(
+                f"spiky_loss_factor ({spiky_loss_factor!r}) must be a number greater than 1 "
+                "(a loss is spiky when larger than factor x the running max): use e.g. 10.0"
+            )
+        if spiky_loss_warmup < 1:
+            raise RerunConfigError(
+                f"spiky_loss_warmup ({spiky_loss_warmup}) must be >= 1 (losses recorded before "
+                "spikes are flagged): use e.g. 100"
+            )
+        self.mode = RerunMode(value)
+        self.check_for_nan_in_loss = check_for_nan_in_loss
+        self.check_for_spiky_loss = check_for_spiky_loss
+        self.spiky_loss_factor = float(spiky_loss_factor)
+        self.spiky_loss_warmup = spiky_loss_warmup
+        self.in_job = in_job
+        self._injector = error_injector
+        self._tracker = (
+            tracker.ResultTracker(result_rejected_tracker_filename)
+            if result_rejected_tracker_filename is not None
+            else None
+        )
+        self._hardware_id = hardware_id
+        self._save_func = state_save_func
+        self._restore_func = state_restore_func
+        self._large = LargeValueTracker()
+        self._stats: dict[str, QuickStats] = {}
+
+        self.iteration = 0  # steps started; travels in state_dict
+        self.verdict: Diagnostic | None = None  # the latest verdict
+        self._state = State.IDLE
+        self._iterators: list[RerunDataIterator] = []
+        self._snapshot: rng.RngSnapshot | None = None
+        self._loaded_data: list[list[Any]] | None = None  # microbatches of a pending re-run
+        self._faulty_hardware: list[str] = []
+        self._suspect_ranks: tuple[int, ...] = ()
+        self._suspect_hardware: tuple[str, ...] = ()
+        self._rec = StepRecord()
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def hardware_id(self) -> str:
+        """Where this rank runs (host and device), to tell "other hardware" after a restart."""
+        return self._hardware_id or _default_hardware_id()
+
+    @property
+    def faulty_hardware(self) -> list[str]:
+        return list(self._faulty_hardware)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def should_run_forward_backward(self, data: Data = None) -> bool:
+        """The ``while`` condition around forward/backward: True while the step must (re)run.
+
+        Every rank must call it the same number of times (it may run one collective per pass).
+        May raise ``RerunExit(retire)`` with ``in_job`` on hardware known to be faulty.
+        """
+        if self._state in (State.IDLE, State.WILL_RERUN_ELSEWHERE):
+            self._iterators = self._wrap_check(data)
+            if self.in_job and self.hardware_id in self._faulty_hardware:
+                raise self._exit_exception(
+                    17,
+                    Diagnostic.PERSISTENT_ERROR,
+                    "retire",
+                    f"hardware {self.hardware_id} had a persistent fault: retire this rank",
+                )
+            event, flags = Event.BEGIN, frozenset[Flag]()
+        else:
+            event, flags = Event.END, self._end_pass()
+        old = self._state
+        t = transition(old, event, self.mode, flags, continue_on_persistent=self.in_job)
+        self._state = t.state
+        if event is Event.BEGIN and old is State.IDLE:
+            self.iteration += 1
+            self._rec.new_step()
+            self._loaded_data = None
+        if t.capture:
+            self._snapshot = rng.capture(self._save_func)
+        if event is Event.BEGIN and old is State.IDLE:
+            for it in self._iterators:
+                it.advance(record=t.capture)
+        if t.replay:
+            self._replay()
+        if t.verdict is not None:
+            self._on_verdict(t.verdict)
+        if t.state in (State.WILL_RERUN_ELSEWHERE, State.EXIT_RESUME_ELSEWHERE):
+            self._gather_suspects()
+        if t.run:
+            self._rec.new_pass()
+        return t.run
+
+    def validate_loss(self, loss: Value) -> None:
+        """The built-in loss checks: NaN/Inf (fatal) and, if enabled, spiky loss (non-fatal)."""
+        if self.check_for_nan_in_loss:
+            self.validate_result(loss, is_not_finite, NAN_LOSS_MESSAGE, tolerance=0.0, fatal=True)
+        if self.check_for_spiky_loss:
+            self.validate_result(loss, self._spiky, SPIKY_LOSS_MESSAGE, tolerance=0.0, fatal=False)
+
+    def _spiky(self, value: Value) -> Rejection:
+        return self.is_unexpectedly_large(
+            value, self.spiky_loss_factor, "loss", num_samples=self.spiky_loss_warmup
+        )
+
+    def is_unexpectedly_large(
+        self, value: Value, threshold: float, context: str, num_samples: int = 100
+    ) -> Rejection:
+        """A rejection function: ``|value| >= threshold x`` the running max of ``context``.
+
+        The first ``num_samples`` values of a context only build the max. NaN/Inf are ignored
+        (the NaN check owns them). No host sync for a tensor value.
+        """
+        return self._large.check(value, threshold, context, num_samples)
+
+    def validate_result(
+        self,
+        value: Value,
+        rejection_func: Callable[[Value], Rejection],
+        message: str,
+        *,
+        tolerance: float = 0.0,
+        fatal: bool = True,
+        comparison_func: Callable[[float, float], float] = compare_floats,
+    ) -> None:
+        """Check ``value`` (a number or a one-element tensor) inside forward/backward.
+
+        ``rejection_func(value)`` is truthy when the value is suspicious (a bool tensor is kept
+        on its device until the end of the pass). On a re-run, the same call (same message, same
+        position in the step) is compared with the first result: a relative difference above
+        ``tolerance`` means "not reproducible". ``fatal=False`` only logs and continues.
+        """
+        if self.mode is RerunMode.DISABLED or self._state in _BETWEEN_STEPS:
+            return
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise RerunConfigError(
+                f"validate_result value for {message!r} has {value.numel()} elements; it must be "
+                "a number or a one-element tensor: reduce it first (e.g. .sum() or a norm)"
+            )
+        rec = self._rec
+        seq = rec.next_seq(message)
+        corrupt = self._injector is not None and self._injector.corrupts(
+            self._state,
+            rank=self._rank(),
+            iteration=self.iteration,
+            message=message,
+            seq=seq,
+            hardware_id=self.hardware_id,
+        )
+        if isinstance(value, torch.Tensor):
+            value = value.detach()  # keep the number, not the autograd graph
+        if corrupt:
+            logger.warning(
+                "iteration %d: injecting a %s into %r",
+                self.iteration,
+                self._injector.kind.value if self._injector else "",
+                message,
+            )
+            value = math.nan
+        if self._state is State.INITIAL_RUN:
+            if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
+                rec.add_initial(message, seq, fatal, tolerance, value, False)
+                return
+            flag: Rejection = True if corrupt else rejection_func(value)
+            rec.add_initial(message, seq, fatal, tolerance, value, flag)
+            return
+        # A re-run: compare on the rank and call that were rejected (or every call for stats).
+        if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
+            first = rec.first_results.get((message, seq))
+            if first is not None:
+                diff = comparison_func(first, as_float(value))
+                self._stats.setdefault(message, QuickStats()).add(diff)
+            return
+        rec.add_rerun(message, seq, value, comparison_func)
+
+    def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
+        """After the loop, before the optimizer step: ``(checkpoint, exit, exit_code)``.
+
+        ``(True, True, 16)``: save a checkpoint now (this step, before the optimizer step, with
+        ``state_dict()``), then exit or ``exit_or_raise()``. ``(False, True, 16|17)``: exit
+        without saving. ``(False, False, 0)``: step the optimizer and go on.
+        """
+        if self.mode is RerunMode.REPORT_DETERMINISM_STATS and (
+            self.iteration % REPORT_INTERVAL_ITERATIONS == 0
+        ):
+            for msg, st in sorted(self._stats.items()):
+                logger.info(
+                    "determinism stats at iteration %d for %r: %s",
+                    self.iteration,
+                    msg,
+                    st.summary(),
+                )
+        return exit_decision(self._state)
+
+    def exit_or_raise(self) -> NoReturn:
+        """Raise ``RerunExit`` for the current exit decision (call when ``exit`` is True).
+
+        Standalone the uncaught exception exits the process with the code (as ``sys.exit``);
+        under ``@restartable`` the wrapper reads ``restartable_rank_action``: "demote" on the
+        suspect rank for code 16, "retire" on a rank whose own hardware is persistently faulty,
+        None on the other ranks (they take part in the restart normally).
+        """
+        _ckpt, do_exit, code = exit_decision(self._state)
+        if not do_exit:
+            raise InvalidTransition(
+                f"exit_or_raise() called in state {self._state.value}, where no verdict asks to "
+                "exit: call it only when should_checkpoint_and_exit() returns exit=True"
+            )
+        rank = self._rank()
+        action: RankAction | None = None
+        if code == 16 and rank in self._suspect_ranks:
+            action = "demote"
+        elif (
+            self.verdict is Diagnostic.PERSISTENT_ERROR
+            and self.hardware_id in self._suspect_hardware
+        ):
+            action = "retire"
+        what = {
+            State.WILL_RERUN_ELSEWHERE: "result reproduced on this hardware: re-run the step "
+            "on other hardware from the checkpoint just saved",
+            State.EXIT_RESUME_ELSEWHERE: "resumed on the suspect hardware: resume again from the "
+            "same checkpoint on other hardware",
+        }.get(
+            self._state, f"result validation failed ({self.verdict.value if self.verdict else '?'})"
+        )
+        raise self._exit_exception(code, self.verdict, action, what)
+
+    def determinism_stats(self) -> dict[str, dict[str, Any]]:
+        """Per message: count, identical, avg, p50, p90, p99, max of relative differences."""
+        return {msg: st.summary() for msg, st in sorted(self._stats.items())}
+
+    # -- checkpoint -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state; the same keys whatever the state (constant checkpoint structure).
+
+        Per rank: store it under a rank-specific key or in per-rank storage. A pending re-run on
+        other hardware carries the step's RNG snapshot and microbatches, so it resumes from disk
+        alone. Call it in ``should_checkpoint_and_exit`` order, not mid-pass.
+        """
+        rank, world = agree.rank_and_world()
+        saved = persisted_state(self._state)
+        pending = saved is State.WILL_RERUN_ELSEWHERE
+        r = self._rec.rejected if pending else None
+        data = b""
+        if pending:
+            buffers = (
+                self._loaded_data
+                if self._loaded_data is not None
+                else [it.replay_buffer() for it in self._iterators]
+            )
+            buf = io.BytesIO()
+            torch.save(buffers, buf)
+            data = buf.getvalue()
+        return {
+            "version": STATE_DICT_VERSION,
+            "mode": self.mode.value,
+            "state": saved.value,
+            "iteration": self.iteration,
+            "rank": rank,
+            "world_size": world,
+            "hardware_id": self.hardware_id,
+            "failed_message": r.message if r else "",
+            "failed_seq": r.seq if r else -1,
+            "failed_fatal": r.fatal if r else True,
+            "failed_tolerance": r.tolerance if r else 0.0,
+            "initial_result": r.initial if r else math.nan,
+            "suspect_hardware": self._rec.suspect_hw if r else "",
+            "faulty_hardware": json.dumps(self._faulty_hardware),
+            "large_values": json.dumps(self._large.state()),
+            "injector": json.dumps(self._injector.state() if self._injector else {}),
+            "rng": self._snapshot.to_bytes() if pending and self._snapshot else b"",
+            "data": data,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore from ``state_dict()`` (between steps). A pending re-run is restored only when
+        the world size matches and the mode validates results; otherwise it is dropped with a
+        warning, like a resharded job."""
+        if self._state is not State.IDLE:
+            raise InvalidTransition(
+                f"load_state_dict() called in state {self._state.value}: load before the first "
+                "should_run_forward_backward() of a job"
+            )
+        for key in ("version", "state", "iteration", "world_size", "rng", "data"):
+            if key not in sd:
+                raise RerunConfigError(
+                    f"state_dict is missing {key!r}: pass the dict returned by "
+                    "RerunStateMachine.state_dict()"
+                )
+        if sd["version"] != STATE_DICT_VERSION:
+            raise RerunConfigError(
+                f"state_dict version ({sd['version']}) must be {STATE_DICT_VERSION}: "
+                "it was written by another version of rerun"
+            )
+        self.iteration = int(sd["iteration"])
+        self._faulty_hardware = list(json.loads(sd["faulty_hardware"]))
+        self._large.load(json.loads(sd["large_values"]))
+        if self._injector is not None:
+            self._injector.load(json.loads(sd["injector"]))
+        if State(sd["state"]) is not State.WILL_RERUN_ELSEWHERE:
+            return
+        world = agree.rank_and_world()[1]
+        if sd["world_size"] != world or self.mode is not RerunMode.VALIDATE_RESULTS:
+            logger.warning(
+                "iteration %d: a pending re-run from a job with world size %s in mode %s is "
+                "ignored (now world size %d, mode %s)",
+                self.iteration,
+                sd["world_size"],
+                sd["mode"],
+                world,
+                self.mode.value,
+            )
+            return
+        self._state = State.WILL_RERUN_ELSEWHERE
+        self._snapshot = rng.RngSnapshot.from_bytes(sd["rng"])
+        self._loaded_data = torch.load(io.BytesIO(sd["data"]), weights_only=False)
+        if sd["failed_message"]:
+            self._rec.rejected = Rejected(
+                str(sd["failed_message"]),
+                int(sd["failed_seq"]),
+                bool(sd["failed_fatal"]),
+                float(sd["failed_tolerance"]),
+                float(sd["initial_result"]),
+            )
+            self._rec.suspect_hw = str(sd["suspect_hardware"])
+
+    # -- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _rank() -> int:
+        return agree.rank_and_world()[0]
+
+    def _wrap_check(self, data: Data) -> list[RerunDataIterator]:
+        items = data if isinstance(data, list) else [data]
+        out = []
+        for it in items:
+            if it is None:
+                continue
+            if not isinstance(it, RerunDataIterator):
+                if self.mode is RerunMode.DISABLED:
+                    continue
+                raise RerunConfigError(
+                    f"data ({type(it).__name__}) must be a RerunDataIterator (or a list of them) "
+                    f"when mode is {self.mode.value}: wrap it, data = RerunDataIterator(loader)"
+                )
+            out.append(it)
+        return out
+
+    def _replay(self) -> None:
+        if self._snapshot is not None:
+            rng.restore(self._snapshot, self._restore_func)
+        if self._loaded_data is not None:
+            if len(self._loaded_data) != len(self._iterators):
+                raise RerunConfigError(
+                    f"the checkpoint holds microbatches of {len(self._loaded_data)} data "
+                    f"iterator(s) but should_run_forward_backward got {len(self._iterators)}: "
+                    "pass the same iterators as the job that saved it"
+                )
+            for it, saved in zip(self._iterators, self._loaded_data, strict=True):
+                it.load_replay_buffer(saved)
+            self._loaded_data = None
+        else:
+            for it in self._iterators:
+                it.rewind()
+
+    def _end_pass(self) -> frozenset[Flag]:
+        """This rank's outcome of the pass, agreed with every rank (one collective)."""
+        rec = self._rec
+        if self.mode is RerunMode.DISABLED:
+            return frozenset()
+        if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
+            if self._state is State.INITIAL_RUN:
+                rec.first_results = {(m, s): as_float(v) for m, s, _f, _t, v in rec.calls}
+            return frozenset()
+        local = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=agree.comm_device())
+        if self._state is State.INITIAL_RUN:
+            flags = rec.read_initial(local)
+            if rec.rejected is not None:
+                r = rec.rejected
+                logger.warning(
+                    "rank %d iteration %d: result %r rejected (%r, %s); re-running the step",
+                    self._rank(),
+                    self.iteration,
+                    r.message,
+                    r.initial,
+                    "fatal" if r.fatal else "non-fatal",
+                )
+                self._track(tracker.INITIAL_RUN, r.initial, r.message)
+            return flags
+        bit = self._rerun_outcome()
+        if bit is not None:
+            local[bit] = 1
+        agree.reduce_max_(local)
+        return frozenset(f for f, v in zip(Flag, local.tolist(), strict=True) if v)
+
+    def _rerun_outcome(self) -> Flag | None:
+        """The flag this rank contributes after a re-run (only the rank that rejected)."""
+        rec = self._rec
+        r = rec.rejected
+        if r is None:
+            return None
+        same = rec.reproduced()
+        if self._state is State.RERUN_IN_PLACE:
+            self._track(
+                tracker.FIRST_RERUN_REPRODUCIBLE if same else tracker.FIRST_RERUN_NOT_REPRODUCIBLE,
+                rec.rerun_result,
+                r.message,
+            )
+            logger.warning(
+                "rank %d iteration %d: %r %s on the same hardware%s",
+                self._rank(),
+                self.iteration,
+                r.message,
+                "reproduced" if same else "did not reproduce (possible transient error)",
+                "" if r.fatal else "; non-fatal check: continuing with the re-run's result",
+            )
+            if not r.fatal:
+                return None
+            if same:
+                rec.suspect_hw = self.hardware_id
+                return Flag.FATAL_REPRODUCED
+            return Flag.FATAL_NOT_REPRODUCED
+        # RERUN_ELSEWHERE
+        if self.hardware_id == rec.suspect_hw:
+            logger.warning(
+                "rank %d iteration %d: resumed on the suspect hardware %s",
+                self._rank(),
+                self.iteration,
+                self.hardware_id,
+            )
+            return Flag.SAME_HARDWARE
+        self._track(
+            tracker.SECOND_RERUN_REPRODUCIBLE if same else tracker.SECOND_RERUN_NOT_REPRODUCIBLE,
+            rec.rerun_result,
+            r.message,
+        )
+        return Flag.SAME_ELSEWHERE if same else Flag.DIFFERS_ELSEWHERE
+
+    def _gather_suspects(self) -> None:
+        """Every rank learns the suspect ranks and hardware (fault path only)."""
+        mine = self._rec.rejected is not None and bool(self._rec.suspect_hw)
+        got = agree.gather_objects((self._rank(), mine, self._rec.suspect_hw))
+        self._suspect_ranks = tuple(r for r, s, _ in got if s)
+        self._suspect_hardware = tuple(h for _r, s, h in got if s)
+
+    def _on_verdict(self, verdict: Diagnostic) -> None:
+        self.verdict = verdict
+        if verdict is not Diagnostic.TRANSIENT_ERROR:
+            self._gather_suspects()
+        else:
+            got = agree.gather_objects((self._rank(), self._rec.rejected is not None))
+            self._suspect_ranks = tuple(r for r, s in got if s)
+            self._suspect_hardware = ()
+        if verdict is Diagnostic.PERSISTENT_ERROR:
+            self._faulty_hardware.extend(
+                h for h in self._suspect_hardware if h not in self._faulty_hardware
+            )
+        logger.info(
+            "iteration %d verdict: %s (suspect ranks %s, hardware %s)",
+            self.iteration,
+            verdict.value,
+            list(self._suspect_ranks),
+            list(self._suspect_hardware),
+        )
+
+    def _track(self, status: str, result: float, message: str) -> None:
+        if self._tracker is not None:
+            self._tracker.record(
+                rank=self._rank(),
+                iteration=self.iteration,
+                status=status,
+                result=result,
+                message=message,
+                hardware_id=self.hardware_id,
+            )
+
+    def _exit_exception(
+        self, code: int, verdict: Diagnostic | None, action: RankAction | None, what: str
+    ) -> RerunExit:
+        return RerunExit(
+            code,
+            verdict=verdict.value if verdict else None,
+            suspect_ranks=self._suspect_ranks,
+            suspect_hardware=self._suspect_hardware,
+            restartable_rank_action=action,
+            message=f"iteration {self.iteration}: {what}",
+        )

@@ -1,0 +1,112 @@
+"""What a step recorded: the validation calls of the current pass and the rejected call.
+
+Flags of the initial run stay on their device until ``read_initial``, which makes the step's
+single device-to-host read (after the cross-rank reduction of the same tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rerun import agree
+from rerun.checks import Rejection, Value, as_float
+from rerun.state_machine import NUM_FLAGS, Flag
+
+
+@dataclass
+class Rejected:
+    """The call that was rejected on this rank: matched on re-runs by (message, seq)."""
+
+    message: str
+    seq: int  # the n-th call with this message in the step
+    fatal: bool
+    tolerance: float
+    initial: float  # the rejected result
+
+
+class StepRecord:
+    """Per-rank memory of one step (``new_step``) and of its current pass (``new_pass``)."""
+
+    def __init__(self) -> None:
+        self.rejected: Rejected | None = None
+        self.suspect_hw = ""  # the hardware where a fatal rejection reproduced
+        self.first_results: dict[tuple[str, int], float] = {}  # determinism stats mode
+        self.seq: dict[str, int] = {}
+        self.calls: list[tuple[str, int, bool, float, Value]] = []
+        self.tensor_flags: list[tuple[int, torch.Tensor]] = []
+        self.host_rejected: list[int] = []
+        self.rerun_diff: float | None = None
+        self.rerun_result = math.nan
+
+    def new_step(self) -> None:
+        self.rejected = None
+        self.suspect_hw = ""
+        self.first_results = {}
+        self.new_pass()
+
+    def new_pass(self) -> None:
+        self.seq = {}
+        self.calls = []
+        self.tensor_flags = []
+        self.host_rejected = []
+        self.rerun_diff = None
+        self.rerun_result = math.nan
+
+    def next_seq(self, message: str) -> int:
+        seq = self.seq.get(message, 0)
+        self.seq[message] = seq + 1
+        return seq
+
+    def add_initial(
+        self, message: str, seq: int, fatal: bool, tolerance: float, value: Value, flag: Rejection
+    ) -> None:
+        index = len(self.calls)
+        self.calls.append((message, seq, fatal, tolerance, value))
+        if isinstance(flag, torch.Tensor):
+            self.tensor_flags.append((index, flag))
+        elif flag:
+            self.host_rejected.append(index)
+
+    def add_rerun(
+        self, message: str, seq: int, value: Value, comparison: Callable[[float, float], float]
+    ) -> None:
+        r = self.rejected
+        if r is not None and (message, seq) == (r.message, r.seq):
+            self.rerun_result = as_float(value)
+            self.rerun_diff = comparison(r.initial, self.rerun_result)
+
+    def reproduced(self) -> bool:
+        """The rejected call ran again within tolerance (a call that did not run: no)."""
+        r = self.rejected
+        return r is not None and self.rerun_diff is not None and self.rerun_diff <= r.tolerance
+
+    def read_initial(self, local: torch.Tensor) -> frozenset[Flag]:
+        """Agree on ``REJECTED`` over ranks and note this rank's first rejected call.
+
+        ``local`` is the zeroed flag vector on the reduction device; one collective, one read.
+        """
+        if self.host_rejected:
+            local[Flag.REJECTED] = 1
+        flags = None
+        if self.tensor_flags:
+            flags = torch.stack(
+                [f.reshape(()).to(local.device, torch.int32) for _, f in self.tensor_flags]
+            )
+            local[Flag.REJECTED] = torch.maximum(local[Flag.REJECTED], flags.max())
+        agree.reduce_max_(local)
+        host = (torch.cat([local, flags]) if flags is not None else local).tolist()
+        per_call = host[NUM_FLAGS:]
+        rejected = sorted(
+            self.host_rejected
+            + [idx for (idx, _), v in zip(self.tensor_flags, per_call, strict=True) if v]
+        )
+        if rejected:
+            # Prefer a fatal rejection: it decides whether the job must stop.
+            idx = next((i for i in rejected if self.calls[i][2]), rejected[0])
+            message, seq, fatal, tol, value = self.calls[idx]
+            self.rejected = Rejected(message, seq, fatal, tol, as_float(value))
+        return frozenset(f for f, v in zip(Flag, host[:NUM_FLAGS], strict=True) if v)
