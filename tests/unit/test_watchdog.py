@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 from torch.distributed import TCPStore
 
+from inprocess.store import end_key, read_faults
 from inprocess.watchdog import Watchdog
 from tests.multiproc import REPO_ROOT
 
@@ -88,22 +89,12 @@ def read_line(proc: subprocess.Popen[str], *, timeout: float) -> str:
     return proc.stdout.readline().strip()
 
 
-def wait_fault(store: TCPStore, *, timeout: float) -> tuple[str, str, float]:
-    """(kind, detail, seconds waited) of the fault reported for RANK in ITERATION."""
-    from inprocess.store import read_faults  # A's reader for what report_fault wrote
-
-    t0 = time.monotonic()
-    faults = read_faults(store, iteration=ITERATION, timeout=timeout)
-    waited = time.monotonic() - t0
-    mine = [f for f in faults if f.initial_rank == RANK]
-    assert mine, f"no fault of rank {RANK} in iteration {ITERATION}: {faults}"
-    return mine[0].kind, mine[0].detail, waited
-
-
-def no_fault(store: TCPStore) -> bool:
-    from inprocess.store import read_faults
-
-    return not read_faults(store, iteration=ITERATION, timeout=0.0)
+def wait_fault(store: TCPStore, *, timeout: float) -> tuple[str, str]:
+    """(kind, detail) of the fault reported for RANK in ITERATION; waits on the end key."""
+    store.wait([end_key(ITERATION)], datetime.timedelta(seconds=timeout))
+    mine = [f for f in read_faults(store, ITERATION) if f.initial_rank == RANK]
+    assert len(mine) == 1, f"expected one fault of rank {RANK}: {read_faults(store, ITERATION)}"
+    return mine[0].kind, mine[0].detail
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -121,7 +112,7 @@ def test_sigkill_of_rank_is_reported_within_milliseconds(store: TCPStore) -> Non
     proc, watchdog_pid = start_rank(store, "wait")
     t0 = time.monotonic()
     proc.kill()
-    kind, detail, _ = wait_fault(store, timeout=10)
+    kind, detail = wait_fault(store, timeout=10)
     elapsed = time.monotonic() - t0
     proc.wait()
     assert kind == "dead"
@@ -134,7 +125,7 @@ def test_sigkill_of_rank_is_reported_within_milliseconds(store: TCPStore) -> Non
 def test_rank_exiting_without_close_is_reported_dead(store: TCPStore) -> None:
     proc, watchdog_pid = start_rank(store, "exit")
     assert proc.wait(10) == 3
-    kind, _, _ = wait_fault(store, timeout=10)
+    kind, _ = wait_fault(store, timeout=10)
     assert kind == "dead"
     assert wait_gone(watchdog_pid, 5)
 
@@ -142,7 +133,7 @@ def test_rank_exiting_without_close_is_reported_dead(store: TCPStore) -> None:
 def test_gil_held_hang_is_killed_after_hard_timeout(store: TCPStore, tmp_path: str) -> None:
     t0 = time.monotonic()
     proc, watchdog_pid = start_rank(store, "gil", str(tmp_path))
-    kind, detail, _ = wait_fault(store, timeout=20)
+    kind, detail = wait_fault(store, timeout=20)
     elapsed = time.monotonic() - t0
     assert kind == "hard_timeout"
     assert "no heartbeat" in detail
@@ -159,7 +150,7 @@ def test_sleeping_rank_is_not_killed_and_clean_close_reports_nothing(store: TCPS
     assert read_line(proc, timeout=20) == "closed"
     assert proc.wait(10) == 0
     assert wait_gone(watchdog_pid, 5), "close() left the watchdog process running"
-    assert no_fault(store)
+    assert read_faults(store, ITERATION) == []
 
 
 def test_close_is_idempotent_and_stops_the_process() -> None:
