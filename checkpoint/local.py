@@ -38,6 +38,10 @@ class GroupSource(Protocol):
 
     def current(self) -> dist.ProcessGroup | None: ...
 
+    def is_stale(self) -> bool: ...
+
+    def drop(self) -> None: ...
+
 
 def _rank_world(pg: dist.ProcessGroup | None) -> tuple[int, int]:
     if pg is None:
@@ -113,7 +117,7 @@ class LocalTier:
         """
         if self._closed:
             raise CheckpointError("LocalTier.save() after close(): create a new manager")
-        self.wait()
+        self._settle()
         t0 = time.perf_counter()
         pg = self._group.current()
         rank, world = _rank_world(pg)
@@ -260,6 +264,19 @@ class LocalTier:
 
     # ---------------------------------------------------------------- wait / load / close
 
+    def _settle(self) -> None:
+        """Before a collective entry point: end the previous background work.
+
+        After an in-process restart the default group changed; the dedicated group of the work
+        in flight is dropped first, which closes its sockets and releases a transfer blocked on a
+        peer that is gone (instead of waiting for the group's timeout). That step stays
+        incomplete; the steps before it are untouched.
+        """
+        if self._future is not None and self._group.is_stale():
+            log.warning("process group changed with a local save in flight: abandoning it")
+            self._group.drop()
+        self.wait()
+
     def wait(self) -> None:
         """Wait for the background work of the last save (bounded by the group's timeout)."""
         fut, self._future = self._future, None
@@ -277,7 +294,7 @@ class LocalTier:
         """
         if self._closed:
             raise CheckpointError("LocalTier.load() after close(): create a new manager")
-        self.wait()
+        self._settle()
         pg = self._group.current()
         rank, world = _rank_world(pg)
         with self._lock:

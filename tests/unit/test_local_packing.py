@@ -1,0 +1,91 @@
+"""Flat-buffer packing of the local tier: round trip, in-place fill, mismatches, checksum."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint import packing
+from checkpoint.errors import CheckpointError, CheckpointMismatchError
+
+
+def _pack(state: dict[str, Any]) -> torch.Tensor:
+    sf: list[Any] = []
+    lv = packing.leaves(state, sf)
+    tensors = [x for x in lv if isinstance(x.value, torch.Tensor)]
+    objects = {x.key: x.value for x in lv if not isinstance(x.value, torch.Tensor)}
+    layout = packing.Layout.of(tensors)
+    header = packing.header_bytes(layout, objects, {"step": 1})
+    buf = torch.empty(packing.packed_size(layout, header), dtype=torch.uint8)
+    packing.pack_into(buf, layout, header, tensors)
+    return buf
+
+
+def _state() -> dict[str, Any]:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    return {
+        "model": model,
+        "opt": opt,
+        "x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)[:, 1:],  # non-contiguous view
+        "flags": torch.tensor([True, False]),
+        "empty": torch.empty(0),
+        "step": 7,
+        "sched": {"lr": [0.1, 0.01], "name": "cos", "pair": (1, 2)},
+    }
+
+
+def test_round_trip_fills_in_place() -> None:
+    src = _state()
+    buf = _pack(src)
+    dst = _state()
+    x = dst["x"]
+    with torch.no_grad():
+        for p in dst["model"].parameters():
+            p.zero_()
+    dst["x"].zero_()
+    dst["step"] = 0
+    dst["sched"]["pair"] = (0, 0)
+    packing.unpack_into(buf, dst)
+    assert dst["x"] is x and torch.equal(x, src["x"])
+    for a, b in zip(src["model"].parameters(), dst["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    sa, sb = src["opt"].state_dict()["state"], dst["opt"].state_dict()["state"]
+    assert all(torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"]) for k in sa)
+    assert dst["step"] == 7 and dst["sched"] == {"lr": [0.1, 0.01], "name": "cos", "pair": (1, 2)}
+
+
+def test_mismatch_lists_every_bad_key() -> None:
+    buf = _pack({"a": torch.zeros(3), "b": torch.zeros(2), "n": 1})
+    with pytest.raises(CheckpointMismatchError) as e:
+        packing.unpack_into(buf, {"a": torch.zeros(4), "b": torch.zeros(2), "c": torch.zeros(1)})
+    assert e.value.keys == ["a", "c"]
+    assert "a (saved float32[3]" in str(e.value)
+
+
+def test_unsupported_leaf_names_the_key() -> None:
+    with pytest.raises(CheckpointError, match=r"'cfg/fn' has type function"):
+        _pack({"cfg": {"fn": lambda: 0}})
+
+
+def test_not_a_shard() -> None:
+    with pytest.raises(CheckpointError, match="not a local-tier shard"):
+        packing.parse(torch.zeros(64, dtype=torch.uint8))
+
+
+def test_crc_sees_one_flipped_bit() -> None:
+    buf = _pack({"w": torch.randn(1000)})
+    n = buf.numel()
+    before = packing.crc32(buf, n)
+    buf[n - 1] ^= 1
+    assert packing.crc32(buf, n) != before
+
+
+def test_replicated_marker_reaches_the_leaves() -> None:
+    state = {"m": packing.ReplicatedState({"w": torch.ones(2)}), "r": torch.ones(1)}
+    flags = {x.key: x.replicated for x in packing.leaves(state, [])}
+    assert flags == {"m/w": True, "r": False}

@@ -1,0 +1,146 @@
+"""LocalTier in one process: validation, memory / directory restore, retention, corruption."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint.errors import CheckpointConfigError, CheckpointStorageError
+from checkpoint.local import LocalTier
+
+
+class NoGroup:
+    """Not distributed: world of one."""
+
+    def current(self) -> None:
+        return None
+
+    def is_stale(self) -> bool:
+        return False
+
+    def drop(self) -> None:
+        pass
+
+
+def _tier(local_dir: Path | None, keep: int = 2, algo: str = "atomic") -> LocalTier:
+    d = str(local_dir) if local_dir is not None else None
+    return LocalTier(local_dir=d, replication_factor=2, algo=algo, keep=keep, group=NoGroup())
+
+
+def _state(v: float) -> dict[str, Any]:
+    return {"w": torch.full((256,), v), "step": int(v)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"algo": "fast"}, r"local_algo \('fast'\) must be one of"),
+        ({"replication_factor": 0}, r"replication_factor \(0\) must be >= 1"),
+        ({"keep": 0}, r"keep \(0\) must be >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {
+        "local_dir": None,
+        "replication_factor": 1,
+        "algo": "atomic",
+        "keep": 1,
+        "group": NoGroup(),
+    }
+    with pytest.raises(CheckpointConfigError, match=match):
+        LocalTier(**{**args, **kwargs})
+
+
+def test_bad_local_dir(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointStorageError, match="does not exist"):
+        _tier(tmp_path / "missing")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        with pytest.raises(CheckpointStorageError, match="not writable"):
+            _tier(ro)
+    finally:
+        ro.chmod(0o700)
+
+
+def test_too_small_local_dir_fails_at_first_save(tmp_path: Path, monkeypatch: Any) -> None:
+    import shutil
+
+    from checkpoint import local_dir
+
+    tier = _tier(tmp_path)
+    real = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(local_dir.shutil, "disk_usage", lambda p: real._replace(free=1000))
+    with pytest.raises(CheckpointStorageError, match="is too small"):
+        tier.save(1, _state(1.0))
+    tier.close()
+
+
+def test_memory_restore_then_directory_restore(tmp_path: Path) -> None:
+    with _tier(tmp_path) as tier:
+        for step in (1, 2, 3):
+            tier.save(step, _state(float(step)))
+        tier.wait()
+        state = _state(0.0)
+        res = tier.load(state, min_step=None)
+        assert res is not None and (res.step, res.tier) == (3, "memory")
+        assert torch.equal(state["w"], torch.full((256,), 3.0)) and state["step"] == 3
+        # Retention: two steps kept in the directory (memory likewise).
+        assert sorted(os.listdir(tmp_path)) == ["step_000000002", "step_000000003"]
+        assert sorted({s for s, _ in tier._held}) == [2, 3]
+    with _tier(tmp_path) as fresh:  # a new process: only the directory is left
+        state = _state(0.0)
+        res = fresh.load(state, min_step=None)
+        assert res is not None and (res.step, res.tier) == (3, "local_dir")
+        assert state["step"] == 3
+        assert fresh.load(state, min_step=4) is None
+
+
+def test_saved_values_are_a_snapshot(tmp_path: Path) -> None:
+    with _tier(None) as tier:
+        state = _state(1.0)
+        tier.save(1, state)
+        state["w"].fill_(99.0)  # mutate right after save() returns
+        tier.wait()
+        res = tier.load(state, min_step=None)
+        assert res is not None and torch.equal(state["w"], torch.full((256,), 1.0))
+
+
+def test_corrupt_directory_copy_is_not_loaded(tmp_path: Path) -> None:
+    with _tier(tmp_path) as tier:
+        tier.save(1, _state(1.0))
+        tier.save(2, _state(2.0))
+    shard = tmp_path / "step_000000002" / "owner_0.bin"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with _tier(tmp_path) as fresh:
+        state = _state(0.0)
+        res = fresh.load(state, min_step=None)
+        assert res is not None and res.step == 1 and state["step"] == 1
+        assert fresh.load(state, min_step=2) is None
+
+
+def test_buffers_are_reused(tmp_path: Path) -> None:
+    with _tier(None, keep=1) as tier:
+        seen = set()
+        for step in range(1, 8):
+            tier.save(step, _state(float(step)))
+            tier.wait()
+            seen |= {s.buf.data_ptr() for s in tier._held.values()}
+        assert len(seen) <= 2
+
+
+def test_close_is_idempotent_and_final() -> None:
+    tier = _tier(None)
+    tier.close()
+    tier.close()
+    with pytest.raises(Exception, match="after close"):
+        tier.save(1, _state(1.0))
