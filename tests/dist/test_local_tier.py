@@ -8,6 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.multiproc import run_ranks
 
 W = "tests.dist.workers_local"
@@ -114,3 +116,19 @@ def test_killed_rank_replaced_by_fresh_process_restores_from_peer(tmp_path: Path
         assert o.result == {"step": 2, "tier": "memory", "ok": True}
     replaced = json.loads((tmp_path / "replacement_result.json").read_text())
     assert replaced == {"step": 2, "tier": "peer", "ok": True}
+
+
+@pytest.mark.parametrize("algo", ["fully_parallel"])
+def test_through_checkpoint_manager(tmp_path: Path, algo: str) -> None:
+    outs = run_ranks(
+        4,
+        target=f"{W}:with_manager",
+        kwargs={"base": str(tmp_path), "algo": algo},
+        local_world_size=2,
+        host_store=True,
+        deadline=60,
+    )
+    for o in outs:
+        assert o.result["restart"] == [3, "memory", True], o.result
+        tier = "peer" if o.rank in (2, 3) else "local_dir"
+        assert o.result["new_manager"] == [3, tier, True], (o.rank, o.result)

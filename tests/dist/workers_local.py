@@ -245,3 +245,46 @@ def killed_rank_replaced(base: str, replacement: bool = False) -> dict[str, Any]
     dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def with_manager(base: str, algo: str) -> dict[str, Any]:
+    """The local tier through CheckpointManager: memory after a restart, then directory / peer
+    for a new manager (a new process's view), with node 1's directory lost."""
+    from checkpoint.manager import CheckpointManager
+
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+
+    def manager() -> CheckpointManager:
+        return CheckpointManager(
+            f"{base}/persistent",
+            persistent_every=2,
+            keep=2,
+            local_every=1,
+            local_dir=_node_dir(f"{base}/local"),
+            replication_factor=2,
+            local_algo=algo,
+            timeout=30.0,
+        )
+
+    _init(0)
+    out: dict[str, Any] = {}
+    mgr = manager()
+    state = _state(rank, world, 0)
+    for step in (1, 2, 3):
+        _save_steps(mgr, rank, world, [step], state)
+    dist.destroy_process_group()  # in-process restart
+    _init(1)
+    _zero(state)
+    got = mgr.load_latest(state)
+    out["restart"] = [got, mgr.last_restore.tier, _matches(state, rank, world, 3)]
+    mgr.close()
+    if rank == 2:
+        shutil.rmtree(f"{base}/local/node1")
+    dist.barrier()
+    mgr = manager()
+    _zero(state)
+    got = mgr.load_latest(state)
+    out["new_manager"] = [got, mgr.last_restore.tier, _matches(state, rank, world, 3)]
+    mgr.close()
+    dist.destroy_process_group()
+    return out
