@@ -24,6 +24,7 @@ class FaultRecord:
     where: str = ""
     step: int | None = None
     action: str = ""
+    time: float = 0.0  # time.time() when the fault was recorded (same-host latency accounting)
 
     def summary(self) -> str:
         """One line for logs and error messages."""

@@ -28,6 +28,7 @@ from inprocess.errors import FaultRecord, StoreTimeoutError
 log = logging.getLogger(__name__)
 
 ROOT = "restartable/"
+GONE_KEY = ROOT + "gone"
 OUTCOME_FAULT = "fault"
 OUTCOME_DONE = "done"
 # Kinds after which the rank's process is gone: it will not arrive at any barrier.
@@ -65,6 +66,8 @@ def record_fault(store: StoreLike, record: FaultRecord) -> None:
     all wake with the same answer at once. Safe to call from any process, any number of times.
     """
     it = record.iteration
+    if record.kind in GONE_KINDS:  # job-wide: a later iteration must not wait for this rank
+        store.append(GONE_KEY, f"{record.initial_rank},")
     store.append(_key(it, "faults"), json.dumps(asdict(record)) + "\n")
     store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
     store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
@@ -79,7 +82,14 @@ def report_fault(store: Any, *, iteration: int, initial_rank: int, kind: str, de
     effect: a repeated report adds a record but the iteration ends once.
     """
     record_fault(
-        store, FaultRecord(iteration=iteration, initial_rank=initial_rank, kind=kind, detail=detail)
+        store,
+        FaultRecord(
+            iteration=iteration,
+            initial_rank=initial_rank,
+            kind=kind,
+            detail=detail,
+            time=time.time(),
+        ),
     )
 
 
@@ -90,6 +100,13 @@ def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
         return []
     lines = store.get(key).decode().splitlines()
     return [FaultRecord(**json.loads(line)) for line in lines if line]
+
+
+def gone_ranks(store: StoreLike) -> set[int]:
+    """Initial ranks whose process is known to be gone (any iteration); never blocks."""
+    if not store.check([GONE_KEY]):
+        return set()
+    return {int(x) for x in store.get(GONE_KEY).decode().split(",") if x}
 
 
 def outcome(store: StoreLike, iteration: int) -> str | None:
@@ -222,11 +239,10 @@ def restart_barrier(
     deadline = clock() + timeout
 
     def try_release() -> bool:
-        faults = read_faults(store, iteration)
-        gone = {f.initial_rank for f in faults if f.kind in GONE_KINDS}
+        gone = gone_ranks(store)
         arrived = {int(x) for x in store.get(who).decode().split(",") if x}
         if set(participants) - gone <= arrived:
-            store.compare_set(go, "", decide(faults))
+            store.compare_set(go, "", decide(read_faults(store, iteration)))
             return True
         return False
 

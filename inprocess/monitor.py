@@ -1,0 +1,222 @@
+"""The monitor thread: turns a fault of the current iteration into a restart of ``train()``."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
+from typing import Any
+
+from inprocess import store as keys
+from inprocess.errors import FaultRecord, RestartInterrupt
+from inprocess.progress import ProgressTracker
+
+log = logging.getLogger(__name__)
+
+# Signal sent to the main thread with each interrupt: a blocking syscall (time.sleep, I/O) is
+# retried after a signal unless the handler raises (PEP 475), so ours raises the restart.
+WAKE_SIGNAL = signal.SIGUSR2
+
+
+class Interrupter:
+    """Delivers ``RestartInterrupt`` into the main thread; shared by monitor and ``ctx.atomic()``.
+
+    ``lock`` is held by ``ctx.atomic()`` sections and by every delivery, so a delivery never
+    lands inside an atomic section. Created in the main thread; ``close()`` restores the signal
+    handler. ``arm()`` before ``train()``, ``disarm()`` once it returned or raised: after
+    ``disarm()`` nothing is delivered and a pending exception is cleared.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._tid = threading.get_ident()
+        self._armed = False
+        self._pending = False
+        self.acked = threading.Event()
+        self._old_handler: Any = None
+        self._installed = threading.current_thread() is threading.main_thread()
+        if self._installed:
+            self._old_handler = signal.signal(WAKE_SIGNAL, self._on_signal)
+
+    @property
+    def pending(self) -> bool:
+        """A restart was delivered and not yet acknowledged."""
+        return self._pending
+
+    def arm(self) -> None:
+        """Allow deliveries (main thread, before ``train()``)."""
+        with self.lock:
+            self._armed, self._pending = True, False
+            self.acked.clear()
+
+    def deliver(self) -> bool:
+        """Raise the restart in the main thread (monitor thread); False when disarmed."""
+        with self.lock:
+            if not self._armed:
+                return False
+            self._pending = True
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self._tid), ctypes.py_object(RestartInterrupt)
+            )
+            if self._installed:
+                with contextlib.suppress(OSError):  # the main thread is exiting
+                    signal.pthread_kill(self._tid, WAKE_SIGNAL)
+            return True
+
+    def disarm(self) -> bool:
+        """Stop deliveries and clear a pending one (main thread); True if one was delivered.
+
+        May itself be hit by a delivery made just before it took the lock; callers loop.
+        """
+        with self.lock:
+            was = self._pending
+            self._armed = self._pending = False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
+            self.acked.set()
+            return was
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._pending and self._armed:
+            raise RestartInterrupt("restart requested (wake-up signal)")
+
+    def close(self) -> None:
+        """Disarm and restore the previous signal handler (main thread; idempotent)."""
+        with contextlib.suppress(RestartInterrupt):
+            self.disarm()
+        if self._installed:
+            self._installed = False
+            signal.signal(WAKE_SIGNAL, self._old_handler)
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A block no restart interrupts half-way; one pending restart fires before it starts."""
+        with self.lock:
+            if self._pending:
+                raise RestartInterrupt("restart requested before an atomic section")
+            yield
+
+
+class Monitor:
+    """Owner of the monitor thread of one rank for one restart iteration.
+
+    Call order (main thread): ``interrupter.arm()``, ``start()``, run ``train()``, then
+    ``interrupter.disarm()`` and ``close()``. The thread blocks on the iteration's outcome key
+    in waits of ``check_interval`` seconds (its own store client, so it never blocks the main
+    thread's store calls). Between waits it checks the main thread's progress: a stall longer
+    than ``soft_timeout`` is reported as this rank's fault. When the iteration ends with a
+    fault it takes ``interrupter.lock``, calls ``abort()`` (tear down the process groups, which
+    releases peers blocked on this rank), and delivers the restart; it re-delivers every
+    ``redeliver_interval`` until the main thread acknowledges (disarms).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        iteration: int,
+        initial_rank: int,
+        soft_timeout: float,
+        progress: ProgressTracker,
+        interrupter: Interrupter,
+        abort: Callable[[], None],
+        step: Callable[[], int | None],
+        check_interval: float,
+        redeliver_interval: float,
+    ) -> None:
+        self._store = store
+        self._iteration = iteration
+        self._initial_rank = initial_rank
+        self._soft_timeout = soft_timeout
+        self._progress = progress
+        self._interrupter = interrupter
+        self._abort = abort
+        self._step = step
+        self._check_interval = check_interval
+        self._redeliver_interval = redeliver_interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.fired_at: float | None = None  # time.time() when this monitor saw the fault
+        self.abort_s = 0.0
+
+    def start(self) -> None:
+        """Start the thread (once)."""
+        self._thread = threading.Thread(
+            target=self._run, name=f"inprocess-monitor-{self._iteration}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        end = keys.end_key(self._iteration)
+        wait_for = datetime.timedelta(seconds=self._check_interval)
+        while not self._stop.is_set():
+            try:
+                self._store.wait([end], wait_for)
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                if not keys._is_timeout(exc):
+                    log.warning("monitor: store unreachable (%r); stops watching", exc)
+                    return
+                self._check_progress()
+                continue
+            if self._store.get(end).decode() == keys.OUTCOME_FAULT:
+                self._fire()
+            return
+
+    def _check_progress(self) -> None:
+        stalled = self._progress.stalled_for()
+        if stalled > self._soft_timeout:
+            log.warning("soft timeout: no progress of the main thread for %.1f s", stalled)
+            keys.record_fault(
+                self._store,
+                FaultRecord(
+                    iteration=self._iteration,
+                    initial_rank=self._initial_rank,
+                    kind="soft_timeout",
+                    detail=f"no progress for {stalled:.1f} s (soft_timeout {self._soft_timeout})",
+                    step=self._step(),
+                    time=time.time(),
+                ),
+            )
+            self._progress.stamp()  # one report per stall
+        else:
+            self._progress.poke()
+
+    def _fire(self) -> None:
+        self.fired_at = time.time()
+        with self._interrupter.lock:
+            t0 = time.monotonic()
+            self._abort()
+            self.abort_s = time.monotonic() - t0
+            delivered = self._interrupter.deliver()
+        while delivered and not self._stop.is_set():
+            if self._interrupter.acked.wait(self._redeliver_interval):
+                return
+            log.warning(
+                "restart not acknowledged after %.1f s: delivering again", self._redeliver_interval
+            )
+            delivered = self._interrupter.deliver()
+
+    def close(self) -> None:
+        """Stop the thread; waits at most one ``check_interval`` (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self._check_interval + 1.0)
+        self._thread = None
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
