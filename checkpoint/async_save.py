@@ -60,6 +60,14 @@ class SaveStats:
     path: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """A background failure as data: the error class to raise on the caller's thread and args."""
+
+    cls: type[CheckpointError]
+    args: tuple[Any, ...]
+
+
 @dataclasses.dataclass
 class _Job:
     step: int
@@ -88,7 +96,7 @@ class PersistentSaver:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ckpt-persistent"
         )
-        self._pending: concurrent.futures.Future[SaveStats] | None = None
+        self._pending: concurrent.futures.Future[SaveStats | _Failed] | None = None
         self._pending_job: _Job | None = None
         self._closed = False
         self.last: SaveStats | None = None
@@ -106,8 +114,7 @@ class PersistentSaver:
         """
         if self._closed:
             raise CheckpointError("CheckpointManager.save() called after close()")
-        if self.in_flight and self._group.is_stale():
-            self._abandon_pending()
+        self.settle_after_restart()
         if self.in_flight and self._cfg.on_busy == "skip":
             log.warning("checkpoint: skipping persistent save of step %d: one in flight", step)
             return False
@@ -138,28 +145,33 @@ class PersistentSaver:
         if fut is None:
             return None
         try:
-            stats = fut.result(timeout=self._cfg.timeout * 2)
+            outcome = fut.result(timeout=self._cfg.timeout * 2)
         except concurrent.futures.TimeoutError as e:
             raise CheckpointError(
                 f"background save did not finish within {self._cfg.timeout * 2:.0f} s "
                 "(2 x timeout): storage hung or a rank stopped participating"
             ) from e
-        self.last = stats
-        return stats
+        if isinstance(outcome, _Failed):
+            raise outcome.cls(*outcome.args)
+        self.last = outcome
+        return outcome
 
-    def _abandon_pending(self) -> None:
-        """The default group changed under a save in flight: drop it without making it visible.
+    def settle_after_restart(self) -> None:
+        """If the default group changed since the last save, finish or abandon that save.
 
-        Destroying the dedicated group releases the worker blocked in a collective on it; a
-        save that had already committed stays committed (every rank's data was durable).
+        Destroying the old dedicated group releases the worker blocked in a collective on it;
+        a save that had already committed stays committed (every rank's data was durable), any
+        other is abandoned (logged, never raised, never visible). Call before ``current()``.
         """
+        if self._pending is None or not self._group.is_stale():
+            return
         job = self._pending_job
         self._group.drop()
         try:
             self.wait()
         except CheckpointError as e:
             step = job.step if job else "?"
-            log.warning("checkpoint: abandoned persistent save of step %s (restart): %s", step, e)
+            log.warning("checkpoint: abandoned save of step %s (restart): %s", step, str(e))
 
     def close(self) -> None:
         """Wait for the save in flight (errors are logged, not raised) and stop the worker."""
@@ -169,7 +181,7 @@ class PersistentSaver:
         try:
             self.wait()
         except CheckpointError as e:
-            log.error("checkpoint: save in flight at close() failed: %s", e)
+            log.error("checkpoint: save in flight at close() failed: %s", str(e))
         finally:
             self._executor.shutdown(wait=True)
             self._pool.release()
@@ -181,15 +193,24 @@ class PersistentSaver:
             log.error("checkpoint: test hook: SIGKILL at %s on rank %d", point, rank)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _run(self, job: _Job) -> SaveStats:
+    def _run(self, job: _Job) -> SaveStats | _Failed:
+        # Failures travel back as plain data, not as exception objects: a traceback would keep
+        # the job's frames (and through them the process group and its sockets) alive in a
+        # reference cycle after an abandoned save; see test_checkpoint_rebind.
         if job.generation != self._group.generation:
-            raise CheckpointAbandoned(f"save of step {job.step}: process group changed")
+            return _Failed(CheckpointAbandoned, (f"save of step {job.step}: group changed",))
         try:
             return self._run_job(job)
-        except CheckpointError:
-            raise
+        except CheckpointRankError as e:
+            return _Failed(CheckpointRankError, (e.what, e.failures))
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            raise CheckpointError(f"save of step {job.step} failed: {type(e).__name__}: {e}") from e
+            text = f"save of step {job.step} failed: {_describe(e)}"
+            # Text, not exc_info: a captured record would keep the traceback (and group) alive.
+            log.debug("checkpoint: background save failed:\n%s", traceback.format_exc())
+            return _Failed(type(e) if isinstance(e, CheckpointError) else CheckpointError, (text,))
+        finally:
+            job.staged = None
+            job.group = None
 
     def _run_job(self, job: _Job) -> SaveStats:
         group, step, stats = job.group, job.step, job.stats
@@ -267,7 +288,7 @@ class PersistentSaver:
             self._layout.apply_retention(self._cfg.keep, protect=current)
         except Exception as e:
             # The new checkpoint is committed; a failed cleanup only costs space.
-            log.warning("checkpoint: retention failed (will retry after the next save): %s", e)
+            log.warning("checkpoint: retention failed (will retry after the next save): %s", str(e))
 
 
 def _dcp_save(

@@ -159,6 +159,7 @@ class CheckpointManager:
         """
         self._check_open("load_latest")
         t0 = time.perf_counter()
+        self._persistent.settle_after_restart()
         self._persistent.wait()
         group = self._group.current()
         committed = list_committed(self._layout, group)
