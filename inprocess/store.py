@@ -179,6 +179,7 @@ def counting_barrier(
     expected: int,
     timeout: float,
     clock: Callable[[], float] = time.monotonic,
+    recheck: Callable[[], bool] | None = None,
 ) -> str:
     """Arrive at barrier ``name`` of ``expected`` ranks; return its release value.
 
@@ -190,15 +191,32 @@ def counting_barrier(
     deadline = clock() + timeout
     if store.add(f"{name}/n", 1) >= expected:
         store.compare_set(go, "", "ok")
-    return _wait_released(store, go, deadline=deadline, clock=clock, what=f"barrier {name!r}")
+    return _wait_released(
+        store, go, deadline=deadline, clock=clock, what=f"barrier {name!r}", recheck=recheck
+    )
 
 
 def join_barrier(
-    store: StoreLike, iteration: int, *, expected: int, timeout: float, clock: Callable[[], float]
+    store: StoreLike,
+    iteration: int,
+    *,
+    expected: int,
+    timeout: float,
+    clock: Callable[[], float],
+    recheck: Callable[[], bool] | None = None,
 ) -> bool:
-    """Active ranks meet before ``train()`` of ``iteration``; False when a fault broke it."""
+    """Active ranks meet before ``train()`` of ``iteration``; False when a fault broke it.
+
+    ``recheck`` runs every ``_RECHECK_S`` while waiting (the wrapper breaks the barrier there
+    when an active rank died during the restart, which no fault of this iteration reports).
+    """
     value = counting_barrier(
-        store, _key(iteration, "join"), expected=expected, timeout=timeout, clock=clock
+        store,
+        _key(iteration, "join"),
+        expected=expected,
+        timeout=timeout,
+        clock=clock,
+        recheck=recheck,
     )
     return value == "ok"
 

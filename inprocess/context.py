@@ -1,0 +1,95 @@
+"""What ``train()`` sees of the restart: ``context()`` and the ``RestartContext`` it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from inprocess.errors import ContextError
+from inprocess.monitor import Interrupter
+from inprocess.progress import ProgressTracker
+
+# A ContextVar, not a global: each wrapped call sets and resets its own value.
+_CURRENT: contextvars.ContextVar[RestartContext] = contextvars.ContextVar("inprocess_context")
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """The last restart as this rank saw it (also logged once per restart at INFO).
+
+    ``phases``: seconds per phase: ``detect`` (fault recorded -> this rank noticed), ``abort``
+    (process groups torn down), ``unwind`` (``train()`` left), ``barrier`` (restart barrier),
+    ``reinit`` (join barrier and process group creation).
+    """
+
+    iteration: int
+    cause: str
+    faulting_ranks: tuple[int, ...]
+    phases: dict[str, float]
+    active_before: tuple[int, ...]
+    active_after: tuple[int, ...]
+    reserve_after: tuple[int, ...]
+
+
+@dataclass
+class RestartContext:
+    """Handed to ``train()`` through ``inprocess.context()``; valid during one call only.
+
+    ``rank``/``world_size``: this rank's place among the active ranks of this iteration.
+    ``initial_rank``: its RANK at launch. ``active_ranks``: the initial rank of each active
+    rank, in rank order. ``store``: a store namespace private to this iteration.
+    """
+
+    iteration: int
+    rank: int
+    world_size: int
+    initial_rank: int
+    active_ranks: tuple[int, ...]
+    store: Any
+    last_restart: RestartRecord | None
+    _progress: ProgressTracker = field(repr=False)
+    _interrupter: Interrupter = field(repr=False)
+    step: int | None = None
+
+    def ping(self, step: int | None = None) -> None:
+        """Mark progress (optional: progress is detected automatically) and the current step.
+
+        The step is what the repeated-fault stop compares: the same fault at the same step
+        ``max_same_fault`` times in a row stops the job.
+        """
+        self._progress.stamp()
+        if step is not None:
+            self.step = step
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A block that a restart never interrupts half-way (e.g. a write that must not tear).
+
+        A restart requested meanwhile is delivered when the block ends.
+        """
+        with self._interrupter.atomic():
+            yield
+
+
+def context() -> RestartContext:
+    """The restart context of the running ``@restartable`` call (only inside ``train()``)."""
+    try:
+        return _CURRENT.get()
+    except LookupError:
+        raise ContextError(
+            "inprocess.context() was called outside a @restartable function: call it inside "
+            "the decorated train() (reserves and code after train() returned have no context)"
+        ) from None
+
+
+@contextlib.contextmanager
+def activated(ctx: RestartContext) -> Iterator[RestartContext]:
+    """Make ``ctx`` what ``context()`` returns inside the block (the wrapper's use)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)

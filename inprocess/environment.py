@@ -1,0 +1,69 @@
+"""The one place ``inprocess`` reads launcher environment variables."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from inprocess.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this rank (torchrun, srun, ``inprocess.launch`` or by hand).
+
+    ``store_hosted``: a store server already listens at MASTER_ADDR:MASTER_PORT
+    (``INPROCESS_STORE_HOSTED=1`` from our launcher and test helper, or torchrun's agent store,
+    ``TORCHELASTIC_USE_AGENT_STORE=True``); otherwise rank 0 starts a detached server process.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    store_hosted: bool
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (Slurm's SLURM_PROCID,
+    SLURM_NTASKS, SLURM_NTASKS_PER_NODE as fallbacks); errors name the missing variable."""
+    env = os.environ if environ is None else environ
+
+    def get_int(*names: str, default: int | None = None) -> int:
+        for name in names:
+            if env.get(name):
+                try:
+                    return int(env[name].split("(")[0].split(",")[0])
+                except ValueError:
+                    raise ConfigError(
+                        f"{name} ({env[name]!r}) must be an integer: fix the launcher's variables"
+                    ) from None
+        if default is None:
+            raise ConfigError(
+                f"{names[0]} is not set: start the job with python -m inprocess.launch, torchrun "
+                "or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+            )
+        return default
+
+    rank = get_int("RANK", "SLURM_PROCID")
+    world = get_int("WORLD_SIZE", "SLURM_NTASKS")
+    local = get_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world)
+    if not 0 <= rank < world:
+        raise ConfigError(f"RANK ({rank}) must be in [0, WORLD_SIZE={world}): fix RANK")
+    if local < 1 or world % local:
+        local = world  # uneven nodes: treat the job as one node rather than guess
+    hosted = env.get("INPROCESS_STORE_HOSTED") == "1" or (
+        env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    )
+    return LaunchEnv(
+        rank=rank,
+        local_rank=get_int("LOCAL_RANK", "SLURM_LOCALID", default=rank % local),
+        world_size=world,
+        local_world_size=local,
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=get_int("MASTER_PORT"),
+        store_hosted=hosted,
+    )
