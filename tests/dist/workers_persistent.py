@@ -1,0 +1,235 @@
+"""Rank functions for the persistent-tier multi-process tests (run through tests/multiproc.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _init() -> tuple[int, int]:
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+class Counter:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.value = int(sd["value"])
+
+
+class Broken:
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError(f"rank {dist.get_rank()} cannot snapshot")
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def _model_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _sharded(world: int, *, fill: float | None = None) -> torch.Tensor:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(16 * 4, dtype=torch.float32).reshape(16, 4)
+    if fill is not None:
+        full = torch.full_like(full, fill)
+    return distribute_tensor(full, mesh, [Shard(0)])
+
+
+def roundtrip(root: str) -> dict[str, Any]:
+    """Save model + optimizer + scalar + Stateful + a sharded DTensor; load; compare."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint import CheckpointManager
+
+    _, world = _init()
+    model, opt = _model_state(0)
+    weight = _sharded(world)
+    state = {"model": model, "optim": opt, "counter": Counter(9), "epoch": 3, "w": weight}
+    state_dicts = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with CheckpointManager(root, persistent_every=5) as mgr:
+        mgr.save(5, {**state_dicts, "counter": state["counter"], "epoch": 3, "w": weight})
+        weight.to_local().fill_(-1.0)  # mutate right after save() returned
+        mgr.wait()
+        stats = mgr.last_save
+        model2, opt2 = _model_state(1)
+        counter2 = Counter(0)
+        w2 = _sharded(world, fill=0.0)
+        target = {
+            "model": model2.state_dict(),
+            "optim": opt2.state_dict(),
+            "counter": counter2,
+            "epoch": 0,
+            "w": w2,
+        }
+        step = mgr.load_latest(target)
+        path = mgr.committed()[-1].path
+    same_model = all(torch.equal(model2.state_dict()[k], v) for k, v in model.state_dict().items())
+    same_optim = all(
+        torch.equal(opt2.state_dict()["state"][p]["exp_avg"], s["exp_avg"])
+        for p, s in opt.state_dict()["state"].items()
+    )
+    expected = torch.arange(16 * 4, dtype=torch.float32).reshape(16, 4)
+    # Plain DCP load on the training group, no restartable code involved.
+    plain = {"w": _sharded(world, fill=0.0), "model": _model_state(2)[0].state_dict()}
+    dcp.load(plain, checkpoint_id=path)
+    result = {
+        "step": step,
+        "same_model": same_model,
+        "same_optim": same_optim,
+        "counter": counter2.value,
+        "epoch": target["epoch"],
+        "w_ok": torch.equal(w2.full_tensor(), expected),
+        "plain_w_ok": torch.equal(plain["w"].full_tensor(), expected),
+        "plain_model_ok": torch.equal(plain["model"]["0.weight"], model.state_dict()["0.weight"]),
+        "bytes": stats.bytes_written if stats else None,
+    }
+    dist.destroy_process_group()
+    return result
+
+
+def reshard_save(root: str) -> dict[str, Any]:
+    from checkpoint import CheckpointManager
+
+    _, world = _init()
+    with CheckpointManager(root, persistent_every=1) as mgr:
+        mgr.save(1, {"w": _sharded(world), "bias": torch.ones(3)})
+        mgr.wait()
+    dist.destroy_process_group()
+    return {"world": world}
+
+
+def reshard_load(root: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint import CheckpointManager
+
+    _, world = _init()
+    target = {"w": _sharded(world, fill=0.0), "bias": torch.zeros(3)}
+    with CheckpointManager(root, persistent_every=1) as mgr:
+        step = mgr.load_latest(target)
+        path = mgr.committed()[-1].path
+    plain = {"w": _sharded(world, fill=0.0)}
+    dcp.load(plain, checkpoint_id=path)
+    expected = torch.arange(16 * 4, dtype=torch.float32).reshape(16, 4)
+    ok = torch.equal(target["w"].full_tensor(), expected)
+    plain_ok = torch.equal(plain["w"].full_tensor(), expected)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {
+        "step": step,
+        "world": world,
+        "ok": ok,
+        "plain_ok": plain_ok,
+        "bias": target["bias"].tolist(),
+    }
+
+
+def crash_during_save(root: str, point: str, crash_rank: int) -> dict[str, Any]:
+    """Commit step 1, then SIGKILL ``crash_rank`` at ``point`` while saving step 2."""
+    from checkpoint import CheckpointError, CheckpointManager
+    from checkpoint.config import ENV_CRASH_AT, ENV_CRASH_RANK
+
+    rank, _ = _init()
+    with CheckpointManager(root, persistent_every=1, timeout=10.0) as mgr:
+        mgr.save(1, {"x": torch.full((1000,), 1.0)})
+        mgr.wait()
+    # The hook is read when a manager is built: only the second manager crashes.
+    os.environ[ENV_CRASH_AT] = point
+    os.environ[ENV_CRASH_RANK] = str(crash_rank)
+    error = None
+    mgr = CheckpointManager(root, persistent_every=1, timeout=10.0)
+    try:
+        mgr.save(2, {"x": torch.full((1000,), 2.0)})
+        mgr.wait()
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        mgr.close()
+    return {"rank": rank, "error": error}
+
+
+def load_after_crash(root: str) -> dict[str, Any]:
+    """Load the newest checkpoint, then save step 3 (whose retention cleans stale partials)."""
+    from checkpoint import CheckpointManager
+
+    rank, _ = _init()
+    x = torch.zeros(1000)
+    with CheckpointManager(root, persistent_every=1, keep=5) as mgr:
+        step = mgr.load_latest({"x": x})
+        value = x[0].item()
+        mgr.save(3, {"x": x})
+        mgr.wait()
+        steps = [c.step for c in mgr.committed()]
+    dist.destroy_process_group()
+    return {"rank": rank, "step": step, "value": value, "steps_after": steps}
+
+
+def failure_on_one_rank(root: str, bad_rank: int) -> dict[str, Any]:
+    from checkpoint import CheckpointError, CheckpointManager, CheckpointRankError
+
+    rank, _ = _init()
+    state: dict[str, Any] = {"x": torch.ones(10)}
+    if rank == bad_rank:
+        state["b"] = Broken()
+    errors = []
+    with CheckpointManager(root, persistent_every=1, timeout=20.0) as mgr:
+        try:
+            mgr.save(1, state)
+        except CheckpointError as e:
+            errors.append(("save", type(e).__name__, str(e)))
+        try:
+            mgr.wait()
+        except CheckpointRankError as e:
+            errors.append(("wait", type(e).__name__, str(e)))
+            failed = sorted(e.failures)
+        steps = [c.step for c in mgr.committed()]
+    dist.destroy_process_group()
+    return {"rank": rank, "errors": errors, "failed_ranks": failed, "steps": steps}
+
+
+def many_restarts(root: str, restarts: int) -> dict[str, Any]:
+    """Destroy and re-create the default group ``restarts`` times; one manager saves throughout."""
+    import threading
+
+    from checkpoint import CheckpointManager
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0
+    )
+    counts = []
+    loaded = []
+    with CheckpointManager(root, persistent_every=1, keep=2, timeout=20.0) as mgr:
+        for it in range(restarts):
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore(f"iter{it}", store), rank=rank, world_size=world
+            )
+            x = torch.zeros(4096)
+            loaded.append(mgr.load_latest({"x": x}))
+            x.fill_(float(it + 1))
+            mgr.save(it + 1, {"x": x})
+            if it % 2:
+                mgr.wait()
+            dist.destroy_process_group()
+            counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
+        mgr.wait()
+    return {"rank": rank, "counts": counts, "loaded": loaded}
