@@ -201,7 +201,16 @@ class RerunStateMachine:
         return t.run
 
     def validate_loss(self, loss: Value) -> None:
-        """The built-in loss checks: NaN/Inf (fatal) and, if enabled, spiky loss (non-fatal)."""
+        """The built-in loss checks: NaN/Inf (fatal) and, if enabled, spiky loss (non-fatal).
+
+        A CUDA loss stays on the device (no sync until the end of the pass); a CPU loss is read
+        once as a float, since reading it costs no synchronisation and float checks are cheaper
+        than a dozen small tensor operations.
+        """
+        if self.mode is RerunMode.DISABLED:
+            return
+        if isinstance(loss, torch.Tensor) and loss.device.type == "cpu" and loss.numel() == 1:
+            loss = float(loss.detach().item())
         if self.check_for_nan_in_loss:
             self.validate_result(loss, is_not_finite, NAN_LOSS_MESSAGE, tolerance=0.0, fatal=True)
         if self.check_for_spiky_loss:
@@ -482,9 +491,8 @@ class RerunStateMachine:
             if self._state is State.INITIAL_RUN:
                 rec.first_results = {(m, s): as_float(v) for m, s, _f, _t, v in rec.calls}
             return frozenset()
-        local = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=agree.comm_device())
         if self._state is State.INITIAL_RUN:
-            flags = rec.read_initial(local)
+            flags = rec.read_initial(agree.comm_device())
             if rec.rejected is not None:
                 r = rec.rejected
                 logger.warning(
@@ -497,6 +505,7 @@ class RerunStateMachine:
                 )
                 self._track(tracker.INITIAL_RUN, r.initial, r.message)
             return flags
+        local = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=agree.comm_device())
         bit = self._rerun_outcome()
         if bit is not None:
             local[bit] = 1

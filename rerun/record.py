@@ -84,11 +84,15 @@ class StepRecord:
         r = self.rejected
         return r is not None and self.rerun_diff is not None and self.rerun_diff <= r.tolerance
 
-    def read_initial(self, local: torch.Tensor) -> frozenset[Flag]:
+    def read_initial(self, device: torch.device) -> frozenset[Flag]:
         """Agree on ``REJECTED`` over ranks and note this rank's first rejected call.
 
-        ``local`` is the zeroed flag vector on the reduction device; one collective, one read.
+        ``device`` is where the default group reduces; one collective, one read.
         """
+        if not self.tensor_flags and not agree.is_distributed():
+            # Every flag is already on the host and nobody to agree with: no tensor work at all.
+            return self._note_rejected(self.host_rejected, frozenset())
+        local = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
         if self.host_rejected:
             local[Flag.REJECTED] = 1
         flags = None
@@ -104,9 +108,14 @@ class StepRecord:
             self.host_rejected
             + [idx for (idx, _), v in zip(self.tensor_flags, per_call, strict=True) if v]
         )
-        if rejected:
-            # Prefer a fatal rejection: it decides whether the job must stop.
-            idx = next((i for i in rejected if self.calls[i][2]), rejected[0])
-            message, seq, fatal, tol, value = self.calls[idx]
-            self.rejected = Rejected(message, seq, fatal, tol, as_float(value))
-        return frozenset(f for f, v in zip(Flag, host[:NUM_FLAGS], strict=True) if v)
+        agreed = frozenset(f for f, v in zip(Flag, host[:NUM_FLAGS], strict=True) if v)
+        return self._note_rejected(rejected, agreed)
+
+    def _note_rejected(self, rejected: list[int], agreed: frozenset[Flag]) -> frozenset[Flag]:
+        if not rejected:
+            return agreed
+        # Prefer a fatal rejection: it decides whether the job must stop.
+        idx = next((i for i in rejected if self.calls[i][2]), rejected[0])
+        message, seq, fatal, tol, value = self.calls[idx]
+        self.rejected = Rejected(message, seq, fatal, tol, as_float(value))
+        return agreed | {Flag.REJECTED}

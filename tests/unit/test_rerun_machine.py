@@ -219,7 +219,12 @@ def test_checks_of_a_step_make_no_host_sync_until_one_read(monkeypatch: pytest.M
     x = torch.randn(4, 8)
     data = RerunDataIterator(iter([x]))
     assert rsm.should_run_forward_backward(data)
-    rsm.validate_loss(loop.model(next(data)).pow(2).mean())
+    loss = loop.model(next(data)).pow(2).mean()
+    # Tensor checks (as on a GPU, where each read would be a device sync).
+    rsm.validate_result(loss, torch.isnan, "nan")
+    rsm.validate_result(
+        loss, lambda v: rsm.is_unexpectedly_large(v, 10.0, "loss", num_samples=1), "big"
+    )
     assert calls == {"item": 0, "bool": 0, "tolist": 0}
     assert not rsm.should_run_forward_backward(data)
     assert calls == {"item": 0, "bool": 0, "tolist": 1}
