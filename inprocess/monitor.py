@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import datetime
 import logging
 import signal
 import threading
@@ -103,15 +102,16 @@ class Interrupter:
 
 
 class Monitor:
-    """Owner of the monitor thread of one rank for one restart iteration.
+    """Owner of the monitor threads of one rank for one restart iteration.
 
     Call order (main thread): ``interrupter.arm()``, ``start()``, run ``train()``, then
-    ``interrupter.disarm()`` and ``close()``. The thread blocks on the iteration's outcome key
-    in waits of ``check_interval`` seconds (its own store client, so it never blocks the main
-    thread's store calls). Between waits it checks the main thread's progress: a stall longer
-    than ``soft_timeout`` is reported as this rank's fault. When the iteration ends with a
-    fault it takes ``interrupter.lock``, calls ``abort()`` (tear down the process groups, which
-    releases peers blocked on this rank), and delivers the restart; it re-delivers every
+    ``interrupter.disarm()`` and ``close()``. One thread blocks on the iteration's outcome key
+    (its own store client, so it never blocks the main thread's store calls; no timed-out waits,
+    which c10d logs as warnings). A second one checks the main thread's progress every
+    ``check_interval``: a stall longer than ``soft_timeout`` is recorded as this rank's fault,
+    which ends the iteration for everyone. When the iteration ends with a fault, the store
+    thread takes ``interrupter.lock``, calls ``abort()`` (tear down the process groups, which
+    releases peers blocked on this rank) and delivers the restart; it re-delivers every
     ``redeliver_interval`` until the main thread acknowledges (disarms).
     """
 
@@ -119,6 +119,7 @@ class Monitor:
         self,
         *,
         store: Any,
+        report_store: Any,
         iteration: int,
         initial_rank: int,
         soft_timeout: float,
@@ -130,6 +131,7 @@ class Monitor:
         redeliver_interval: float,
     ) -> None:
         self._store = store
+        self._report_store = report_store
         self._iteration = iteration
         self._initial_rank = initial_rank
         self._soft_timeout = soft_timeout
@@ -140,53 +142,59 @@ class Monitor:
         self._check_interval = check_interval
         self._redeliver_interval = redeliver_interval
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self.fired_at: float | None = None  # time.time() when this monitor saw the fault
         self.abort_s = 0.0
 
     def start(self) -> None:
-        """Start the thread (once)."""
-        self._thread = threading.Thread(
-            target=self._run, name=f"inprocess-monitor-{self._iteration}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        end = keys.end_key(self._iteration)
-        wait_for = datetime.timedelta(seconds=self._check_interval)
-        while not self._stop.is_set():
-            try:
-                self._store.wait([end], wait_for)
-            except Exception as exc:
-                if self._stop.is_set():
-                    return
-                if not keys._is_timeout(exc):
-                    log.warning("monitor: store unreachable (%r); stops watching", exc)
-                    return
-                self._check_progress()
-                continue
-            if self._store.get(end).decode() == keys.OUTCOME_FAULT:
-                self._fire()
-            return
-
-    def _check_progress(self) -> None:
-        stalled = self._progress.stalled_for()
-        if stalled > self._soft_timeout:
-            log.warning("soft timeout: no progress of the main thread for %.1f s", stalled)
-            keys.record_fault(
-                self._store,
-                FaultRecord(
-                    iteration=self._iteration,
-                    initial_rank=self._initial_rank,
-                    kind="soft_timeout",
-                    detail=f"no progress for {stalled:.1f} s (soft_timeout {self._soft_timeout})",
-                    step=self._step(),
-                    time=time.time(),
-                ),
+        """Start the threads (once)."""
+        for target, name in ((self._watch_store, "store"), (self._watch_progress, "progress")):
+            t = threading.Thread(
+                target=target, name=f"inprocess-monitor-{name}-{self._iteration}", daemon=True
             )
-            self._progress.stamp()  # one report per stall
-        else:
-            self._progress.poke()
+            t.start()
+            self._threads.append(t)
+
+    def _watch_store(self) -> None:
+        try:
+            result = keys.wait_outcome(
+                self._store, self._iteration, timeout=None, clock=time.monotonic
+            )
+        except Exception as exc:
+            if not self._stop.is_set():
+                log.warning("monitor: store unreachable (%r); stops watching", exc)
+            return
+        self._stop.set()  # the iteration is over: the progress thread stops too
+        if result == keys.OUTCOME_FAULT:
+            self._fire()
+
+    def _watch_progress(self) -> None:
+        while not self._stop.wait(self._check_interval):
+            stalled = self._progress.stalled_for()
+            if stalled <= self._soft_timeout:
+                self._progress.poke()
+                continue
+            log.warning("soft timeout: no progress of the main thread for %.1f s", stalled)
+            try:
+                keys.record_fault(
+                    self._store_for_reports(),
+                    FaultRecord(
+                        iteration=self._iteration,
+                        initial_rank=self._initial_rank,
+                        kind="soft_timeout",
+                        detail=f"no progress for {stalled:.1f} s "
+                        f"(soft_timeout {self._soft_timeout})",
+                        step=self._step(),
+                        time=time.time(),
+                    ),
+                )
+            except Exception as exc:
+                log.warning("monitor: could not record the soft timeout: %r", exc)
+            return  # the store thread sees the fault and restarts this rank
+
+    def _store_for_reports(self) -> Any:
+        """A separate client: the store thread's connection is busy in its blocking wait."""
+        return self._report_store
 
     def _fire(self) -> None:
         self.fired_at = time.time()
@@ -195,7 +203,7 @@ class Monitor:
             self._abort()
             self.abort_s = time.monotonic() - t0
             delivered = self._interrupter.deliver()
-        while delivered and not self._stop.is_set():
+        while delivered:
             if self._interrupter.acked.wait(self._redeliver_interval):
                 return
             log.warning(
@@ -204,11 +212,16 @@ class Monitor:
             delivered = self._interrupter.deliver()
 
     def close(self) -> None:
-        """Stop the thread; waits at most one ``check_interval`` (idempotent)."""
+        """Stop the threads; waits at most about one ``check_interval`` (idempotent).
+
+        The store thread ends as soon as the iteration has an outcome; until then (a rank that
+        leaves mid-iteration) it stays blocked as a daemon and delivers nothing (disarmed).
+        """
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self._check_interval + 1.0)
-        self._thread = None
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(self._check_interval + 0.5)
+        self._threads = []
 
     def __enter__(self) -> Monitor:
         return self

@@ -8,7 +8,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-# int (*)(void *): the signature Py_AddPendingCall expects.
+# int (*)(void *): the signature Py_AddPendingCall expects; it must return 0 (anything else is
+# an error). The callback is libc's ``sigfillset(sigset_t *)``: C code that returns 0 and fills
+# our zeroed buffer with ones, so a non-zero buffer means "the probe ran". A Python callback
+# would run bytecode, and a restart exception delivered while it runs would be swallowed
+# ("Exception ignored on calling ctypes callback"), which happens whenever the main thread
+# returns from a blocking collective with both a pending call and the restart queued.
 _PENDING_FUNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _DRAIN_S = 1.0  # close(): how long the main thread waits for its scheduled callback to run
 
@@ -16,14 +21,15 @@ _DRAIN_S = 1.0  # close(): how long the main thread waits for its scheduled call
 class ProgressTracker:
     """Knows when the main thread last ran Python bytecode (or called ``ping()``).
 
-    The monitor thread calls ``poke()`` periodically: it schedules a pending call
-    (``Py_AddPendingCall``) that the interpreter runs in the main thread the next time that
-    thread executes bytecode; the call stamps the clock. A main thread blocked in a C call with
-    the GIL released (sleep, I/O, a collective) runs no bytecode, so its stamp goes stale.
+    The monitor thread calls ``poke()`` every check interval: when the previous probe ran, it
+    counts as progress seen now, and a new probe is scheduled with ``Py_AddPendingCall``, which
+    the interpreter runs in the main thread the next time that thread executes bytecode. A main
+    thread blocked in a C call with the GIL released (sleep, I/O, a collective) runs no bytecode,
+    so the probe stays pending and ``stalled_for()`` grows. Resolution: one check interval.
     ``paused()`` marks the framework's own waits, which must not count as a stall.
 
-    Create it and ``close()`` it in the main thread (close waits for a scheduled callback, so
-    the C callback never outlives this object).
+    Create and ``close()`` it in the main thread (close waits for a scheduled probe, so the
+    C call never writes into freed memory).
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -32,28 +38,31 @@ class ProgressTracker:
         self._scheduled = False
         self._paused = 0
         self._lock = threading.Lock()
-        self._callback = _PENDING_FUNC(self._on_pending)
+        self._flag = (ctypes.c_uint64 * 16)()  # sizeof(sigset_t) is 128 bytes in glibc
+        self._probe = ctypes.cast(ctypes.CDLL(None).sigfillset, _PENDING_FUNC)
         self._closed = False
-
-    def _on_pending(self, _arg: int | None) -> int:
-        self._scheduled = False
-        self._last = self._clock()
-        return 0
 
     def stamp(self) -> None:
         """Record progress now (``ctx.ping()``)."""
         self._last = self._clock()
 
     def poke(self) -> None:
-        """Schedule one stamp in the main thread unless one is already pending (any thread)."""
+        """Collect the previous probe and schedule the next one (monitor thread)."""
         with self._lock:
-            if self._scheduled or self._closed:
+            if self._closed:
                 return
-            if ctypes.pythonapi.Py_AddPendingCall(self._callback, None) == 0:
+            if self._scheduled:
+                if self._flag[0] == 0:
+                    return  # still pending: the main thread ran no bytecode since
+                self._scheduled = False
+                self._last = self._clock()
+            ctypes.memset(self._flag, 0, ctypes.sizeof(self._flag))
+            ptr = ctypes.c_void_p(ctypes.addressof(self._flag))
+            if ctypes.pythonapi.Py_AddPendingCall(self._probe, ptr) == 0:
                 self._scheduled = True
 
     def stalled_for(self) -> float:
-        """Seconds since the last progress; 0 while paused."""
+        """Seconds since the last progress seen; 0 while paused."""
         if self._paused:
             return 0.0
         return max(0.0, self._clock() - self._last)
@@ -69,12 +78,13 @@ class ProgressTracker:
             self.stamp()
 
     def close(self) -> None:
-        """Stop scheduling; let a scheduled callback run first (main thread; idempotent)."""
+        """Stop probing; let a scheduled probe run first (main thread; idempotent)."""
         with self._lock:
             self._closed = True
         deadline = time.monotonic() + _DRAIN_S
         # Executing bytecode lets the interpreter run the pending call.
-        while self._scheduled and time.monotonic() < deadline:
+        while self._scheduled and self._flag[0] == 0 and time.monotonic() < deadline:
             pass
-        if self._scheduled:  # never ran: keep the C callback alive for the process's lifetime
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._callback))
+        if self._scheduled and self._flag[0] == 0:
+            # Never ran: keep the buffer alive for the process's lifetime.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._flag))

@@ -33,8 +33,9 @@ OUTCOME_FAULT = "fault"
 OUTCOME_DONE = "done"
 # Kinds after which the rank's process is gone: it will not arrive at any barrier.
 GONE_KINDS = frozenset({"dead", "hard_timeout"})
-# How long one blocking wait lasts before a waiter re-checks for a rank that died meanwhile.
-_RECHECK_S = 0.1
+# How long one blocking wait lasts before a waiter re-checks for a rank that died meanwhile
+# (only in rare races; c10d logs a warning for every timed-out wait, so not shorter).
+_RECHECK_S = 1.0
 
 
 class StoreLike(Protocol):

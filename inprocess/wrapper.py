@@ -113,6 +113,7 @@ class _Job:
             world_size=self.env.world_size, local_world_size=self.env.local_world_size
         )
         self.store: Any = None
+        self.report_store: Any = None
         self.watchdog: Watchdog | None = None
         self.health: HealthChecker | None = None
         self.interrupter: Interrupter | None = None
@@ -154,6 +155,10 @@ class _Job:
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         cfg = self.cfg
         self.store = connect(self.env, timeout=cfg.barrier_timeout)
+        # Monitors record soft timeouts on their own client: the main thread's may be busy.
+        self.report_store = client(
+            self.env.master_addr, self.env.master_port, timeout=cfg.barrier_timeout
+        )
         self.interrupter = Interrupter()
         self.progress = ProgressTracker()
         self.health = HealthChecker(
@@ -303,6 +308,7 @@ class _Job:
             return _Outcome(done=False, noticed=time.time())
         monitor = Monitor(
             store=client(self.env.master_addr, self.env.master_port, timeout=cfg.barrier_timeout),
+            report_store=self.report_store,
             iteration=iteration,
             initial_rank=self.me,
             soft_timeout=cfg.soft_timeout,
