@@ -7,6 +7,7 @@ manager's dedicated gloo group, never on the training group.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -58,6 +59,7 @@ class _Cache:
     rank: int
     keep_keys: frozenset[str]  # tensor keys this rank stores (fully_parallel drops the others)
     layout: packing.Layout
+    entries: dict[str, packing.TensorEntry]  # layout by key: a memory restore skips the header
 
 
 class LocalTier:
@@ -139,7 +141,11 @@ class LocalTier:
         nbytes = packing.pack_into(buf, cache.layout, header, tensors)
         if any(x.value.is_cuda for x in tensors):
             torch.cuda.synchronize()  # the copy must be complete before save() returns
-        shard = Shard(step, rank, world, nbytes, None, buf)
+        # A JSON round trip snapshots the scalars (a list mutated after save() must not leak in).
+        snapshot = json.loads(json.dumps(objects))
+        data_start = nbytes - cache.layout.data_nbytes
+        parsed = packing.Parsed(cache.entries, snapshot, extra, data_start)
+        shard = Shard(step, rank, world, nbytes, None, buf, parsed)
         with self._lock:
             self._held[(step, rank)] = shard
         stall = time.perf_counter() - t0
@@ -159,7 +165,8 @@ class LocalTier:
         owner = replicated_owner(tensors, world) if self._algo == "fully_parallel" else {}
         keep = frozenset(x.key for x in tensors if owner.get(x.key, rank) == rank)
         layout = packing.Layout.of([x for x in tensors if x.key in keep])
-        self._cache = _Cache(sig, world, rank, keep, layout)
+        entries = {e.key: e for e in layout.entries}
+        self._cache = _Cache(sig, world, rank, keep, layout, entries)
         return self._cache
 
     def _take(self, nbytes: int) -> torch.Tensor:
@@ -234,7 +241,7 @@ class LocalTier:
         srcs = replication.owners_held_by(shard.owner, shard.world, lws, self._factor)
         ok = True
         for inc in exchange(pg, sends, srcs, self._take):
-            if inc.buf is None or packing.crc32(inc.buf, inc.nbytes) != inc.crc:
+            if inc.buf is None or inc.received_crc != inc.crc:
                 log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
                 ok = False
                 continue

@@ -46,6 +46,7 @@ class Shard:
     nbytes: int
     crc: int | None  # None until the background worker has computed it
     buf: torch.Tensor
+    parsed: packing.Parsed | None = None  # header, known without parsing for shards packed here
 
     def meta(self) -> ldir.ShardMeta:
         crc = self.crc if self.crc is not None else packing.crc32(self.buf, self.nbytes)
@@ -58,6 +59,14 @@ def _gather(pg: dist.ProcessGroup | None, obj: Any, world: int) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=pg)
     return out
+
+
+def _any_rank(pg: dist.ProcessGroup | None, flag: bool) -> bool:
+    """One small all_reduce (the common, all-good case needs no object gather)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    if pg is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return bool(t.item())
 
 
 ReplicatedOwner = Callable[[list[packing.Leaf], int], dict[str, int]]
@@ -84,7 +93,7 @@ def restore(
     mine = sorted(set(held) | set(on_disk))
     inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
     bad: set[tuple[int, int, int]] = set()
-    fetched: tuple[torch.Tensor, str] | None = None
+    fetched: tuple[torch.Tensor, str, packing.Parsed | None] | None = None
     plan = None
     # Each failed round excludes at least one copy, so the loop ends within the copy count.
     for _ in range(1 + sum(len(inv) for inv in inventories)):
@@ -92,9 +101,9 @@ def restore(
         if plan is None:
             break
         fetched, newly_bad = _fetch(plan, pg, rank, world, held, local_dir, on_disk)
-        all_bad = _gather(pg, newly_bad, world)
-        if not any(all_bad):
+        if not _any_rank(pg, bool(newly_bad)):
             break
+        all_bad = _gather(pg, newly_bad, world)
         for lst in all_bad:
             bad.update(tuple(x) for x in lst)
         log.warning(
@@ -114,8 +123,8 @@ def restore(
             world,
         )
         return None
-    buf, tier = fetched
-    _fill(state, buf, pg, rank, world, replicated_owner)
+    buf, tier, parsed = fetched
+    _fill(state, buf, parsed, pg, rank, world, replicated_owner)
     seconds = time.perf_counter() - t0
     log.info("restored local step %d on rank %d from %s in %.3f s", plan.step, rank, tier, seconds)
     return RestoreResult(plan.step, tier, seconds)
@@ -129,7 +138,7 @@ def _fetch(
     held: dict[tuple[int, int], Shard],
     local_dir: Path | None,
     on_disk: dict[tuple[int, int], ldir.ShardMeta],
-) -> tuple[tuple[torch.Tensor, str] | None, list[tuple[int, int, int]]]:
+) -> tuple[tuple[torch.Tensor, str, packing.Parsed | None] | None, list[tuple[int, int, int]]]:
     """Run one plan: serve the shards assigned to this rank, obtain this rank's own."""
     step = plan.step
 
@@ -155,14 +164,15 @@ def _fetch(
                 sends.append(Outgoing(r, step, r, world, 0, 0, None))
             else:
                 sends.append(Outgoing(r, step, r, world, got[1], got[2], got[0]))
-    mine: tuple[torch.Tensor, str] | None = None
+    mine: tuple[torch.Tensor, str, packing.Parsed | None] | None = None
     srcs: list[int] = []
     if plan.sources[rank] == rank:
         got = obtain(rank)
         if got is None:
             bad.append((step, rank, rank))
         else:
-            mine = (got[0], got[3])
+            sh = held.get((step, rank))
+            mine = (got[0], got[3], sh.parsed if sh is not None else None)
     else:
         srcs = [plan.sources[rank]]
     if pg is not None and (sends or srcs):
@@ -171,10 +181,10 @@ def _fetch(
             ok = (
                 inc.buf is not None
                 and (inc.step, inc.owner, inc.world) == (step, rank, world)
-                and packing.crc32(inc.buf, inc.nbytes) == inc.crc
+                and inc.received_crc == inc.crc
             )
             if ok and inc.buf is not None:
-                mine = (inc.buf, "peer")
+                mine = (inc.buf, "peer", None)
             else:
                 log.warning(
                     "replica of rank %d step %d from rank %d failed verification",
@@ -189,6 +199,7 @@ def _fetch(
 def _fill(
     state: dict[str, Any],
     buf: torch.Tensor,
+    parsed: packing.Parsed | None,
     pg: dist.ProcessGroup | None,
     rank: int,
     world: int,
@@ -198,11 +209,11 @@ def _fill(
     statefuls: list[tuple[Any, dict[str, Any]]] = []
     leaves = packing.leaves(state, statefuls)
     if replicated_owner is None:
-        packing.fill_leaves(buf, leaves)
+        packing.fill_leaves(buf, leaves, parsed=parsed)
     else:
         tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
         owner = replicated_owner(tensors, world)
-        packing.fill_leaves(buf, leaves, keep=lambda k: owner.get(k, rank) == rank)
+        packing.fill_leaves(buf, leaves, keep=lambda k: owner.get(k, rank) == rank, parsed=parsed)
         # One flat broadcast per rank of the replicated tensors it kept (never one per tensor).
         for q in range(world):
             part = [x for x in tensors if owner.get(x.key) == q]

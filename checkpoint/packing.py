@@ -178,8 +178,31 @@ def pack_into(buf: torch.Tensor, layout: Layout, header: bytes, tensors: list[Le
     for entry, leaf in zip(layout.entries, tensors, strict=True):
         if entry.nbytes:
             start = data_start + entry.offset
-            _view(buf, start, entry).copy_(leaf.value)
+            _store(buf, start, entry, leaf.value)
     return data_start + layout.data_nbytes
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous CPU tensor's bytes as a flat uint8 view (a plain memcpy); else None."""
+    if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t.reshape(-1).view(torch.uint8)
+    return None
+
+
+def _store(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) -> None:
+    raw = _bytes_of(t)
+    if raw is not None:
+        buf[start : start + entry.nbytes].copy_(raw)
+    else:  # strided, GPU or lazy-conjugate tensors: the dtype-aware copy handles them
+        _view(buf, start, entry).copy_(t)
+
+
+def _load(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) -> None:
+    raw = _bytes_of(t)
+    if raw is not None:
+        raw.copy_(buf[start : start + entry.nbytes])
+    else:
+        t.copy_(_view(buf, start, entry))
 
 
 def _view(buf: torch.Tensor, start: int, entry: TensorEntry) -> torch.Tensor:
@@ -220,10 +243,16 @@ def unpack_into(buf: torch.Tensor, state: Mapping[str, Any]) -> None:
 
 
 def fill_leaves(
-    buf: torch.Tensor, state_leaves: list[Leaf], keep: Callable[[str], bool] = lambda k: True
+    buf: torch.Tensor,
+    state_leaves: list[Leaf],
+    keep: Callable[[str], bool] = lambda k: True,
+    parsed: Parsed | None = None,
 ) -> None:
-    """unpack_into for the leaves for which keep(key) is true; Stateful objects not finished."""
-    parsed = parse(buf)
+    """unpack_into for the leaves for which keep(key) is true; Stateful objects not finished.
+
+    `parsed`: the buffer's header when the caller already has it (a shard this process packed).
+    """
+    parsed = parsed if parsed is not None else parse(buf)
     bad: list[str] = []
     todo: list[tuple[Leaf, Any]] = []
     for leaf in state_leaves:
@@ -253,7 +282,7 @@ def fill_leaves(
     for leaf, src in todo:
         if isinstance(src, TensorEntry):
             if src.nbytes:
-                leaf.value.copy_(_view(buf, parsed.data_start + src.offset, src))
+                _load(buf, parsed.data_start + src.offset, src, leaf.value)
         elif isinstance(leaf.container, (MutableMapping, MutableSequence)):
             value = tuple(src) if isinstance(leaf.value, tuple) else src
             leaf.container[leaf.index] = value
@@ -263,20 +292,24 @@ def copy_in(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
     """Copy tensors into a header-less buffer laid out by `layout` (fully_parallel exchange)."""
     for entry, leaf in zip(layout.entries, tensors, strict=True):
         if entry.nbytes:
-            _view(buf, entry.offset, entry).copy_(leaf.value)
+            _store(buf, entry.offset, entry, leaf.value)
 
 
 def copy_out(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
     """The inverse of copy_in: fill the tensors from the buffer."""
     for entry, leaf in zip(layout.entries, tensors, strict=True):
         if entry.nbytes:
-            leaf.value.copy_(_view(buf, entry.offset, entry))
+            _load(buf, entry.offset, entry, leaf.value)
 
 
 def crc32(buf: torch.Tensor, nbytes: int) -> int:
     """CRC32 of the first `nbytes` of a uint8 CPU tensor (zlib; releases the GIL per chunk)."""
-    arr = buf[:nbytes].numpy()
-    crc = 0
-    for start in range(0, nbytes, _CRC_CHUNK):
+    return crc32_update(buf[:nbytes], 0)
+
+
+def crc32_update(part: torch.Tensor, crc: int) -> int:
+    """Continue a CRC32 over the bytes of a uint8 CPU tensor."""
+    arr = part.numpy()
+    for start in range(0, arr.size, _CRC_CHUNK):
         crc = zlib.crc32(arr[start : start + _CRC_CHUNK].data, crc)
     return crc

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from checkpoint.packing import crc32_update
+
+_CHUNK = 32 << 20  # data moves in chunks so the receiver checksums one while the next arrives
 # [step, owner, world, nbytes, crc]; nbytes = -1 tells the receiver the sender has nothing
 # (its copy failed verification), so the receiver skips the data message instead of hanging.
 _HEADER_LEN = 5
@@ -41,8 +44,9 @@ class Incoming:
     owner: int = -1
     world: int = -1
     nbytes: int = -1
-    crc: int = 0
+    crc: int = 0  # as sent
     buf: torch.Tensor | None = None
+    received_crc: int | None = None  # computed over what arrived: equal to crc when intact
 
 
 def exchange(
@@ -70,22 +74,36 @@ def exchange(
     rworks = [dist.irecv(h, group=pg, group_src=src) for h, src in zip(rheads, srcs, strict=True)]
     for w in rworks:
         _wait(w)
-    data_works = []
     for s in sends:
-        if s.buf is not None and s.nbytes > 0:
-            data_works.append(dist.isend(s.buf[: s.nbytes], group=pg, group_dst=s.dst))
+        if s.buf is not None:
+            for a, b in _chunks(s.nbytes):
+                works.append(dist.isend(s.buf[a:b], group=pg, group_dst=s.dst))
+    pending: list[tuple[Incoming, list[tuple[int, int, dist.Work | None]]]] = []
     for inc, h in zip(incoming, rheads, strict=True):
         step, owner, world, nbytes, crc = (int(x) for x in h.tolist())
         inc.step, inc.owner, inc.world, inc.nbytes, inc.crc = step, owner, world, nbytes, crc
         if nbytes < 0:
             continue
         buf = alloc(nbytes)
-        if nbytes > 0:
-            data_works.append(dist.irecv(buf[:nbytes], group=pg, group_src=inc.src))
+        chunks = [
+            (a, b, dist.irecv(buf[a:b], group=pg, group_src=inc.src)) for a, b in _chunks(nbytes)
+        ]
         inc.buf = buf
-    for w in works + data_works:
+        pending.append((inc, chunks))
+    for inc, chunks in pending:
+        assert inc.buf is not None
+        value = 0
+        for a, b, w in chunks:
+            _wait(w)
+            value = crc32_update(inc.buf[a:b], value)
+        inc.received_crc = value
+    for w in works:
         _wait(w)
     return incoming
+
+
+def _chunks(nbytes: int) -> list[tuple[int, int]]:
+    return [(a, min(a + _CHUNK, nbytes)) for a in range(0, nbytes, _CHUNK)]
 
 
 def _wait(work: dist.Work | None) -> None:

@@ -215,6 +215,9 @@ def killed_rank_replaced(base: str, replacement: bool = False) -> dict[str, Any]
     Memory-only tier (local_dir=None), so the peer replica is the only copy of rank 1's shard.
     The survivors keep their memory across the re-join (as after an in-process restart).
     """
+    import checkpoint.replication_transport as transport
+
+    transport._CHUNK = 4096  # many chunks per shard: exercises the pipelined checksum
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     if replacement:
         Path(base, "replacement.pid").write_text(str(os.getpid()))

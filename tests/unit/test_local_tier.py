@@ -113,6 +113,16 @@ def test_saved_values_are_a_snapshot(tmp_path: Path) -> None:
         assert res is not None and torch.equal(state["w"], torch.full((256,), 1.0))
 
 
+def test_scalars_are_a_snapshot_too() -> None:
+    with _tier(None) as tier:
+        state: dict[str, Any] = {"w": torch.zeros(2), "sched": {"lrs": [0.1, 0.2]}}
+        tier.save(1, state)
+        state["sched"]["lrs"].append(0.3)  # mutate a list leaf in place after save()
+        tier.wait()
+        assert tier.load(state, min_step=None) is not None
+        assert state["sched"]["lrs"] == [0.1, 0.2]
+
+
 def test_corrupt_directory_copy_is_not_loaded(tmp_path: Path) -> None:
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
