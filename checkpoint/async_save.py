@@ -94,7 +94,7 @@ class PersistentSaver:
         self._hooks = hooks
         self._pool = StagingPool()
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt-persistent"
+            max_workers=1, thread_name_prefix="ckpt-persistent", initializer=_lower_priority
         )
         self._pending: concurrent.futures.Future[SaveStats | _Failed] | None = None
         self._pending_job: _Job | None = None
@@ -303,6 +303,16 @@ def _dcp_save(
 
     writer = make_writer(layout, dirpath, sums, thread_count=thread_count)
     dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+
+
+def _lower_priority() -> None:
+    """Run the writer thread at a lower CPU priority (Linux: per-thread nice), so that when
+    cores are scarce the training thread is scheduled first. Best effort."""
+    import contextlib
+    import threading
+
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def _describe(e: BaseException) -> str:

@@ -115,6 +115,11 @@ class CheckpointManager:
         """Stats of the last persistent save that finished (stall, write time, bytes, path)."""
         return self._persistent.last
 
+    @property
+    def save_in_flight(self) -> bool:
+        """True while a persistent save is still being written in the background."""
+        return self._persistent.in_flight
+
     def committed(self) -> list[Committed]:
         """Committed persistent checkpoints, oldest first (rank-local listing, not collective)."""
         return self._layout.list_committed()
