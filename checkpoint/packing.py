@@ -6,6 +6,7 @@ One buffer per shard lets the local tier copy, checksum, write and send a shard 
 
 from __future__ import annotations
 
+import copy
 import json
 import struct
 import zlib
@@ -284,7 +285,8 @@ def fill_leaves(
             if src.nbytes:
                 _load(buf, parsed.data_start + src.offset, src, leaf.value)
         elif isinstance(leaf.container, (MutableMapping, MutableSequence)):
-            value = tuple(src) if isinstance(leaf.value, tuple) else src
+            # A copy: the source may be a cached header that later restores read again.
+            value = tuple(src) if isinstance(leaf.value, tuple) else copy.deepcopy(src)
             leaf.container[leaf.index] = value
 
 
