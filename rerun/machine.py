@@ -15,8 +15,6 @@ stay on the device until that read.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import math
 import socket
@@ -25,7 +23,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from rerun import agree, rng, tracker
+from rerun import agree, persist, rng, tracker, verdicts
 from rerun.checks import (
     LargeValueTracker,
     Rejection,
@@ -37,7 +35,7 @@ from rerun.checks import (
 from rerun.data import RerunDataIterator
 from rerun.errors import InvalidTransition, RankAction, RerunConfigError, RerunExit
 from rerun.injector import RerunErrorInjector
-from rerun.record import Rejected, StepRecord
+from rerun.record import StepRecord
 from rerun.state_machine import (
     NUM_FLAGS,
     Diagnostic,
@@ -55,7 +53,6 @@ logger = logging.getLogger(__name__)
 
 NAN_LOSS_MESSAGE = "loss is NaN or Inf"
 SPIKY_LOSS_MESSAGE = "Spiky loss"
-STATE_DICT_VERSION = 1
 REPORT_INTERVAL_ITERATIONS = 100  # determinism stats are logged every this many steps
 
 _BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
@@ -139,8 +136,7 @@ class RerunStateMachine:
         self._snapshot: rng.RngSnapshot | None = None
         self._loaded_data: list[list[Any]] | None = None  # microbatches of a pending re-run
         self._faulty_hardware: list[str] = []
-        self._suspect_ranks: tuple[int, ...] = ()
-        self._suspect_hardware: tuple[str, ...] = ()
+        self._suspects = verdicts.Suspects()
         self._rec = StepRecord()
 
     # -- properties -----------------------------------------------------------------------
@@ -324,23 +320,14 @@ class RerunStateMachine:
                 f"exit_or_raise() called in state {self._state.value}, where no verdict asks to "
                 "exit: call it only when should_checkpoint_and_exit() returns exit=True"
             )
-        rank = self._rank()
-        action: RankAction | None = None
-        if code == 16 and rank in self._suspect_ranks:
-            action = "demote"
-        elif (
-            self.verdict is Diagnostic.PERSISTENT_ERROR
-            and self.hardware_id in self._suspect_hardware
-        ):
-            action = "retire"
-        what = {
-            State.WILL_RERUN_ELSEWHERE: "result reproduced on this hardware: re-run the step "
-            "on other hardware from the checkpoint just saved",
-            State.EXIT_RESUME_ELSEWHERE: "resumed on the suspect hardware: resume again from the "
-            "same checkpoint on other hardware",
-        }.get(
-            self._state, f"result validation failed ({self.verdict.value if self.verdict else '?'})"
+        action = verdicts.rank_action(
+            code,
+            rank=self._rank(),
+            hardware_id=self.hardware_id,
+            verdict=self.verdict,
+            suspects=self._suspects,
         )
+        what = verdicts.exit_message(self._state, self.verdict)
         raise self._exit_exception(code, self.verdict, action, what)
 
     def determinism_stats(self) -> dict[str, dict[str, Any]]:
@@ -354,94 +341,70 @@ class RerunStateMachine:
 
         Per rank: store it under a rank-specific key or in per-rank storage. A pending re-run on
         other hardware carries the step's RNG snapshot and microbatches, so it resumes from disk
-        alone. Call it in ``should_checkpoint_and_exit`` order, not mid-pass.
+        alone. Call it between steps (e.g. when ``should_checkpoint_and_exit`` asks), not
+        mid-pass.
         """
         rank, world = agree.rank_and_world()
         saved = persisted_state(self._state)
         pending = saved is State.WILL_RERUN_ELSEWHERE
-        r = self._rec.rejected if pending else None
-        data = b""
+        data = None
         if pending:
-            buffers = (
+            data = (
                 self._loaded_data
                 if self._loaded_data is not None
                 else [it.replay_buffer() for it in self._iterators]
             )
-            buf = io.BytesIO()
-            torch.save(buffers, buf)
-            data = buf.getvalue()
-        return {
-            "version": STATE_DICT_VERSION,
-            "mode": self.mode.value,
-            "state": saved.value,
-            "iteration": self.iteration,
-            "rank": rank,
-            "world_size": world,
-            "hardware_id": self.hardware_id,
-            "failed_message": r.message if r else "",
-            "failed_seq": r.seq if r else -1,
-            "failed_fatal": r.fatal if r else True,
-            "failed_tolerance": r.tolerance if r else 0.0,
-            "initial_result": r.initial if r else math.nan,
-            "suspect_hardware": self._rec.suspect_hw if r else "",
-            "faulty_hardware": json.dumps(self._faulty_hardware),
-            "large_values": json.dumps(self._large.state()),
-            "injector": json.dumps(self._injector.state() if self._injector else {}),
-            "rng": self._snapshot.to_bytes() if pending and self._snapshot else b"",
-            "data": data,
-        }
+        r = self._rec.rejected if pending else None
+        return persist.encode(
+            persist.Persisted(
+                mode=self.mode.value,
+                state=saved,
+                iteration=self.iteration,
+                rank=rank,
+                world_size=world,
+                hardware_id=self.hardware_id,
+                rejected=r,
+                suspect_hw=self._rec.suspect_hw if r else "",
+                faulty_hardware=self._faulty_hardware,
+                large_values=self._large.state(),
+                injector=self._injector.state() if self._injector else {},
+                rng=self._snapshot if pending else None,
+                data=data,
+            )
+        )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore from ``state_dict()`` (between steps). A pending re-run is restored only when
-        the world size matches and the mode validates results; otherwise it is dropped with a
-        warning, like a resharded job."""
+        """Restore from ``state_dict()``, before the job's first step.
+
+        A pending re-run is restored only when the world size matches and the mode validates
+        results; otherwise it is dropped with a warning, like a resharded job.
+        """
         if self._state is not State.IDLE:
             raise InvalidTransition(
                 f"load_state_dict() called in state {self._state.value}: load before the first "
                 "should_run_forward_backward() of a job"
             )
-        for key in ("version", "state", "iteration", "world_size", "rng", "data"):
-            if key not in sd:
-                raise RerunConfigError(
-                    f"state_dict is missing {key!r}: pass the dict returned by "
-                    "RerunStateMachine.state_dict()"
-                )
-        if sd["version"] != STATE_DICT_VERSION:
-            raise RerunConfigError(
-                f"state_dict version ({sd['version']}) must be {STATE_DICT_VERSION}: "
-                "it was written by another version of rerun"
-            )
-        self.iteration = int(sd["iteration"])
-        self._faulty_hardware = list(json.loads(sd["faulty_hardware"]))
-        self._large.load(json.loads(sd["large_values"]))
+        p = persist.decode(sd)
+        self.iteration = p.iteration
+        self._faulty_hardware = p.faulty_hardware
+        self._large.load(p.large_values)
         if self._injector is not None:
-            self._injector.load(json.loads(sd["injector"]))
-        if State(sd["state"]) is not State.WILL_RERUN_ELSEWHERE:
+            self._injector.load(p.injector)
+        if p.state is not State.WILL_RERUN_ELSEWHERE:
             return
         world = agree.rank_and_world()[1]
-        if sd["world_size"] != world or self.mode is not RerunMode.VALIDATE_RESULTS:
+        if p.world_size != world or self.mode is not RerunMode.VALIDATE_RESULTS:
             logger.warning(
-                "iteration %d: a pending re-run from a job with world size %s in mode %s is "
+                "iteration %d: a pending re-run from a job with world size %d in mode %s is "
                 "ignored (now world size %d, mode %s)",
-                self.iteration,
-                sd["world_size"],
-                sd["mode"],
-                world,
-                self.mode.value,
-            )
+                self.iteration, p.world_size, p.mode, world, self.mode.value,
+            )  # fmt: skip
             return
         self._state = State.WILL_RERUN_ELSEWHERE
-        self._snapshot = rng.RngSnapshot.from_bytes(sd["rng"])
-        self._loaded_data = torch.load(io.BytesIO(sd["data"]), weights_only=False)
-        if sd["failed_message"]:
-            self._rec.rejected = Rejected(
-                str(sd["failed_message"]),
-                int(sd["failed_seq"]),
-                bool(sd["failed_fatal"]),
-                float(sd["failed_tolerance"]),
-                float(sd["initial_result"]),
-            )
-            self._rec.suspect_hw = str(sd["suspect_hardware"])
+        self._snapshot = p.rng
+        self._loaded_data = p.data if p.data is not None else []
+        self._rec.rejected = p.rejected
+        self._rec.suspect_hw = p.suspect_hw
 
     # -- internals ------------------------------------------------------------------------
 
@@ -513,74 +476,44 @@ class RerunStateMachine:
         return frozenset(f for f, v in zip(Flag, local.tolist(), strict=True) if v)
 
     def _rerun_outcome(self) -> Flag | None:
-        """The flag this rank contributes after a re-run (only the rank that rejected)."""
-        rec = self._rec
-        r = rec.rejected
+        """The flag this rank contributes after a re-run, logged and tracked."""
+        rec, r = self._rec, self._rec.rejected
+        in_place = self._state is State.RERUN_IN_PLACE
+        flag, status = rec.rerun_outcome(in_place=in_place, hardware_id=self.hardware_id)
         if r is None:
-            return None
-        same = rec.reproduced()
-        if self._state is State.RERUN_IN_PLACE:
-            self._track(
-                tracker.FIRST_RERUN_REPRODUCIBLE if same else tracker.FIRST_RERUN_NOT_REPRODUCIBLE,
-                rec.rerun_result,
-                r.message,
-            )
-            logger.warning(
-                "rank %d iteration %d: %r %s on the same hardware%s",
-                self._rank(),
-                self.iteration,
-                r.message,
-                "reproduced" if same else "did not reproduce (possible transient error)",
-                "" if r.fatal else "; non-fatal check: continuing with the re-run's result",
-            )
-            if not r.fatal:
-                return None
-            if same:
-                rec.suspect_hw = self.hardware_id
-                return Flag.FATAL_REPRODUCED
-            return Flag.FATAL_NOT_REPRODUCED
-        # RERUN_ELSEWHERE
-        if self.hardware_id == rec.suspect_hw:
-            logger.warning(
-                "rank %d iteration %d: resumed on the suspect hardware %s",
-                self._rank(),
-                self.iteration,
-                self.hardware_id,
-            )
-            return Flag.SAME_HARDWARE
-        self._track(
-            tracker.SECOND_RERUN_REPRODUCIBLE if same else tracker.SECOND_RERUN_NOT_REPRODUCIBLE,
-            rec.rerun_result,
-            r.message,
+            return flag
+        if status:
+            self._track(status, rec.rerun_result, r.message)
+        where = "on the same hardware" if in_place else f"on {self.hardware_id}"
+        what = (
+            "same hardware again"
+            if flag is Flag.SAME_HARDWARE
+            else ("reproduced" if rec.reproduced() else "did not reproduce")
         )
-        return Flag.SAME_ELSEWHERE if same else Flag.DIFFERS_ELSEWHERE
+        logger.warning(
+            "rank %d iteration %d: %r %s %s%s", self._rank(), self.iteration, r.message, what,
+            where, "" if r.fatal else " (non-fatal: continuing with the re-run's result)",
+        )  # fmt: skip
+        return flag
 
     def _gather_suspects(self) -> None:
-        """Every rank learns the suspect ranks and hardware (fault path only)."""
-        mine = self._rec.rejected is not None and bool(self._rec.suspect_hw)
-        got = agree.gather_objects((self._rank(), mine, self._rec.suspect_hw))
-        self._suspect_ranks = tuple(r for r, s, _ in got if s)
-        self._suspect_hardware = tuple(h for _r, s, h in got if s)
+        rec = self._rec
+        self._suspects = verdicts.gather_suspects(
+            rec.rejected is not None and (bool(rec.suspect_hw) or self._state is State.EXIT_FAILED),
+            rec.suspect_hw,
+        )
 
     def _on_verdict(self, verdict: Diagnostic) -> None:
         self.verdict = verdict
-        if verdict is not Diagnostic.TRANSIENT_ERROR:
-            self._gather_suspects()
-        else:
-            got = agree.gather_objects((self._rank(), self._rec.rejected is not None))
-            self._suspect_ranks = tuple(r for r, s in got if s)
-            self._suspect_hardware = ()
+        self._gather_suspects()
         if verdict is Diagnostic.PERSISTENT_ERROR:
-            self._faulty_hardware.extend(
-                h for h in self._suspect_hardware if h not in self._faulty_hardware
-            )
+            self._faulty_hardware += [
+                h for h in self._suspects.hardware if h not in self._faulty_hardware
+            ]
         logger.info(
-            "iteration %d verdict: %s (suspect ranks %s, hardware %s)",
-            self.iteration,
-            verdict.value,
-            list(self._suspect_ranks),
-            list(self._suspect_hardware),
-        )
+            "iteration %d verdict: %s (suspect ranks %s, hardware %s)", self.iteration,
+            verdict.value, list(self._suspects.ranks), list(self._suspects.hardware),
+        )  # fmt: skip
 
     def _track(self, status: str, result: float, message: str) -> None:
         if self._tracker is not None:
@@ -599,8 +532,8 @@ class RerunStateMachine:
         return RerunExit(
             code,
             verdict=verdict.value if verdict else None,
-            suspect_ranks=self._suspect_ranks,
-            suspect_hardware=self._suspect_hardware,
+            suspect_ranks=self._suspects.ranks,
+            suspect_hardware=self._suspects.hardware,
             restartable_rank_action=action,
             message=f"iteration {self.iteration}: {what}",
         )

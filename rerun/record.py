@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rerun import agree
+from rerun import agree, tracker
 from rerun.checks import Rejection, Value, as_float
 from rerun.state_machine import NUM_FLAGS, Flag
 
@@ -119,3 +119,30 @@ class StepRecord:
         message, seq, fatal, tol, value = self.calls[idx]
         self.rejected = Rejected(message, seq, fatal, tol, as_float(value))
         return agreed | {Flag.REJECTED}
+
+    def rerun_outcome(self, *, in_place: bool, hardware_id: str) -> tuple[Flag | None, str]:
+        """This rank's flag after a re-run, and the tracker status to record ("" for none).
+
+        Only the rank that rejected a result contributes. In place, a fatal rejection that
+        reproduced makes this hardware the suspect. Elsewhere, landing on the suspect hardware
+        again decides nothing (``SAME_HARDWARE``: resume elsewhere again).
+        """
+        r = self.rejected
+        if r is None:
+            return None, ""
+        same = self.reproduced()
+        if in_place:
+            status = (
+                tracker.FIRST_RERUN_REPRODUCIBLE if same else tracker.FIRST_RERUN_NOT_REPRODUCIBLE
+            )
+            if not r.fatal:
+                return None, status
+            if same:
+                self.suspect_hw = hardware_id
+                return Flag.FATAL_REPRODUCED, status
+            return Flag.FATAL_NOT_REPRODUCED, status
+        if hardware_id == self.suspect_hw:
+            return Flag.SAME_HARDWARE, ""
+        if same:
+            return Flag.SAME_ELSEWHERE, tracker.SECOND_RERUN_REPRODUCIBLE
+        return Flag.DIFFERS_ELSEWHERE, tracker.SECOND_RERUN_NOT_REPRODUCIBLE

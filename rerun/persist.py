@@ -1,0 +1,113 @@
+"""The checkpointed form of a machine's state: the same keys in every state, checked on load."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rerun.errors import RerunConfigError
+from rerun.record import Rejected
+from rerun.rng import RngSnapshot
+from rerun.state_machine import State
+
+STATE_DICT_VERSION = 1
+
+_KEYS = (
+    "version", "mode", "state", "iteration", "rank", "world_size", "hardware_id",
+    "failed_message", "failed_seq", "failed_fatal", "failed_tolerance", "initial_result",
+    "suspect_hardware", "faulty_hardware", "large_values", "injector", "rng", "data",
+)  # fmt: skip
+
+
+@dataclass
+class Persisted:
+    """Everything a fresh process needs to continue, including a pending re-run elsewhere."""
+
+    mode: str
+    state: State  # IDLE or WILL_RERUN_ELSEWHERE (see state_machine.persisted_state)
+    iteration: int
+    rank: int
+    world_size: int
+    hardware_id: str
+    rejected: Rejected | None  # the call to compare on the other hardware (suspect rank only)
+    suspect_hw: str
+    faulty_hardware: list[str]
+    large_values: dict[str, list[float]]
+    injector: dict[str, Any]
+    rng: RngSnapshot | None  # the step's RNG snapshot when a re-run is pending
+    data: list[list[Any]] | None  # the step's microbatches per data iterator, likewise
+
+
+def encode(p: Persisted) -> dict[str, Any]:
+    """Plain values only (str, int, float, bool, bytes); blobs are empty when nothing is pending."""
+    r = p.rejected
+    data = b""
+    if p.data is not None:
+        buf = io.BytesIO()
+        torch.save(p.data, buf)
+        data = buf.getvalue()
+    return {
+        "version": STATE_DICT_VERSION,
+        "mode": p.mode,
+        "state": p.state.value,
+        "iteration": p.iteration,
+        "rank": p.rank,
+        "world_size": p.world_size,
+        "hardware_id": p.hardware_id,
+        "failed_message": r.message if r else "",
+        "failed_seq": r.seq if r else -1,
+        "failed_fatal": r.fatal if r else True,
+        "failed_tolerance": r.tolerance if r else 0.0,
+        "initial_result": r.initial if r else math.nan,
+        "suspect_hardware": p.suspect_hw,
+        "faulty_hardware": json.dumps(p.faulty_hardware),
+        "large_values": json.dumps(p.large_values),
+        "injector": json.dumps(p.injector),
+        "rng": p.rng.to_bytes() if p.rng is not None else b"",
+        "data": data,
+    }
+
+
+def decode(sd: Mapping[str, Any]) -> Persisted:
+    """Parse ``encode``'s output; a foreign or incompatible dict fails with the fix."""
+    missing = [k for k in _KEYS if k not in sd]
+    if missing:
+        raise RerunConfigError(
+            f"state_dict is missing {missing[0]!r}: pass the dict returned by "
+            "RerunStateMachine.state_dict()"
+        )
+    if sd["version"] != STATE_DICT_VERSION:
+        raise RerunConfigError(
+            f"state_dict version ({sd['version']}) must be {STATE_DICT_VERSION}: "
+            "it was written by another version of rerun"
+        )
+    rejected = None
+    if sd["failed_message"]:
+        rejected = Rejected(
+            str(sd["failed_message"]),
+            int(sd["failed_seq"]),
+            bool(sd["failed_fatal"]),
+            float(sd["failed_tolerance"]),
+            float(sd["initial_result"]),
+        )
+    return Persisted(
+        mode=str(sd["mode"]),
+        state=State(sd["state"]),
+        iteration=int(sd["iteration"]),
+        rank=int(sd["rank"]),
+        world_size=int(sd["world_size"]),
+        hardware_id=str(sd["hardware_id"]),
+        rejected=rejected,
+        suspect_hw=str(sd["suspect_hardware"]),
+        faulty_hardware=list(json.loads(sd["faulty_hardware"])),
+        large_values=json.loads(sd["large_values"]),
+        injector=json.loads(sd["injector"]),
+        rng=RngSnapshot.from_bytes(sd["rng"]) if sd["rng"] else None,
+        data=torch.load(io.BytesIO(sd["data"]), weights_only=False) if sd["data"] else None,
+    )
