@@ -137,9 +137,10 @@ class LocalTier:
             used = sum(s.nbytes for s in self._held.values())
             ldir.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
             self._capacity_checked = size
-        buf = self._take(size)
+        on_gpu = any(x.value.is_cuda for x in tensors)
+        buf = self._take(size, pinned=on_gpu)
         nbytes = packing.pack_into(buf, cache.layout, header, tensors)
-        if any(x.value.is_cuda for x in tensors):
+        if on_gpu:
             torch.cuda.synchronize()  # the copy must be complete before save() returns
         # A JSON round trip snapshots the scalars (a list mutated after save() must not leak in).
         snapshot = json.loads(json.dumps(objects))
@@ -169,15 +170,18 @@ class LocalTier:
         self._cache = _Cache(sig, world, rank, keep, layout, entries)
         return self._cache
 
-    def _take(self, nbytes: int) -> torch.Tensor:
-        """A reused buffer of at least nbytes, else a new pre-faulted one (first saves only)."""
+    def _take(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        """A reused buffer of at least nbytes, else a new pre-faulted one (first saves only).
+
+        pinned: page-locked, so device-to-host copies of GPU state run at full speed.
+        """
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() >= pinned]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
                 self._free = [b for b in self._free if b is not best]
                 return best
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         buf.zero_()  # fault the pages in now, not during the copy of a later save
         return buf
 

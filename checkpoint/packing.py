@@ -195,7 +195,8 @@ def _store(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) -
     if raw is not None:
         buf[start : start + entry.nbytes].copy_(raw)
     else:  # strided, GPU or lazy-conjugate tensors: the dtype-aware copy handles them
-        _view(buf, start, entry).copy_(t)
+        # GPU: asynchronous D2H into the (pinned) buffer; the caller synchronizes once.
+        _view(buf, start, entry).copy_(t, non_blocking=t.is_cuda)
 
 
 def _load(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) -> None:
@@ -203,7 +204,7 @@ def _load(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) ->
     if raw is not None:
         raw.copy_(buf[start : start + entry.nbytes])
     else:
-        t.copy_(_view(buf, start, entry))
+        t.copy_(_view(buf, start, entry), non_blocking=t.is_cuda)
 
 
 def _view(buf: torch.Tensor, start: int, entry: TensorEntry) -> torch.Tensor:
@@ -288,6 +289,8 @@ def fill_leaves(
             # A copy: the source may be a cached header that later restores read again.
             value = tuple(src) if isinstance(leaf.value, tuple) else copy.deepcopy(src)
             leaf.container[leaf.index] = value
+    if any(isinstance(x.value, torch.Tensor) and x.value.is_cuda for x, _ in todo):
+        torch.cuda.synchronize()  # H2D copies were asynchronous; `buf` may be reused after this
 
 
 def copy_in(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:

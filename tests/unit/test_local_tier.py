@@ -154,3 +154,15 @@ def test_close_is_idempotent_and_final() -> None:
     tier.close()
     with pytest.raises(Exception, match="after close"):
         tier.save(1, _state(1.0))
+
+
+def test_other_world_size_is_not_served(tmp_path: Path) -> None:
+    import json
+
+    with _tier(tmp_path) as tier:
+        tier.save(1, _state(1.0))
+    meta = tmp_path / "step_000000001" / "owner_0.json"
+    doc = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**doc, "world": 2}))  # as if saved by a 2-rank job
+    with _tier(tmp_path) as fresh:
+        assert fresh.load(_state(0.0), min_step=None) is None  # the persistent tier reshards
