@@ -6,9 +6,9 @@ with the same state size (default 1 GiB: a few large tensors plus ~1000 small on
 * floors: memcpy bandwidth (copy into a pre-faulted buffer) and gloo loopback bandwidth (one flat
   buffer each way at once, the replication pattern); the copy floor of a save (the state's
   tensors copied into a pre-faulted buffer);
-* local tier: save stall (third save: buffers reused from then on) and background time; restore from memory
-  (after a save, as after an in-process restart), from the node-local directory (a new tier, as
-  a new process), from a peer replica (rank 1 with nothing of its own);
+* local tier: save stall (third save: buffers are reused from then on) and background time;
+  restore from memory (after a save, as after an in-process restart), from the node-local
+  directory (a new tier, as a new process), from a peer replica (rank 1 with nothing of its own);
 * persistent tier: CheckpointManager torch_dist save, then load_latest in a new manager;
 * the node-local writer choice: plain file + fsync vs tensorstore (zarr3, one array), same bytes.
 
