@@ -190,6 +190,7 @@ def failure_on_one_rank(root: str, bad_rank: int) -> dict[str, Any]:
     if rank == bad_rank:
         state["b"] = Broken()
     errors = []
+    failed: list[int] = []
     with CheckpointManager(root, persistent_every=1, timeout=20.0) as mgr:
         try:
             mgr.save(1, state)
