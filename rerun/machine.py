@@ -57,8 +57,6 @@ REPORT_INTERVAL_ITERATIONS = 100  # determinism stats are logged every this many
 
 _BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
 
-_BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
-
 Data = RerunDataIterator | list[RerunDataIterator | None] | None
 
 
@@ -76,10 +74,22 @@ class RerunStateMachine:
     hardware and the same result a correct result / application problem (exit 17). Non-fatal
     checks (spiky loss) only log and continue with the re-run's result.
 
-    ``in_job=True`` (under ``@restartable`` with warm reserves): after a persistent-fault verdict
-    the step's work already runs on healthy hardware, so training continues; the faulty hardware
-    is remembered (also in ``state_dict``) and a rank that later starts a step on it raises
-    ``RerunExit`` with ``restartable_rank_action="retire"``.
+    Arguments (all but ``mode`` keyword-only):
+
+    * ``mode``: ``disabled``, ``validate_results`` or ``report_determinism_stats``.
+    * ``check_for_nan_in_loss`` / ``check_for_spiky_loss``: what ``validate_loss`` checks;
+      ``spiky_loss_factor`` (> 1) x the running max of the first ``spiky_loss_warmup`` (and
+      later non-spiky) losses is spiky.
+    * ``error_injector``: a ``RerunErrorInjector`` for drills and tests.
+    * ``result_rejected_tracker_filename``: JSON-lines file of rejections (see
+      ``iterations_to_skip``); checked for writability here.
+    * ``hardware_id``: what "other hardware" compares (default ``hostname:cuda:N`` / ``:cpu``).
+    * ``in_job=True`` (under ``@restartable`` with warm reserves): after a persistent-fault
+      verdict the step's work already runs on healthy hardware, so training continues; the
+      faulty hardware is remembered (also in ``state_dict``) and a rank that later starts a step
+      on it raises ``RerunExit`` with ``restartable_rank_action="retire"``.
+    * ``state_save_func`` / ``state_restore_func``: extra RNG-like state to snapshot with the
+      step (e.g. a tensor-parallel CUDA RNG tracker); the saved value must be picklable.
     """
 
     def __init__(

@@ -97,9 +97,11 @@ class StepRecord:
             local[Flag.REJECTED] = 1
         flags = None
         if self.tensor_flags:
+            # Stack where the flags live, then move once: one copy (one sync) at most.
+            first = self.tensor_flags[0][1].device
             flags = torch.stack(
-                [f.reshape(()).to(local.device, torch.int32) for _, f in self.tensor_flags]
-            )
+                [f.reshape(()).to(first, torch.int32) for _, f in self.tensor_flags]
+            ).to(local.device)
             local[Flag.REJECTED] = torch.maximum(local[Flag.REJECTED], flags.max())
         agree.reduce_max_(local)
         host = (torch.cat([local, flags]) if flags is not None else local).tolist()
