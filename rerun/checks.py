@@ -68,7 +68,8 @@ class LargeValueTracker:
             cur = (
                 run.max
                 if isinstance(run.max, torch.Tensor)
-                else torch.tensor(float(run.max), device=v.device)
+                # A fill kernel, not a host-to-device copy (which would wait for the stream).
+                else torch.full((), float(run.max), device=v.device)
             )
             if warm:
                 flag = finite & (v >= cur * threshold)
