@@ -1,7 +1,7 @@
 """Fault injection for tests, examples and drills: make a chosen rank fail in a chosen way.
 
-    from inprocess import faults
-    faults.inject("raise", rank=1, iteration=0, step=5, current_step=step)   # inside train()
+from inprocess import faults
+faults.inject("raise", rank=1, iteration=0, step=5, current_step=step)   # inside train()
 """
 
 from __future__ import annotations

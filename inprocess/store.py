@@ -6,7 +6,8 @@ of an earlier iteration is ever read again. Inside it:
 * ``faults``        appended JSON lines, one ``FaultRecord`` each
 * ``end``           first writer wins: ``"fault"`` (any fault) or ``"done"`` (all active ranks
                     returned); every monitor and every waiting rank blocks on this one key
-* ``join/*``        the barrier active ranks pass before ``train()``; a fault breaks it
+* ``join/*``        the barrier active ranks pass before creating the process group
+* ``ready/*``       the barrier they pass after it, before ``train()``; a fault breaks both
 * ``done/*``        the completion counter
 * ``restart/*``     the barrier after a fault; its release value is the next assignment (JSON),
                     written once by the rank that completes it, so every rank reads the same one
@@ -72,6 +73,7 @@ def record_fault(store: StoreLike, record: FaultRecord) -> None:
     store.append(_key(it, "faults"), json.dumps(asdict(record)) + "\n")
     store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
     store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
+    store.compare_set(_key(it, "ready/go"), "", OUTCOME_FAULT)
 
 
 def report_fault(store: Any, *, iteration: int, initial_rank: int, kind: str, detail: str) -> None:
@@ -218,6 +220,20 @@ def join_barrier(
         timeout=timeout,
         clock=clock,
         recheck=recheck,
+    )
+    return value == "ok"
+
+
+def ready_barrier(
+    store: StoreLike, iteration: int, *, expected: int, timeout: float, clock: Callable[[], float]
+) -> bool:
+    """Active ranks meet after creating the process group; False when a fault broke it.
+
+    Nobody starts ``train()`` before every rank finished ``init_process_group``: a rank still
+    inside gloo's connect when a peer faults could not be released until the init timeout.
+    """
+    value = counting_barrier(
+        store, _key(iteration, "ready"), expected=expected, timeout=timeout, clock=clock
     )
     return value == "ok"
 

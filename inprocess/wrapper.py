@@ -36,7 +36,6 @@ from inprocess.ranks import (
     reassign,
 )
 from inprocess.store_server import client, connect, mark_left
-from inprocess.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ class _Job:
         )
         self.store: Any = None
         self.report_store: Any = None
-        self.watchdog: Watchdog | None = None
+        self.watchdog: Any = None  # inprocess.watchdog.Watchdog
         self.health: HealthChecker | None = None
         self.interrupter: Interrupter | None = None
         self.progress: ProgressTracker | None = None
@@ -164,6 +163,10 @@ class _Job:
         self.health = HealthChecker(
             user_checks=cfg.health_checks, empty_cuda_cache=cfg.empty_cuda_cache
         )
+        # Imported here: `python -m inprocess.watchdog` imports this package first, and runpy
+        # warns when the module it is about to run was already imported by the package.
+        from inprocess.watchdog import Watchdog
+
         self.watchdog = Watchdog(
             store_host=self.env.master_addr,
             store_port=self.env.master_port,
@@ -340,6 +343,17 @@ class _Job:
         try:
             try:
                 self._init_process_group(iteration, rank, len(assignment.active))
+                if cfg.init_process_group:
+                    with self.progress.paused():
+                        ready = keys.ready_barrier(
+                            store,
+                            iteration,
+                            expected=len(assignment.active),
+                            timeout=cfg.barrier_timeout,
+                            clock=time.monotonic,
+                        )
+                    if not ready:
+                        raise RestartInterrupt("a rank faulted while the group was created")
                 if pending is not None:
                     ctx.last_restart = self._log_restart(
                         pending, reinit_s=time.monotonic() - t_reinit

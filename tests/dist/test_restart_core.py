@@ -23,3 +23,76 @@ def test_exception_mid_collective_restarts_all_ranks_in_place(fail_rank: int) ->
         assert r["pid"] == o.pid  # same process ran both iterations
         assert [s["iteration"] for s in r["seen"]] == [0, 1], o.output
         assert r["result"] == {"sum": 6.0, "iteration": 1}  # the new group works
+
+
+def test_soft_timeout_hang_interrupts_sleep_and_restarts() -> None:
+    outs = run_ranks(
+        3, target=f"{W}:hang_then_recover", kwargs={"hang_rank": 2}, host_store=True, deadline=40
+    )
+    for o in outs:
+        assert o.result["seen"] == [0, 1], o.output
+        assert o.result["result"] == {"sum": 3.0}
+    hung = outs[2].result["hang_interrupted_after"]
+    # soft_timeout is 2 s: the sleep is cut short by the restart, not left to run for a day.
+    assert 2.0 <= hung < 6.0, hung
+
+
+def test_exception_in_finally_while_unwinding_does_not_wedge() -> None:
+    outs = run_ranks(
+        3, target=f"{W}:fault_in_finally", kwargs={"fail_rank": 1}, host_store=True, deadline=40
+    )
+    for o in outs:
+        assert o.result["seen"] == [0, 1], o.output
+        assert o.result["result"] == {"sum": 3.0}
+
+
+def test_max_iterations_stops_every_rank_with_the_same_error() -> None:
+    outs = run_ranks(
+        3,
+        target=f"{W}:always_fails",
+        kwargs={"fail_rank": 1, "options": {"max_iterations": 2}, "vary_step": True},
+        host_store=True,
+        deadline=40,
+    )
+    errors = {o.result["error"] for o in outs}
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert "max_iterations (2) reached" in error
+    assert "fails at step 11" in error  # the history names the faults
+    for o in outs:
+        assert o.result["seen"] == [0, 1]
+
+
+def test_same_fault_repeating_stops_the_job() -> None:
+    outs = run_ranks(
+        3,
+        target=f"{W}:always_fails",
+        kwargs={"fail_rank": 2, "options": {"max_same_fault": 3, "max_iterations": 10}},
+        host_store=True,
+        deadline=40,
+    )
+    for o in outs:
+        assert o.result["seen"] == [0, 1, 2], o.output
+        assert "the same fault repeated 3 times in a row" in o.result["error"]
+        assert o.result["history"] == 3
+
+
+def test_uncaught_stop_exits_non_zero_on_every_rank() -> None:
+    outs = run_ranks(
+        2,
+        target=f"{W}:exception_mid_collective",
+        kwargs={"fail_rank": 1, "options": {"max_iterations": 1}},
+        host_store=True,
+        deadline=40,
+        expect_success=False,
+    )
+    for o in outs:
+        assert o.returncode not in (0, None), o.output
+        assert "RestartAbortedError" in o.output and "max_iterations (1) reached" in o.output
+
+
+def test_atomic_section_is_not_interrupted() -> None:
+    outs = run_ranks(
+        2, target=f"{W}:atomic_section", kwargs={"fail_rank": 1}, host_store=True, deadline=40
+    )
+    assert outs[0].result["atomic_completed"] == [0], outs[0].output

@@ -43,3 +43,99 @@ def exception_mid_collective(
 
     result = train()
     return {"pid": os.getpid(), "seen": seen, "result": result}
+
+
+def hang_then_recover(*, hang_rank: int, steps: int = 4) -> dict[str, Any]:
+    """Rank ``hang_rank`` blocks in time.sleep (GIL released) in iteration 0; soft timeout."""
+    seen: list[int] = []
+    t_fault: list[float] = []
+
+    @restartable(**FAST)
+    def train() -> dict[str, Any]:
+        ctx = context()
+        seen.append(ctx.iteration)
+        total = 0.0
+        for step in range(steps):
+            if ctx.rank == hang_rank and ctx.iteration == 0 and step == 1:
+                t_fault.append(time.monotonic())
+                fi.fire("hang_gil_released")
+            total = _allreduce_sum(1.0)
+        return {"sum": total}
+
+    t0 = time.monotonic()
+    result = train()
+    return {
+        "pid": os.getpid(),
+        "seen": seen,
+        "result": result,
+        "elapsed": time.monotonic() - t0,
+        "hang_interrupted_after": (time.monotonic() - t_fault[0]) if t_fault else None,
+    }
+
+
+def fault_in_finally(*, fail_rank: int) -> dict[str, Any]:
+    """Rank ``fail_rank`` raises; every rank's ``finally`` raises again while unwinding."""
+    seen: list[int] = []
+
+    @restartable(**FAST)
+    def train() -> dict[str, Any]:
+        ctx = context()
+        seen.append(ctx.iteration)
+        try:
+            for _ in range(3):
+                if ctx.rank == fail_rank and ctx.iteration == 0:
+                    time.sleep(0.1)
+                    raise ValueError("first fault")
+                _allreduce_sum(1.0)
+        finally:
+            if ctx.iteration == 0:
+                raise KeyError("cleanup failed while unwinding")
+        return {"sum": _allreduce_sum(1.0)}
+
+    return {"pid": os.getpid(), "seen": seen, "result": train()}
+
+
+def always_fails(
+    *, fail_rank: int, options: dict[str, Any], vary_step: bool = False
+) -> dict[str, Any]:
+    """Rank ``fail_rank`` raises in every iteration; returns the stop error's text."""
+    from inprocess import RestartAbortedError
+
+    seen: list[int] = []
+
+    @restartable(**{**FAST, **options})
+    def train() -> None:
+        ctx = context()
+        seen.append(ctx.iteration)
+        step = 10 + ctx.iteration if vary_step else 10
+        ctx.ping(step=step)
+        _allreduce_sum(1.0)
+        if ctx.rank == fail_rank:
+            raise RuntimeError(f"fails at step {step}")
+        _allreduce_sum(1.0)
+
+    try:
+        train()
+    except RestartAbortedError as exc:
+        return {"seen": seen, "error": str(exc), "history": len(exc.history)}
+    return {"seen": seen, "error": None}
+
+
+def atomic_section(*, fail_rank: int) -> dict[str, Any]:
+    """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
+    done: list[int] = []
+
+    @restartable(**FAST)
+    def train() -> None:
+        ctx = context()
+        if ctx.iteration == 0:
+            if ctx.rank == fail_rank:
+                time.sleep(0.2)
+                raise RuntimeError("fault while peers are in an atomic section")
+            with ctx.atomic():
+                time.sleep(1.0)  # the restart arrives meanwhile and must wait
+                done.append(ctx.iteration)
+            time.sleep(5)  # interrupted here
+
+    train()
+    return {"atomic_completed": done}
