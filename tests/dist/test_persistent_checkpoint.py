@@ -110,3 +110,13 @@ def test_many_restarts_without_leaks(tmp_path: Path) -> None:
         for it in range(2, restarts, 2):
             assert loaded[it] is not None and loaded[it] >= it
     assert out[0].result["loaded"] == out[1].result["loaded"]
+
+
+def test_restart_abandons_a_save_blocked_on_a_lost_peer(tmp_path: Path) -> None:
+    out = run_ranks(
+        2, target=f"{W}:restart_with_blocked_save", kwargs={"root": str(tmp_path)}, deadline=60
+    )
+    for o in out:
+        assert o.result["loaded"] is None  # the abandoned step 1 never became visible
+        assert o.result["steps"] == [2]
+        assert o.result["settle_s"] < 20.0, "abandoning must not wait for the 60 s timeout"

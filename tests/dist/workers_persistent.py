@@ -234,3 +234,39 @@ def many_restarts(root: str, restarts: int) -> dict[str, Any]:
             counts.append((threading.active_count(), len(os.listdir("/proc/self/fd"))))
         mgr.wait()
     return {"rank": rank, "counts": counts, "loaded": loaded}
+
+
+def restart_with_blocked_save(root: str) -> dict[str, Any]:
+    """Rank 0 starts a save that rank 1 never joins (as if rank 1 failed before saving); the
+    group is re-created (an in-process restart); the blocked save must be abandoned promptly,
+    never become visible, and the manager must go on saving with the new group."""
+    import time
+
+    from checkpoint import CheckpointManager
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0
+    )
+    x = torch.full((100,), 1.0)
+    with CheckpointManager(root, persistent_every=1, timeout=60.0) as mgr:
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("it0", store), rank=rank, world_size=world
+        )
+        mgr.load_latest({"x": x})  # binds the dedicated group on both ranks
+        if rank == 0:
+            mgr.save(1, {"x": x})  # blocks in the background: rank 1 never joins
+        dist.barrier()
+        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("it1", store), rank=rank, world_size=world
+        )
+        t0 = time.perf_counter()
+        loaded = mgr.load_latest({"x": x})
+        settle_s = time.perf_counter() - t0
+        mgr.save(2, {"x": torch.full((100,), 2.0)})
+        mgr.wait()
+        steps = [c.step for c in mgr.committed()]
+        dist.destroy_process_group()
+    return {"rank": rank, "loaded": loaded, "settle_s": settle_s, "steps": steps}
