@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,14 +97,14 @@ class LocalTier:
         self._algo = algo
         self._keep = keep
         self._group = group
-        # Node = LOCAL_WORLD_SIZE consecutive ranks (torchrun / our launcher set it).
-        lws = os.environ.get("LOCAL_WORLD_SIZE")
-        self._lws: int | None = int(lws) if lws else None
+        self._node = node_key()
+        self._nodes: tuple[dist.ProcessGroup | None, list[int]] | None = None  # per group
         self._lock = threading.Lock()  # guards _held / _complete / _free (training vs worker)
         self._held: dict[tuple[int, int], Shard] = {}
         self._complete: list[int] = []
         self._free: list[torch.Tensor] = []
         self._cache: _Cache | None = None
+        self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._capacity_checked = 0
         self._warned_factor = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-ckpt")
@@ -132,8 +133,9 @@ class LocalTier:
         extra = {"step": step, "owner": rank, "world": world, "algo": self._algo}
         header = packing.header_bytes(cache.layout, objects, extra)
         size = packing.packed_size(cache.layout, header)
+        nodes = self._node_indices(pg)
         if self._dir is not None and size > self._capacity_checked:
-            factor = replication.effective_factor(world, self._lws or world, self._factor)
+            factor = replication.effective_factor(nodes, self._factor)
             used = sum(s.nbytes for s in self._held.values())
             ldir.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
             self._capacity_checked = size
@@ -151,7 +153,7 @@ class LocalTier:
             self._held[(step, rank)] = shard
         stall = time.perf_counter() - t0
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
-        self._future = self._pool.submit(self._background, shard, pg)
+        self._future = self._pool.submit(self._background, shard, pg, nodes)
 
     def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
         sig = tuple(
@@ -185,7 +187,23 @@ class LocalTier:
         buf.zero_()  # fault the pages in now, not during the copy of a later save
         return buf
 
-    def _background(self, shard: Shard, pg: dist.ProcessGroup | None) -> None:
+    def _node_indices(self, pg: dist.ProcessGroup | None) -> list[int]:
+        """Node index of every rank of `pg` (COLLECTIVE once per group, then cached).
+
+        Gathered, not derived from the rank: after an in-process restart a reserve from another
+        node may play any rank, and a replica must never land on the owner's own node.
+        """
+        if self._nodes is not None and self._nodes[0] is pg:
+            return self._nodes[1]
+        keys: list[Any] = [self._node]
+        if pg is not None:
+            keys = [None] * dist.get_world_size(pg)
+            dist.all_gather_object(keys, self._node, group=pg)
+        nodes = replication.node_indices(keys)
+        self._nodes = (pg, nodes)
+        return nodes
+
+    def _background(self, shard: Shard, pg: dist.ProcessGroup | None, nodes: list[int]) -> None:
         """Checksum, directory write, replication, then agreement that the step is complete."""
         t0 = time.perf_counter()
         ok = True
@@ -200,7 +218,7 @@ class LocalTier:
                 )
         if pg is not None and shard.world > 1:
             try:
-                ok = self._replicate(shard, pg) and ok
+                ok = self._replicate(shard, pg, nodes) and ok
                 flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
                 ok = bool(flag.item())
@@ -220,29 +238,31 @@ class LocalTier:
         else:
             log.warning("local step %d is incomplete: it will not be restored", shard.step)
 
-    def _replicate(self, shard: Shard, pg: dist.ProcessGroup) -> bool:
-        lws = self._lws or shard.world
-        eff = replication.effective_factor(shard.world, lws, self._factor)
+    def _replicate(self, shard: Shard, pg: dist.ProcessGroup, nodes: list[int]) -> bool:
+        eff = replication.effective_factor(nodes, self._factor)
         if eff < self._factor and not self._warned_factor:
             self._warned_factor = True
             log.warning(
-                "replication_factor %d needs %d nodes, the job has %d (LOCAL_WORLD_SIZE=%s): "
-                "keeping %d cop%s per shard",
+                "replication_factor %d needs %d nodes, the job has %d (node = host and "
+                "RANK // LOCAL_WORLD_SIZE): keeping %d cop%s per shard",
                 self._factor,
                 self._factor,
-                replication.num_nodes(shard.world, lws),
-                self._lws,
+                replication.num_nodes(nodes),
                 eff,
                 "y" if eff == 1 else "ies",
             )
         if eff == 1:
             return True
+        if self._placement is None or self._placement[0] is not nodes:
+            plan = replication.placement(nodes, self._factor)
+            self._placement = (nodes, plan, replication.received_from(plan))
+        _, plan, inverse = self._placement
         m = shard.meta()
         sends = [
             Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.crc, shard.buf)
-            for dst in replication.holders(shard.owner, shard.world, lws, self._factor)
+            for dst in plan[shard.owner]
         ]
-        srcs = replication.owners_held_by(shard.owner, shard.world, lws, self._factor)
+        srcs = inverse[shard.owner]
         ok = True
         for inc in exchange(pg, sends, srcs, self._take):
             if inc.buf is None or inc.received_crc != inc.crc:
@@ -338,6 +358,17 @@ class LocalTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def node_key() -> str:
+    """This process's node: its host, and RANK // LOCAL_WORLD_SIZE when both are set (so ranks
+    simulated as several nodes on one machine count as different nodes). Read at construction,
+    before any in-process restart renumbers ranks."""
+    key = socket.gethostname()
+    rank, lws = os.environ.get("RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if rank and lws and rank.isdigit() and lws.isdigit() and int(lws) > 0:
+        key += f"/{int(rank) // int(lws)}"
+    return key
 
 
 def replicated_owner(tensors: list[packing.Leaf], world: int) -> dict[str, int]:

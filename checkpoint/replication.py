@@ -1,37 +1,64 @@
 """Pure replica placement and restore planning for the local tier (no I/O, no collectives).
 
-Nodes are groups of `local_world_size` consecutive ranks. A shard saved by rank r is held by r and
-by the ranks with r's local rank on the next `replication_factor - 1` nodes, so losing any
+`nodes[r]` is the node index of the process that is rank r now (after an in-process restart a
+reserve from another node may play rank r). A shard saved by rank r is held by r and by one rank
+on each of the next `replication_factor - 1` nodes (in order of first appearance), so losing any
 `replication_factor - 1` nodes loses no shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 ShardId = tuple[int, int]  # (step, owner rank at save time)
 
 
-def num_nodes(world: int, local_world_size: int) -> int:
-    return max(1, world // max(1, local_world_size))
+def node_indices(keys: Sequence[Hashable]) -> list[int]:
+    """Node index per rank from any per-rank node key (hostname, ...), by first appearance."""
+    seen: dict[Hashable, int] = {}
+    return [seen.setdefault(k, len(seen)) for k in keys]
 
 
-def effective_factor(world: int, local_world_size: int, factor: int) -> int:
+def num_nodes(nodes: Sequence[int]) -> int:
+    return len(set(nodes))
+
+
+def effective_factor(nodes: Sequence[int], factor: int) -> int:
     """The replication factor that fits: at most one copy per node."""
-    return max(1, min(factor, num_nodes(world, local_world_size)))
+    return max(1, min(factor, num_nodes(nodes)))
 
 
-def holders(owner: int, world: int, local_world_size: int, factor: int) -> list[int]:
-    """Ranks (other than `owner`) that receive a replica of `owner`'s shard."""
-    f = effective_factor(world, local_world_size, factor)
-    return [(owner + k * local_world_size) % world for k in range(1, f)]
+def placement(nodes: Sequence[int], factor: int) -> list[list[int]]:
+    """For every owner rank, the ranks (other than itself) that receive a replica of its shard.
+
+    The k-th replica goes to node (owner's node + k), to the rank there whose position on its
+    node matches the owner's position on its own (modulo the node's size), which spreads the
+    replicas of one node's ranks over the ranks of the next nodes. O(world x factor).
+    """
+    members: dict[int, list[int]] = {}
+    for r, n in enumerate(nodes):
+        members.setdefault(n, []).append(r)
+    order = {n: i for i, n in enumerate(members)}
+    node_list = list(members)
+    f = effective_factor(nodes, factor)
+    out: list[list[int]] = [[] for _ in nodes]
+    for node, ranks in members.items():
+        here = order[node]
+        for pos, owner in enumerate(ranks):
+            for k in range(1, f):
+                there = members[node_list[(here + k) % len(node_list)]]
+                out[owner].append(there[pos % len(there)])
+    return out
 
 
-def owners_held_by(rank: int, world: int, local_world_size: int, factor: int) -> list[int]:
-    """Owners whose shard `rank` receives a replica of (the inverse of `holders`)."""
-    f = effective_factor(world, local_world_size, factor)
-    return [(rank - k * local_world_size) % world for k in range(1, f)]
+def received_from(plan: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The inverse of `placement`: for every rank, the owners whose replica it receives."""
+    out: list[list[int]] = [[] for _ in plan]
+    for owner, hs in enumerate(plan):
+        for h in hs:
+            out[h].append(owner)
+    return out
 
 
 @dataclass(frozen=True)

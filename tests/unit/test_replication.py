@@ -5,21 +5,35 @@ from __future__ import annotations
 from checkpoint import replication as r
 
 
+def _by_lws(world: int, lws: int) -> list[int]:
+    return [r // lws for r in range(world)]
+
+
 def test_replicas_go_to_other_nodes_and_invert() -> None:
-    world, lws = 6, 2
-    for owner in range(world):
-        hs = r.holders(owner, world, lws, factor=3)
-        assert len(hs) == 2
-        nodes = {owner // lws} | {h // lws for h in hs}
-        assert len(nodes) == 3  # one copy per node
-        for h in hs:
-            assert owner in r.owners_held_by(h, world, lws, factor=3)
+    nodes = _by_lws(6, 2)
+    plan = r.placement(nodes, factor=3)
+    inverse = r.received_from(plan)
+    for owner in range(6):
+        assert len(plan[owner]) == 2
+        assert len({nodes[owner]} | {nodes[h] for h in plan[owner]}) == 3  # one copy per node
+        for h in plan[owner]:
+            assert owner in inverse[h]
+    assert plan[0] == [2, 4] and plan[3] == [5, 1]
+
+
+def test_reassigned_ranks_still_replicate_off_node() -> None:
+    # After a restart, a reserve from node 2 plays rank 1: ranks map to nodes 0, 2, 1, 1.
+    nodes = r.node_indices(["h/0", "h/2", "h/1", "h/1"])
+    assert nodes == [0, 1, 2, 2]
+    plan = r.placement(nodes, factor=2)
+    assert all(nodes[h] != nodes[o] for o, hs in enumerate(plan) for h in hs)
+    assert all(len(hs) == 1 for hs in plan)
 
 
 def test_factor_is_capped_by_node_count() -> None:
-    assert r.effective_factor(4, 4, 2) == 1
-    assert r.holders(0, 4, 4, 2) == []
-    assert r.holders(1, 4, 2, 5) == [3]
+    assert r.effective_factor(_by_lws(4, 4), 2) == 1
+    assert r.placement(_by_lws(4, 4), 2) == [[], [], [], []]
+    assert r.placement(_by_lws(4, 2), 5)[1] == [3]
 
 
 def test_plan_prefers_own_copy_then_spreads_over_holders() -> None:
