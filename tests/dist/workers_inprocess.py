@@ -12,8 +12,13 @@ import torch.distributed as dist
 from inprocess import context, restartable
 from inprocess import faults as fi
 
-FAST = {"soft_timeout": 2.0, "hard_timeout": 6.0, "heartbeat_interval": 0.5,
-        "barrier_timeout": 30.0, "completion_timeout": 30.0}
+FAST = {
+    "soft_timeout": 2.0,
+    "hard_timeout": 6.0,
+    "heartbeat_interval": 0.5,
+    "barrier_timeout": 30.0,
+    "completion_timeout": 30.0,
+}
 
 
 def _allreduce_sum(value: float) -> float:
@@ -139,3 +144,43 @@ def atomic_section(*, fail_rank: int) -> dict[str, Any]:
 
     train()
     return {"atomic_completed": done}
+
+
+def _script(mode: str) -> int:
+    """Entry point when this file runs as a script under ``inprocess.launch`` (launcher tests)."""
+    import signal
+    import sys
+
+    rank = int(os.environ["RANK"])
+    if mode == "exit_codes":  # rank 1 fails early; rank 0 must not be killed for it
+        if rank == 1:
+            return 3
+        time.sleep(1.0)
+        print("rank 0 finished after its sibling failed", flush=True)
+        return 0
+    if mode == "killed":  # rank 1 dies by SIGKILL, the others succeed
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)
+        return 0
+    if mode == "signals":
+        got = []
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        print("ready", flush=True)
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("got SIGTERM" if got else "no signal", flush=True)
+        return 0 if got else 5
+    if mode == "restart":  # the core through the launcher: one exception, one restart
+        result = exception_mid_collective(fail_rank=1, steps=3, fault_step=1)
+        print(f"iterations {[s['iteration'] for s in result['seen']]}", flush=True)
+        return 0
+    print(f"unknown mode {mode}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_script(sys.argv[1]))
