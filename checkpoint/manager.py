@@ -131,11 +131,12 @@ class CheckpointManager:
 
     # -- save / load ---------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], *, force_persistent: bool = False) -> None:
         """Save ``state`` for ``step`` to the tiers whose interval divides ``step``.
 
-        COLLECTIVE. Returns once the state is staged (host copy); writes continue in the
-        background. A second save while a persistent one is in flight waits for it (default
+        COLLECTIVE. ``force_persistent=True`` (same value on every rank) also writes the
+        persistent tier whatever its interval, e.g. for a preemption checkpoint. Returns once the
+        state is staged (host copy); writes continue in the background. A second save while a persistent one is in flight waits for it (default
         ``on_busy="wait"``) or is skipped (``on_busy="skip"``). A failed earlier background
         save raises here (or from ``wait()``) as ``CheckpointRankError`` on every rank.
         """
@@ -151,7 +152,7 @@ class CheckpointManager:
             )
         if self._local is not None and self._local_every and step % self._local_every == 0:
             self._local.save(step, state)
-        if step % self._cfg.every == 0:
+        if force_persistent or step % self._cfg.every == 0:
             self._persistent.save(step, state)
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
