@@ -1,0 +1,193 @@
+"""The store protocol (keys, barriers, fault records) with a fake store and a fake clock."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+import pytest
+
+from inprocess import store as keys
+from inprocess.errors import StoreTimeoutError
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeStore:
+    """A dict with the Store calls the protocol uses; ``wait`` on a missing key first runs the
+    next scripted event (what other ranks do meanwhile), else advances the fake clock by the
+    timeout and raises the timeout error c10d raises."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.data: dict[str, bytes] = {}
+        self.clock = clock
+        self.events: list[Callable[[], None]] = []
+        self.round_trips = 0
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.round_trips += 1
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        self.round_trips += 1
+        return self.data[key]
+
+    def add(self, key: str, value: int) -> int:
+        self.round_trips += 1
+        n = int(self.data.get(key, b"0")) + value
+        self.data[key] = str(n).encode()
+        return n
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self.round_trips += 1
+        v = value.encode() if isinstance(value, str) else value
+        self.data[key] = self.data.get(key, b"") + v
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        self.round_trips += 1
+        current = self.data.get(key)
+        if (current is None and expected_value == "") or current == expected_value.encode():
+            self.data[key] = desired_value.encode()
+        return self.data[key]
+
+    def check(self, keys_: list[str]) -> bool:
+        self.round_trips += 1
+        return all(k in self.data for k in keys_)
+
+    def wait(self, keys_: list[str], timeout: datetime.timedelta) -> None:
+        self.round_trips += 1
+        while not all(k in self.data for k in keys_):
+            if self.events:
+                self.events.pop(0)()
+                continue
+            self.clock.now += timeout.total_seconds()
+            raise RuntimeError(f"wait timeout after {timeout}")
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(clock: FakeClock) -> FakeStore:
+    return FakeStore(clock)
+
+
+def test_report_fault_ends_the_iteration_and_breaks_its_barriers(store: FakeStore) -> None:
+    keys.report_fault(store, iteration=3, initial_rank=2, kind="exception", detail="boom")
+    assert keys.outcome(store, 3) == keys.OUTCOME_FAULT
+    assert keys.outcome(store, 2) is None and keys.outcome(store, 4) is None  # own namespace
+    assert not keys.join_barrier(store, 3, expected=4, timeout=1.0, clock=time.monotonic)
+    assert not keys.ready_barrier(store, 3, expected=4, timeout=1.0, clock=time.monotonic)
+    (record,) = keys.read_faults(store, 3)
+    assert (record.initial_rank, record.kind, record.detail) == (2, "exception", "boom")
+
+
+def test_repeated_reports_keep_one_outcome_and_every_record(store: FakeStore) -> None:
+    keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="a")
+    keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="a")
+    keys.mark_completed(store, 0, active=1)  # a late completion cannot turn it into "done"
+    assert keys.outcome(store, 0) == keys.OUTCOME_FAULT
+    assert len(keys.read_faults(store, 0)) == 2
+    assert keys.gone_ranks(store) == {1}
+
+
+def test_completion_of_every_active_rank_ends_it_done(store: FakeStore) -> None:
+    keys.mark_completed(store, 0, active=2)
+    assert keys.outcome(store, 0) is None
+    keys.mark_completed(store, 0, active=2)
+    assert keys.outcome(store, 0) == keys.OUTCOME_DONE
+    keys.report_fault(store, iteration=0, initial_rank=0, kind="dead", detail="after the end")
+    assert keys.outcome(store, 0) == keys.OUTCOME_DONE
+
+
+def test_barrier_is_two_round_trips_for_the_last_arrival(store: FakeStore) -> None:
+    store.add("b/n", 2)  # two ranks already there
+    before = store.round_trips
+    assert keys.counting_barrier(store, "b", expected=3, timeout=5.0) == "ok"
+    assert store.round_trips - before <= 4  # add, compare_set, wait, get
+
+
+def test_barrier_waits_for_the_others(store: FakeStore, clock: FakeClock) -> None:
+    def others_arrive() -> None:
+        for _ in range(2):
+            if store.add("b/n", 1) >= 3:
+                store.compare_set("b/go", "", "ok")
+
+    store.events.append(others_arrive)
+    assert keys.counting_barrier(store, "b", expected=3, timeout=5.0, clock=clock) == "ok"
+    assert clock.now == 1000.0  # released without a timeout
+
+
+def test_barrier_times_out_on_the_fake_clock(store: FakeStore, clock: FakeClock) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="'b' did not complete"):
+        keys.counting_barrier(store, "b", expected=2, timeout=30.0, clock=clock)
+    assert clock.now >= 1030.0
+    assert time.monotonic() - t0 < 1.0  # no real waiting
+
+
+def test_a_fault_during_the_join_wait_breaks_it(store: FakeStore, clock: FakeClock) -> None:
+    store.events.append(
+        lambda: keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="x")
+    )
+    assert not keys.join_barrier(store, 0, expected=2, timeout=5.0, clock=clock)
+
+
+def test_restart_barrier_does_not_wait_for_gone_ranks(store: FakeStore) -> None:
+    keys.report_fault(store, iteration=0, initial_rank=2, kind="hard_timeout", detail="killed")
+    calls: list[int] = []
+
+    def decide(faults: list[keys.FaultRecord]) -> str:
+        calls.append(len(faults))
+        return "decision"
+
+    # Rank 1 arrives first and waits; meanwhile rank 0 arrives and completes the barrier.
+    store.events.append(
+        lambda: (
+            keys.restart_barrier(
+                store, 0, initial_rank=0, participants=[0, 1, 2], decide=decide, timeout=5.0
+            )
+            and None
+        )
+    )
+    got = keys.restart_barrier(
+        store, 0, initial_rank=1, participants=[0, 1, 2], decide=decide, timeout=5.0
+    )
+    assert got == "decision"
+    assert calls.count(1) == 1  # decided once, from the one fault record
+
+
+def test_restart_barrier_rechecks_when_a_rank_dies_meanwhile(
+    store: FakeStore, clock: FakeClock
+) -> None:
+    # Ranks 0 and 1 wait for rank 2, which dies: its watchdog records it; the waiter's next
+    # recheck releases the barrier instead of waiting for barrier_timeout.
+    store.append(keys.iteration_prefix(0) + "restart/who", "1,")
+    store.events.append(
+        lambda: keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
+    )
+    got = keys.restart_barrier(
+        store,
+        0,
+        initial_rank=0,
+        participants=[0, 1, 2],
+        decide=lambda faults: f"{len(faults)} faults",
+        timeout=60.0,
+        clock=clock,
+    )
+    assert got == "1 faults"
+    assert clock.now - 1000.0 <= 2 * keys._RECHECK_S
+
+
+def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: FakeClock) -> None:
+    assert keys.wait_outcome(store, 0, timeout=10.0, clock=clock) is None
+    assert clock.now >= 1010.0
