@@ -113,8 +113,8 @@ class RestartConfig:
             )
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ConfigError(
-                f"backend ({self.backend!r}) must be a backend name such as 'gloo' or 'nccl', "
-                "or None to pick nccl with CUDA and gloo otherwise"
+                f"backend ({self.backend!r}) must be a non-empty backend name: use 'gloo' or "
+                "'nccl', or None to pick nccl with CUDA and gloo otherwise"
             )
         if self.prewarm is not None and not callable(self.prewarm):
             raise ConfigError(
