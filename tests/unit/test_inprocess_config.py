@@ -40,7 +40,7 @@ from inprocess.progress import ProgressTracker
         ),
         ({"granularity": "gpu"}, "granularity ('gpu') must be one of ('rank', 'node')"),
         ({"termination_grace_time": -1}, "termination_grace_time (-1) must be >= 0"),
-        ({"backend": ""}, "backend ('') must be a backend name"),
+        ({"backend": ""}, "backend ('') must be a non-empty backend name"),
         ({"prewarm": 3}, "prewarm (3) must be callable"),
         ({"health_checks": [print, "x"]}, "health_checks[1] ('x') must be callable"),
     ],
