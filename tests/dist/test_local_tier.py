@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import signal
 from pathlib import Path
 
 import pytest
 
-from tests.multiproc import run_ranks
+from tests.multiproc import describe, run_ranks
 
 W = "tests.dist.workers_local"
 
@@ -94,30 +91,6 @@ def test_corrupt_copy_is_never_loaded(tmp_path: Path) -> None:
         assert [r and r["step"] for r in o.result["results"]] == [2, 1, None], o.result
 
 
-def test_killed_rank_replaced_by_fresh_process_restores_from_peer(tmp_path: Path) -> None:
-    try:
-        outs = run_ranks(
-            4,
-            target=f"{W}:killed_rank_replaced",
-            kwargs={"base": str(tmp_path)},
-            local_world_size=2,
-            host_store=True,
-            deadline=60,
-            expect_success=False,
-        )
-    finally:
-        pid_file = tmp_path / "replacement.pid"
-        if pid_file.exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    assert outs[1].returncode == -signal.SIGKILL
-    for o in (outs[0], outs[2], outs[3]):
-        assert o.returncode == 0, o.output
-        assert o.result == {"step": 2, "tier": "memory", "ok": True}
-    replaced = json.loads((tmp_path / "replacement_result.json").read_text())
-    assert replaced == {"step": 2, "tier": "peer", "ok": True}
-
-
 @pytest.mark.parametrize("algo", ["fully_parallel"])
 def test_through_checkpoint_manager(tmp_path: Path, algo: str) -> None:
     outs = run_ranks(
@@ -132,3 +105,23 @@ def test_through_checkpoint_manager(tmp_path: Path, algo: str) -> None:
         assert o.result["restart"] == [3, "memory", True], o.result
         tier = "peer" if o.rank in (2, 3) else "local_dir"
         assert o.result["new_manager"] == [3, tier, True], (o.rank, o.result)
+
+
+def test_reserve_takes_over_under_restartable(tmp_path: Path) -> None:
+    from tests.dist.test_lost_ranks import FAST
+
+    outs = run_ranks(
+        6,
+        target=f"{W}:restartable_reserve",
+        kwargs={"base": str(tmp_path), "config": {**FAST, "active_world_size": 4}},
+        local_world_size=2,  # nodes {0,1} {2,3} {4,5}; 4 and 5 are the reserves
+        host_store=True,
+        deadline=90,
+        expect_success=False,
+    )
+    codes = {o.rank: o.returncode for o in outs}
+    assert codes == {0: 0, 1: -signal.SIGKILL, 2: 0, 3: 0, 4: 0, 5: 0}, describe(outs)
+    done = {o.rank: o.result["result"] for o in outs if o.result and o.result["result"]}
+    assert done[4] == {"iteration": 1, "rank": 1, "step": 3, "tier": "peer", "ok": True}
+    for r in (0, 2, 3):
+        assert done[r] == {"iteration": 1, "rank": r, "step": 3, "tier": "memory", "ok": True}

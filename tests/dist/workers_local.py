@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +153,9 @@ def save_steps(base: str, algo: str, steps: list[int]) -> dict[str, Any]:
 
 def restore_fresh(base: str, algo: str) -> dict[str, Any]:
     """Phase 2: a fresh process per rank restores from its node directory or from peers."""
+    import checkpoint.replication_transport as transport
+
+    transport._CHUNK = 4096  # many chunks per shard: exercises the pipelined checksum
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(_node_dir(base), algo)
@@ -209,47 +209,6 @@ def restore_corrupt(base: str) -> dict[str, Any]:
     return {"results": results}
 
 
-def killed_rank_replaced(base: str, replacement: bool = False) -> dict[str, Any]:
-    """Rank 1 is SIGKILLed after saving; a fresh process takes its place and restores from a peer.
-
-    Memory-only tier (local_dir=None), so the peer replica is the only copy of rank 1's shard.
-    The survivors keep their memory across the re-join (as after an in-process restart).
-    """
-    import checkpoint.replication_transport as transport
-
-    transport._CHUNK = 4096  # many chunks per shard: exercises the pipelined checksum
-    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
-    if replacement:
-        Path(base, "replacement.pid").write_text(str(os.getpid()))
-        _init(1)
-        tier, group = _tier(None, "atomic")
-    else:
-        _init(0)
-        tier, group = _tier(None, "atomic")
-        _save_steps(tier, rank, world, [1, 2], _state(rank, world, 0))
-        dist.barrier()
-        if rank == 1:
-            kwargs = Path(base) / "replacement.json"
-            kwargs.write_text(json.dumps({"base": base, "replacement": True}))
-            target = "tests.dist.workers_local:killed_rank_replaced"
-            subprocess.Popen([sys.executable, "-m", "tests._rank_main", target, str(kwargs)])
-            os.kill(os.getpid(), signal.SIGKILL)
-        dist.destroy_process_group()
-        _init(1)
-    state = _state(rank, world, 0)
-    _zero(state)
-    res = tier.load(state, min_step=None)
-    out = {"step": res.step, "tier": res.tier, "ok": _matches(state, rank, world, res.step)}
-    tier.close()
-    group.close()
-    if replacement:
-        # Write the result before the survivors may exit (run_ranks waits only for them).
-        Path(base, "replacement_result.json").write_text(json.dumps(out))
-    dist.barrier()
-    dist.destroy_process_group()
-    return out
-
-
 def with_manager(base: str, algo: str) -> dict[str, Any]:
     """The local tier through CheckpointManager: memory after a restart, then directory / peer
     for a new manager (a new process's view), with node 1's directory lost."""
@@ -291,3 +250,47 @@ def with_manager(base: str, algo: str) -> dict[str, Any]:
     mgr.close()
     dist.destroy_process_group()
     return out
+
+
+def restartable_reserve(base: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Under @restartable: rank 1 is SIGKILLed after step 3; a reserve from another node plays
+    rank 1 and gets rank 1's shard from a peer replica, the survivors from their memory."""
+    from checkpoint.manager import CheckpointManager
+    from inprocess import restartable
+    from inprocess.context import context
+
+    me = _rank()
+    mgr = CheckpointManager(
+        f"{base}/persistent", persistent_every=100, keep=2, local_every=1,
+        local_dir=_node_dir(f"{base}/local"), replication_factor=2, timeout=30.0,
+    )  # fmt: skip
+
+    @restartable(**config)
+    def train() -> dict[str, Any]:
+        ctx = context()
+        world = ctx.world_size
+        state = _state(ctx.rank, world, 0)
+        _zero(state)
+        step = mgr.load_latest(state)
+        restored = mgr.last_restore
+        out = {
+            "iteration": ctx.iteration,
+            "rank": ctx.rank,
+            "step": step,
+            "tier": restored.tier if restored else None,
+            "ok": step is None or _matches(state, ctx.rank, world, step),
+        }
+        if ctx.iteration == 0:
+            for s in (1, 2, 3):
+                _save_steps(mgr, ctx.rank, world, [s], state)
+            mgr.wait()
+            dist.barrier()
+            if me == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            dist.barrier()  # released by the restart
+        return out
+
+    try:
+        return {"result": train()}
+    finally:
+        mgr.close()
