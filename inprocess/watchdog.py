@@ -13,6 +13,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 CLOSE_MESSAGE = b"close\n"
 READY_MESSAGE = b"ready\n"
 _CLOSE_WAIT_S = 5.0  # the process exits within milliseconds of "close"; kill it after this
+_READY_TIMEOUT_S = 60.0  # torch import on a loaded host; never block a rank's start for longer
 
 
 class Watchdog:
@@ -83,6 +85,7 @@ class Watchdog:
         self._proc: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
         self._broken = False
+        self._ready = False
         self._closed = False
 
     @property
@@ -137,18 +140,34 @@ class Watchdog:
     def wait_ready(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until the process is connected to the store and watching.
 
-        Optional: deaths before that moment are still reported, only later (the process first
-        imports torch to reach the store). Tests and benchmarks use it to measure detection alone.
+        The process first imports torch to reach the store (about a second, more on a loaded
+        host); a death before it is ready is still reported, only that much later.
         """
         proc = self._proc
         if proc is None or proc.stdout is None:
             raise RuntimeError("Watchdog.wait_ready() before start()")
-        readable, _, _ = select.select([proc.stdout], [], [], timeout)
-        return bool(readable) and proc.stdout.readline() == READY_MESSAGE
+        if not self._ready:
+            readable, _, _ = select.select([proc.stdout], [], [], timeout)
+            self._ready = bool(readable) and proc.stdout.readline() == READY_MESSAGE
+        return self._ready
 
     def set_iteration(self, iteration: int) -> None:
-        """Deaths from now on are reported for ``iteration``; tells the process at once."""
+        """Deaths from now on are reported for ``iteration``; tells the process at once.
+
+        The first call waits (at most ``_READY_TIMEOUT_S``) until the process watches, so that
+        from iteration 0 on a killed rank is reported in milliseconds; callers overlap that
+        wait with their own start-up by calling ``start()`` early.
+        """
         self._iteration = iteration
+        if self._proc is not None and not self._ready and not self._closed:
+            t0 = time.monotonic()
+            if not self.wait_ready(_READY_TIMEOUT_S):
+                log.warning(
+                    "watchdog of rank %d not ready after %.0f s: deaths are reported late",
+                    self._initial_rank,
+                    _READY_TIMEOUT_S,
+                )
+            log.debug("waited %.3f s for the watchdog", time.monotonic() - t0)
         self._send(f"{iteration}\n".encode())
 
     def close(self) -> None:
