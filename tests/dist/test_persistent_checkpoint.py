@@ -120,3 +120,10 @@ def test_restart_abandons_a_save_blocked_on_a_lost_peer(tmp_path: Path) -> None:
         assert o.result["loaded"] is None  # the abandoned step 1 never became visible
         assert o.result["steps"] == [2]
         assert o.result["settle_s"] < 20.0, "abandoning must not wait for the 60 s timeout"
+
+
+def test_corrupt_file_falls_back_on_every_rank(tmp_path: Path) -> None:
+    out = run_ranks(2, target=f"{W}:corrupt_fallback", kwargs={"root": str(tmp_path)}, deadline=60)
+    for o in out:
+        assert o.result["step"] == 1 and o.result["value"] == 1.0
+        assert o.result["warned"], o.output

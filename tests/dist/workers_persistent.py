@@ -270,3 +270,42 @@ def restart_with_blocked_save(root: str) -> dict[str, Any]:
         steps = [c.step for c in mgr.committed()]
         dist.destroy_process_group()
     return {"rank": rank, "loaded": loaded, "settle_s": settle_s, "steps": steps}
+
+
+def corrupt_fallback(root: str) -> dict[str, Any]:
+    """Two committed steps; rank 0 flips a byte in one of step 2's data files; every rank
+    must fall back to step 1 with a WARNING naming the file."""
+    import logging
+    from pathlib import Path
+
+    from checkpoint import CheckpointManager
+
+    rank, _ = _init()
+    warnings: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno == logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("checkpoint").addHandler(Grab())
+    with CheckpointManager(root, persistent_every=1) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": torch.full((1000,), float(step)), f"r{rank}": torch.ones(10)})
+        mgr.wait()
+        newest = Path(mgr.committed()[-1].path)
+        victim = sorted(newest.glob("*.distcp"))[-1]
+        if rank == 0:
+            raw = bytearray(victim.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            victim.write_bytes(bytes(raw))
+        dist.barrier()
+        x = torch.zeros(1000)
+        step = mgr.load_latest({"x": x})
+    dist.destroy_process_group()
+    return {
+        "step": step,
+        "value": x[0].item(),
+        "victim": victim.name,
+        "warned": any(victim.name in w for w in warnings),
+    }
