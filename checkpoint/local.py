@@ -211,11 +211,12 @@ class LocalTier:
         if self._dir is not None:
             try:
                 ldir.write(self._dir, shard.meta(), shard.buf)
-            except OSError as e:
+            except Exception as e:  # never skip the collectives below: peers would wait on us
                 ok = False
                 log.warning(
-                    "local save of step %d: writing %s failed: %s", shard.step, self._dir, e
-                )
+                    "local save of step %d on rank %d: writing %s failed: %s",
+                    shard.step, shard.owner, self._dir, e,
+                )  # fmt: skip
         if pg is not None and shard.world > 1:
             try:
                 ok = self._replicate(shard, pg, nodes) and ok
@@ -223,7 +224,10 @@ class LocalTier:
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
                 ok = bool(flag.item())
             except Exception as e:  # a dead peer or a torn-down group: the step is incomplete
-                log.warning("local save of step %d: replication failed: %s", shard.step, e)
+                log.warning(
+                    "local save of step %d on rank %d: replication failed: %s",
+                    shard.step, shard.owner, e,
+                )  # fmt: skip
                 ok = False
         if ok:
             with self._lock:
