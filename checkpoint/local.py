@@ -124,6 +124,7 @@ class LocalTier:
         t0 = time.perf_counter()
         pg = self._group.current()
         rank, world = _rank_world(pg)
+        self._forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
         leaves = packing.leaves(state, statefuls)
         cache = self._plan(leaves, rank, world)
@@ -154,6 +155,19 @@ class LocalTier:
         stall = time.perf_counter() - t0
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
         self._future = self._pool.submit(self._background, shard, pg, nodes)
+
+    def _forget_stale(self, step: int, world: int) -> None:
+        """Free memory copies that can no longer be restored or belong to an abandoned run.
+
+        A different world size cannot be served (the persistent tier reshards instead); steps
+        >= `step` are from before a rewind (training restarted from an older checkpoint), and
+        restoring them later would jump back onto the abandoned trajectory.
+        """
+        with self._lock:
+            stale = [k for k, sh in self._held.items() if sh.world != world or sh.step >= step]
+            for key in stale:
+                self._free.append(self._held.pop(key).buf)
+            self._complete = [c for c in self._complete if c < step]
 
     def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
         sig = tuple(
@@ -231,7 +245,7 @@ class LocalTier:
                 ok = False
         if ok:
             with self._lock:
-                self._complete.append(shard.step)
+                self._complete = sorted({*self._complete, shard.step})
             self._prune()
             log.info(
                 "local save of step %d complete on every rank (%d bytes) in %.3f s",

@@ -166,3 +166,14 @@ def test_other_world_size_is_not_served(tmp_path: Path) -> None:
     meta.write_text(json.dumps({**doc, "world": 2}))  # as if saved by a 2-rank job
     with _tier(tmp_path) as fresh:
         assert fresh.load(_state(0.0), min_step=None) is None  # the persistent tier reshards
+
+
+def test_rewind_forgets_the_abandoned_steps() -> None:
+    with _tier(None, keep=3) as tier:
+        for step in (1, 2, 3):
+            tier.save(step, _state(float(step)))
+        tier.save(2, _state(20.0))  # training went back to step 1 and saves step 2 again
+        tier.wait()
+        state = _state(0.0)
+        res = tier.load(state, min_step=None)
+        assert res is not None and res.step == 2 and state["step"] == 20
