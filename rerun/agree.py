@@ -38,3 +38,18 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def wait_for_teardown() -> None:
+    """Block until a peer that left the step tears the default group down.
+
+    Used by ranks that must not raise before the faulting rank's restart has begun. The barrier
+    never completes while that rank is away; its teardown (or death) releases it with an error,
+    which is the expected outcome. Bounded by the default group's timeout.
+    """
+    if not is_distributed():
+        return
+    try:
+        dist.barrier()
+    except Exception:
+        return

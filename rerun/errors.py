@@ -8,7 +8,7 @@ RankAction = Literal["demote", "retire"]
 
 
 class RerunError(Exception):
-    """Base of every error that ``rerun`` raises for bad input or misuse."""
+    """Base of every exception that ``rerun`` raises (bad input, misuse, in-job exits)."""
 
 
 class RerunConfigError(RerunError, ValueError):
@@ -19,21 +19,25 @@ class InvalidTransition(RerunError):
     """The training loop called the machine in an order the state machine does not allow."""
 
 
-class RerunExit(SystemExit):
-    """Raised by ``RerunStateMachine.exit_or_raise()`` when a verdict ends this run of ``train()``.
+class RerunExit(RerunError):
+    """Raised by ``RerunStateMachine.exit_or_raise()`` with ``in_job=True`` (``@restartable``).
 
-    It subclasses ``SystemExit`` (a ``BaseException``) on purpose:
+    An ``Exception``, not a ``SystemExit``: the ``@restartable`` wrapper treats an ``Exception``
+    from ``train()`` as a restartable fault of the raising rank and reads only
+    ``restartable_rank_action`` from it, whereas a ``SystemExit`` means "this rank leaves the
+    job". A verdict that a restart can act on is therefore an ``Exception``:
 
-    * standalone, nobody catches it and the process exits with ``exit_code`` exactly as
-      ``sys.exit(exit_code)`` would (16: resume on other hardware, 17: failed validation), which is
-      the contract schedulers already know from Megatron;
-    * user code that guards its step with ``except Exception`` does not swallow it;
-    * under ``@restartable`` the wrapper catches it around ``train()`` and reads only
-      ``restartable_rank_action``: ``"demote"`` (move this rank to the reserve pool, a warm
-      reserve re-runs its work), ``"retire"`` (this rank's hardware is persistently faulty, remove
-      it) or ``None`` (this rank is healthy and takes part in the restart like any other).
-      A wrapper that does not know the attribute lets it propagate, which degrades to the
-      standalone behaviour (the job exits with the code), never to a silent continue.
+    * ``"demote"``: move this rank to the reserve pool; a warm reserve re-runs its work (code 16);
+    * ``"retire"``: this rank's hardware is persistently faulty; remove the rank;
+    * ``None``: no action on this rank. On the rank whose result did not reproduce (transient,
+      code 17) it is an ordinary fault: restart from the last checkpoint. On the other ranks it
+      is raised only after the suspect rank's restart has torn the group down, so the wrapper
+      sees them as taking part in that restart, not as faulty.
+
+    Verdicts that a restart cannot fix (a correct result: the model or the data produced it) and
+    every verdict without ``in_job`` end the process with ``sys.exit(code)`` instead (16 or 17,
+    Megatron's contract for schedulers). Do not swallow it in an ``except Exception`` around the
+    step.
     """
 
     def __init__(
@@ -46,17 +50,13 @@ class RerunExit(SystemExit):
         restartable_rank_action: RankAction | None,
         message: str,
     ) -> None:
-        super().__init__(exit_code)
+        super().__init__(
+            f"exit code {exit_code}: {message} (verdict={verdict}, suspect ranks="
+            f"{list(suspect_ranks)}, rank action={restartable_rank_action})"
+        )
         self.exit_code = exit_code
         self.verdict = verdict
         self.suspect_ranks = suspect_ranks
         self.suspect_hardware = suspect_hardware
         self.restartable_rank_action = restartable_rank_action
         self.message = message
-
-    def __str__(self) -> str:
-        return (
-            f"exit code {self.exit_code}: {self.message} (verdict={self.verdict}, "
-            f"suspect ranks={list(self.suspect_ranks)}, "
-            f"rank action={self.restartable_rank_action})"
-        )

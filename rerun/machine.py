@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -317,13 +318,25 @@ class RerunStateMachine:
         return exit_decision(self._state)
 
     def exit_or_raise(self) -> NoReturn:
-        """Raise ``RerunExit`` for the current exit decision (call when ``exit`` is True).
+        """Act on an exit decision (call when ``should_checkpoint_and_exit`` says exit).
 
-        Standalone the uncaught exception exits the process with the code (as ``sys.exit``);
-        under ``@restartable`` the wrapper reads ``restartable_rank_action``: "demote" on the
-        suspect rank for code 16, "retire" on a rank whose own hardware is persistently faulty,
-        None on the other ranks (they take part in the restart normally).
+        Standalone (``in_job=False``) and for a correct result (a restart cannot fix the model or
+        the data): ``sys.exit(code)`` on every rank. With ``in_job=True`` it raises
+        ``RerunExit`` for ``@restartable``: at once on a rank with an action ("demote" /
+        "retire") and on the rank whose result did not reproduce; the other ranks first wait
+        until that rank's restart tears the default group down (bounded by the group's timeout),
+        so that the wrapper sees them as taking part in the restart, not as faulty.
         """
+        exc = self.exit_exception()
+        logger.info("rank %d: %s", self._rank(), exc)
+        if not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT:
+            sys.exit(exc.exit_code)
+        if exc.restartable_rank_action is None and self._rank() not in self._suspects.ranks:
+            agree.wait_for_teardown()
+        raise exc
+
+    def exit_exception(self) -> RerunExit:
+        """The ``RerunExit`` describing the current exit decision (not raised)."""
         _ckpt, do_exit, code = exit_decision(self._state)
         if not do_exit:
             raise InvalidTransition(
@@ -338,7 +351,7 @@ class RerunStateMachine:
             suspects=self._suspects,
         )
         what = verdicts.exit_message(self._state, self.verdict)
-        raise self._exit_exception(code, self.verdict, action, what)
+        return self._exit_exception(code, self.verdict, action, what)
 
     def determinism_stats(self) -> dict[str, dict[str, Any]]:
         """Per message: count, identical, avg, p50, p90, p99, max of relative differences."""

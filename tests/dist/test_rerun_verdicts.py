@@ -116,3 +116,15 @@ def test_spiky_loss_after_warmup_and_state_round_trip_across_a_restart(tmp_path:
     lines = (tmp_path / "rejected.jsonl").read_text().splitlines()
     assert [json.loads(x)["message"] for x in lines] == ["Spiky loss"] * 2
     assert [json.loads(x)["rank"] for x in lines] == [1, 1]
+
+
+def test_in_job_exit_demotes_the_suspect_and_the_other_rank_waits_for_it(tmp_path: Path) -> None:
+    # Without a wrapper: the suspect (rank 1) raises RerunExit("demote") at once and dies; rank 0
+    # waits in the group until that teardown, then raises RerunExit(None).
+    outs = launch(tmp_path, inject="persistent_error", inject_at=[[1, 3]], in_job=True)
+    assert codes(outs) == [1, 1]
+    ex = exits(tmp_path)
+    assert [e["action"] for e in ex] == [None, "demote"]
+    assert all(e["raised"] and e["code"] == 16 for e in ex)
+    assert ex[0]["raised_at"] >= ex[1]["raised_at"]
+    assert "RerunExit" in outs[1].output

@@ -2,8 +2,9 @@
 
 ``train`` runs ``steps`` steps under a ``RerunStateMachine``; when the machine asks to
 checkpoint it saves model, optimizer, data position and the machine's state per rank; when it
-asks to exit it writes ``exit.<rank>.json`` (code, verdict, suspects, rank action) and raises the
-``RerunExit``, so the process exits with 16 or 17 exactly as a standalone job does.
+asks to exit it writes ``exit.<rank>.json`` (code, verdict, suspects, rank action) and calls
+``exit_or_raise()``: standalone the process exits with 16 or 17 as a scheduler expects; with
+``in_job`` the ``RerunExit`` propagates (exit status 1) after its raise time is recorded.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ def train(
     hardware: str = "a",
     resume: bool = False,
     save_at: int | None = None,
+    in_job: bool = False,
 ) -> dict[str, Any]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -76,6 +79,7 @@ def train(
         error_injector=injector,
         result_rejected_tracker_filename=str(out / "rejected.jsonl"),
         hardware_id=f"host{rank}-{hardware}",
+        in_job=in_job,
     )
     consumed = 0
     ckpt_file = out / f"ckpt.{rank}.pt"
@@ -116,20 +120,24 @@ def train(
                 ckpt_file,
             )
         if do_exit:
+            e = rsm.exit_exception()
+            info = {
+                "code": e.exit_code,
+                "verdict": e.verdict,
+                "suspect_ranks": list(e.suspect_ranks),
+                "suspect_hardware": list(e.suspect_hardware),
+                "action": e.restartable_rank_action,
+                "checkpoint": checkpoint,
+                "passes": passes,
+            }
+            (out / f"exit.{rank}.json").write_text(json.dumps(info))
             try:
-                rsm.exit_or_raise()
-            except RerunExit as e:
-                info = {
-                    "code": e.exit_code,
-                    "verdict": e.verdict,
-                    "suspect_ranks": list(e.suspect_ranks),
-                    "suspect_hardware": list(e.suspect_hardware),
-                    "action": e.restartable_rank_action,
-                    "checkpoint": checkpoint,
-                    "passes": passes,
-                }
+                rsm.exit_or_raise()  # standalone: sys.exit(code); in_job: raises RerunExit
+            except RerunExit as raised:
+                info.update(
+                    raised=True, raised_at=time.time(), action=raised.restartable_rank_action
+                )
                 (out / f"exit.{rank}.json").write_text(json.dumps(info))
-                dist.destroy_process_group()
                 raise
         opt.step()
         consumed += 1
@@ -143,5 +151,8 @@ def train(
         "state": rsm.state_dict()["state"],
         "pid": os.getpid(),
     }
+    # Tear down together: a peer closing its sockets while this rank still tears down its group
+    # crashed gloo once here (SIGABRT, "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return result

@@ -261,15 +261,41 @@ def test_disabled_mode_runs_once_and_checks_nothing() -> None:
 # -- exits ------------------------------------------------------------------------------
 
 
-def test_exit_or_raise_demotes_the_suspect_rank() -> None:
+def test_standalone_exit_is_sys_exit_with_the_code() -> None:
     loop = Loop(machine("persistent_error"))
+    loop.run(5)
+    with pytest.raises(SystemExit) as ei:
+        loop.rsm.exit_or_raise()
+    assert ei.value.code == 16
+
+
+def test_in_job_exit_demotes_the_suspect_rank() -> None:
+    loop = Loop(machine("persistent_error", in_job=True))
     loop.run(5)
     with pytest.raises(RerunExit) as ei:
         loop.rsm.exit_or_raise()
     e = ei.value
-    assert isinstance(e, SystemExit) and e.code == 16 and e.exit_code == 16
-    assert e.restartable_rank_action == "demote"
+    assert e.exit_code == 16 and e.restartable_rank_action == "demote"
     assert e.suspect_ranks == (0,) and e.suspect_hardware == ("host-a",)
+
+
+def test_in_job_transient_error_restarts_without_action() -> None:
+    loop = Loop(machine("transient_error", in_job=True))
+    loop.run(5)
+    with pytest.raises(RerunExit) as ei:
+        loop.rsm.exit_or_raise()
+    assert ei.value.exit_code == 17 and ei.value.restartable_rank_action is None
+    assert ei.value.verdict == "transient_error"
+
+
+def test_in_job_correct_result_leaves_the_job() -> None:
+    sd = pending_checkpoint("correct_result")
+    rsm = machine("correct_result", hardware_id="host-b", in_job=True)
+    rsm.load_state_dict(sd)
+    assert Loop(rsm).step() == (False, True, 17)
+    with pytest.raises(SystemExit) as ei:  # a restart cannot fix the model or the data
+        rsm.exit_or_raise()
+    assert ei.value.code == 17
 
 
 def test_exit_or_raise_without_an_exit_decision_is_misuse() -> None:
