@@ -158,7 +158,8 @@ def test_reserves_exhausted_stop_with_one_clear_error_everywhere() -> None:
     assert "retired ranks [1, 2]" in text
 
 
-def _unhealthy_rank_1() -> tuple[list[RankOutput], dict[int, dict[int, int]]]:
+@pytest.fixture(scope="module")
+def unhealthy_rank_1() -> tuple[list[RankOutput], dict[int, dict[int, int]]]:
     # Rank 0 raises in iteration 0 (it stays); rank 1's health check fails after that iteration.
     return run(
         3,
@@ -168,8 +169,10 @@ def _unhealthy_rank_1() -> tuple[list[RankOutput], dict[int, dict[int, int]]]:
     )
 
 
-def test_failing_user_health_check_retires_its_rank() -> None:
-    outs, active = _unhealthy_rank_1()
+def test_failing_user_health_check_retires_its_rank(
+    unhealthy_rank_1: tuple[list[RankOutput], dict[int, dict[int, int]]],
+) -> None:
+    outs, active = unhealthy_rank_1
     assert active[0] == {0: 0, 1: 1}
     last = active[max(active)]
     assert last == {0: 0, 1: 2}  # the reserve took the unhealthy rank's place
@@ -188,8 +191,10 @@ def test_failing_user_health_check_retires_its_rank() -> None:
     "(_health_phase after set_iteration), so an unhealthy rank costs a second restart; it "
     "should run before the restart barrier of the faulted iteration",
 )
-def test_failing_user_health_check_costs_no_extra_restart() -> None:
-    _, active = _unhealthy_rank_1()
+def test_failing_user_health_check_costs_no_extra_restart(
+    unhealthy_rank_1: tuple[list[RankOutput], dict[int, dict[int, int]]],
+) -> None:
+    _, active = unhealthy_rank_1
     assert active == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
 
 
