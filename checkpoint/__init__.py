@@ -11,6 +11,7 @@ from checkpoint.errors import (
 )
 from checkpoint.group import BackgroundGroup
 from checkpoint.manager import CheckpointManager, Restore
+from checkpoint.packing import ReplicatedState
 
 __all__ = [
     "BackgroundGroup",
@@ -22,5 +23,6 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointRankError",
     "CheckpointStorageError",
+    "ReplicatedState",
     "Restore",
 ]

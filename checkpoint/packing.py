@@ -6,8 +6,10 @@ One buffer per shard lets the local tier copy, checksum, write and send a shard 
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import pickle
 import struct
 import zlib
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
@@ -42,6 +44,30 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# Header form of a leaf that is neither a tensor nor JSON (bytes, RNG states, small objects): its
+# pickle, base64-encoded. DCP pickles such objects too; the shard comes from this job's own
+# memory, node-local directory or peers and is checksummed, the same trust as a DCP load.
+_PICKLED = "__restartable_pickled__"
+
+
+def _encode_object(key: str, obj: Any) -> dict[str, str]:
+    try:
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise CheckpointError(
+            f"state entry {key!r} has type {type(obj).__name__}, which can be neither packed "
+            f"nor pickled ({exc}): use tensors, dicts, lists, scalars, bytes or Stateful objects"
+        ) from exc
+    return {_PICKLED: base64.b64encode(payload).decode("ascii")}
+
+
+def _decode_object(src: Any) -> Any:
+    """A header value back into the state's form: unpickled, or a fresh copy of the JSON."""
+    if isinstance(src, dict) and set(src) == {_PICKLED}:
+        return pickle.loads(base64.b64decode(src[_PICKLED]))
+    return copy.deepcopy(src)
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -69,7 +95,7 @@ class ReplicatedState(dict[str, Any]):
 
 @dataclass
 class Leaf:
-    """One leaf of a state: a tensor or a JSON scalar, and where it sits (for in-place fills)."""
+    """One leaf of a state: a tensor, a JSON scalar or an encoded object, and where it sits."""
 
     key: str
     value: Any
@@ -120,10 +146,7 @@ def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]
         elif _is_json_scalar_tree(obj):
             out.append(Leaf(prefix, obj, container, index, rep))
         else:
-            raise CheckpointError(
-                f"state entry {prefix!r} has type {type(obj).__name__}, which the local tier "
-                "cannot save: use tensors, dicts, lists, JSON scalars or Stateful objects"
-            )
+            out.append(Leaf(prefix, _encode_object(prefix, obj), container, index, rep))
 
     walk(state, "", None, None, False)
     return out
@@ -287,7 +310,7 @@ def fill_leaves(
                 _load(buf, parsed.data_start + src.offset, src, leaf.value)
         elif isinstance(leaf.container, (MutableMapping, MutableSequence)):
             # A copy: the source may be a cached header that later restores read again.
-            value = tuple(src) if isinstance(leaf.value, tuple) else copy.deepcopy(src)
+            value = tuple(src) if isinstance(leaf.value, tuple) else _decode_object(src)
             leaf.container[leaf.index] = value
     if any(isinstance(x.value, torch.Tensor) and x.value.is_cuda for x, _ in todo):
         torch.cuda.synchronize()  # H2D copies were asynchronous; `buf` may be reused after this

@@ -72,6 +72,15 @@ def test_unsupported_leaf_names_the_key() -> None:
         _pack({"cfg": {"fn": lambda: 0}})
 
 
+def test_bytes_and_picklable_objects_round_trip() -> None:
+    # DCP accepts any picklable leaf (RNG states are bytes); the local tier must too.
+    saved = {"rng": b"\x00\xffstate", "cfg": {"when": (1, "a")}, "s": {3, 4}}
+    buf = _pack(saved)
+    target = {"rng": b"", "cfg": {"when": (0, "")}, "s": set()}
+    packing.unpack_into(buf, target)
+    assert target == saved
+
+
 def test_not_a_shard() -> None:
     with pytest.raises(CheckpointError, match="not a local-tier shard"):
         packing.parse(torch.zeros(64, dtype=torch.uint8))
