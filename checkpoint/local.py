@@ -247,7 +247,8 @@ class LocalTier:
             with self._lock:
                 self._complete = sorted({*self._complete, shard.step})
             self._prune()
-            log.info(
+            # DEBUG: the local tier typically saves every step; INFO would flood the log.
+            log.debug(
                 "local save of step %d complete on every rank (%d bytes) in %.3f s",
                 shard.step,
                 shard.nbytes,

@@ -18,7 +18,6 @@ same ``--run-dir`` resumes from that step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import logging
@@ -59,7 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--run-dir", type=Path, default=Path("runs/example"))
     p.add_argument("--persistent-every", type=int, default=50)
-    p.add_argument("--local-dir", default=None, help="node-local checkpoint dir (default: memory)")
+    p.add_argument(
+        "--local-dir",
+        default=None,
+        help="node-local checkpoint dir (default: RUN_DIR/local/<launch>; 'none': memory only)",
+    )
     p.add_argument("--soft-timeout", type=float, default=2.0)
     p.add_argument("--hard-timeout", type=float, default=5.0)
     p.add_argument("--report-png", type=Path, default=None)
@@ -125,12 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     data = corpus()
     cfg = GPTConfig()
 
+    # The node-local copy lets a reserve that replaces a killed rank on the same machine restore
+    # that rank's shard without a peer on another node; one directory per launch, so a later
+    # launch never restores a stale local step.
+    local_dir = None if args.local_dir == "none" else args.local_dir
+    if args.local_dir is None:
+        local_dir = str(run_dir / "local" / launch_id)
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
     mgr = CheckpointManager(
         str(run_dir / "ckpt"),
         persistent_every=args.persistent_every,
         keep=2,
         local_every=1,
-        local_dir=args.local_dir,
+        local_dir=local_dir,
         replication_factor=2 if active > 1 else 1,
     )
     rsm = RerunStateMachine(
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         tick = time.monotonic()
         for step in range(start, args.steps):
             t_step = time.monotonic()
+            ctx.ping(step)  # the step lets the wrapper spot the same fault repeating at a step
             due = [f for f in my_faults if f.step == step]
             for fault in due:
                 if fault.kind != "nan" and claim(run_dir, fault):
@@ -212,13 +223,13 @@ def main(argv: list[str] | None = None) -> int:
                     rerun_s=time.monotonic() - t_step,
                     verdict="transient",
                 )
-            _, exit_now, code = rsm.should_checkpoint_and_exit()
-            if exit_now:
-                rsm.exit_or_raise(code)
+            _, exit_now, _ = rsm.should_checkpoint_and_exit()
+            if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
+                rsm.exit_or_raise()
             opt.step()
             state.step = step + 1
-            t_save = time.monotonic()
             stop = preempt.should_stop()
+            t_save = time.monotonic()
             mgr.save(state.step, ckpt, force_persistent=stop)
             events.emit("save", step=state.step, rank=ctx.rank, stall=time.monotonic() - t_save)
             events.emit(
@@ -265,12 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _restart_phases(ctx: Any) -> dict[str, float]:
-    record = getattr(ctx, "last_restart", None)
-    if not record:
-        return {}
-    with contextlib.suppress(AttributeError, TypeError):
-        return dict(record.phases if hasattr(record, "phases") else record)
-    return {}
+    """The wrapper's per-phase timings of the restart that led here (seconds)."""
+    record = ctx.last_restart
+    return {} if record is None else {f"{k}_s": v for k, v in record.phases.items()}
 
 
 if __name__ == "__main__":
