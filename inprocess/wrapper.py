@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
@@ -44,6 +45,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 _RETIRING_KINDS = frozenset({"unhealthy"})
 # Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop.
 _OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout"})
+# How collectives fail when a peer went away (gloo, NCCL, the store).
+_PEER_LOST_MESSAGES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "DistNetworkError",
+)
 
 
 @overload
@@ -335,6 +344,7 @@ class _Job:
         )
         value: Any = None
         exc: BaseException | None = None
+        where = ""
         interrupted = delivered = False
         t_unwind = 0.0
         self.progress.stamp()
@@ -360,11 +370,14 @@ class _Job:
                     )
                 with activated(ctx):
                     value = self.fn(*args, **kwargs)
-            except RestartInterrupt:
+            except RestartInterrupt as ri:
                 interrupted = True
+                _drop_frames(ri)
                 t_unwind = time.monotonic()
             except Exception as e:
                 exc = e
+                where = _raise_site(e)
+                _drop_frames(e)
             finally:
                 delivered = self._disarm()
         except RestartInterrupt:  # landed in the handlers above, before the disarm
@@ -381,7 +394,7 @@ class _Job:
                 # A consequence of another rank's fault (its teardown broke our collective).
                 log.info("rank %d: %r after another rank's fault; not counted", self.me, exc)
             else:
-                self._report_exception(iteration, exc, ctx.step)
+                self._report_exception(iteration, exc, ctx.step, where)
             noticed = time.time()
         t0 = time.monotonic()
         abort_process_groups()
@@ -446,7 +459,8 @@ class _Job:
         if cfg.max_rank_faults is not None:
             per_rank: dict[int, set[int]] = {}
             for f in history:
-                if f.kind in _OWN_FAULT_KINDS:
+                same_iteration = [g for g in history if g.iteration == f.iteration]
+                if f.kind in _OWN_FAULT_KINDS and not _is_collateral(f, same_iteration):
                     per_rank.setdefault(f.initial_rank, set()).add(f.iteration)
             lost |= {r for r, its in per_rank.items() if len(its) > cfg.max_rank_faults}
         lost &= participants
@@ -541,11 +555,9 @@ class _Job:
             ),
         )
 
-    def _report_exception(self, iteration: int, exc: BaseException, step: int | None) -> None:
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+    def _report_exception(
+        self, iteration: int, exc: BaseException, step: int | None, where: str
+    ) -> None:
         action = getattr(exc, "restartable_rank_action", "")
         log.error("rank %d: train() raised in iteration %d", self.me, iteration, exc_info=exc)
         keys.record_fault(
@@ -584,6 +596,43 @@ class _Job:
         return record
 
 
+def _raise_site(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc``'s traceback (the raise)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Release the locals of ``train()``'s frames held by ``exc``'s traceback.
+
+    A collective that raised leaves its frame (holding the process group) in the traceback; as
+    long as it lives, destroying the group does not close its sockets, and peers blocked on
+    this rank are not released. Logged tracebacks are formatted before this.
+    """
+    log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
+    traceback.clear_frames(exc.__traceback__)
+    exc.__traceback__ = None
+
+
+def _is_collateral(f: FaultRecord, faults: list[FaultRecord]) -> bool:
+    """An exception that is a consequence of another rank's fault in the same iteration.
+
+    A peer that dies or tears down its group makes collectives on other ranks fail with a
+    connection error, sometimes before the peer's own fault is recorded. Such a rank did nothing
+    wrong: it must not count towards ``max_rank_faults`` or the repeated-fault stop.
+    """
+    if f.kind != "exception" or not any(m in f.detail for m in _PEER_LOST_MESSAGES):
+        return False
+    return any(g.initial_rank != f.initial_rank and g.kind != "exception" for g in faults) or any(
+        g.initial_rank != f.initial_rank
+        and g.kind == "exception"
+        and not any(m in g.detail for m in _PEER_LOST_MESSAGES)
+        for g in faults
+    )
+
+
 def _signature(faults: list[FaultRecord]) -> tuple[Any, ...]:
     """What must repeat for the repeated-fault stop: who faulted how, where and at which step."""
     return tuple(
@@ -591,7 +640,7 @@ def _signature(faults: list[FaultRecord]) -> tuple[Any, ...]:
             {
                 (f.initial_rank, f.kind, f.exc_type, f.where, -1 if f.step is None else f.step)
                 for f in faults
-                if f.kind in _OWN_FAULT_KINDS
+                if f.kind in _OWN_FAULT_KINDS and not _is_collateral(f, faults)
             }
         )
     )
