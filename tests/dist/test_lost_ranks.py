@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.multiproc import RankOutput, describe, run_ranks
+from tests.multiproc import RankOutput, describe, run_job, run_ranks
 
 TARGET = "tests.dist.workers_lost_ranks:train_with_faults"
 FAST = {
@@ -140,22 +140,30 @@ def test_node_granularity_retires_the_whole_node() -> None:
     assert 2 not in done or done[2] is None or done[2].get("rank") is None
 
 
-def test_reserves_exhausted_stop_with_one_clear_error_everywhere() -> None:
+def test_reserves_exhausted_stop_with_one_clear_error_and_launcher_fails() -> None:
     # Rank 1 dies, reserve 2 takes over and dies too: 1 rank left, min_active_world_size 2.
-    outs, active = run(
-        3,
-        config={"active_world_size": 2, "min_active_world_size": 2},
-        faults=[sigkill(1), sigkill(2, iteration=1)],
-    )
-    assert outs[1].returncode == -signal.SIGKILL
-    assert outs[2].returncode == -signal.SIGKILL
-    assert outs[0].returncode not in (0, None), describe(outs)
-    assert active == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
+    # Through the project's launcher, which must report the failed job with a non-zero status.
+    calls_dir = Path(tempfile.mkdtemp(prefix="lost-ranks-"))
+    kwargs = {
+        "config": {**FAST, "active_world_size": 2, "min_active_world_size": 2},
+        "faults": [sigkill(1), sigkill(2, iteration=1)],
+        "calls_dir": str(calls_dir),
+    }
+    job = run_job(
+        [
+            "-m", "inprocess.launch", "--nproc-per-node", "3",
+            "tests/dist/workers_lost_ranks.py", json.dumps(kwargs),
+        ],
+        deadline=60,
+    )  # fmt: skip
+    assert job.returncode != 0, job.output
+    assert active_per_iteration(calls_dir) == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
     # The survivor stops with one error naming the counts and the fix, not a hang.
-    text = outs[0].output
-    assert "RestartAbortedError: not enough healthy ranks" in text, describe(outs)
-    assert "min_active_world_size is 2" in text
-    assert "retired ranks [1, 2]" in text
+    errors = [line for line in job.output.splitlines() if "RestartAbortedError: not enough" in line]
+    assert len(errors) == 1, job.output
+    assert errors[0].startswith("[rank 0]")
+    assert "min_active_world_size is 2" in errors[0]
+    assert "retired ranks [1, 2]" in errors[0]
 
 
 @pytest.fixture(scope="module")

@@ -101,3 +101,9 @@ def train_with_faults(
 
     result = train()
     return {"initial_rank": me, "pid": os.getpid(), "result": result}
+
+
+if __name__ == "__main__":  # as a script under `python -m inprocess.launch`: argv[1] = kwargs JSON
+    import sys
+
+    train_with_faults(**json.loads(sys.argv[1]))
