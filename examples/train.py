@@ -143,9 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         local_dir=local_dir,
         replication_factor=2 if active > 1 else 1,
     )
-    rsm = RerunStateMachine(
-        mode="validate_results", check_for_nan_in_loss=True, check_for_spiky_loss=True
-    )
 
     @restartable(
         soft_timeout=args.soft_timeout,
@@ -157,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     def train(preempt: PreemptionHandler) -> dict[str, Any]:
         ctx = context()
         events.emit("enter", iteration=ctx.iteration, rank=ctx.rank, restart=_restart_phases(ctx))
+        # Built afresh in every iteration: whatever a fault left half-done is dropped, and the
+        # state comes back from the checkpoint (the manager outlives iterations, the rest not).
+        rsm = RerunStateMachine(
+            mode="validate_results", check_for_nan_in_loss=True, check_for_spiky_loss=True
+        )
         model = build_model(cfg, args.seed)
         ddp = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
