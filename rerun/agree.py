@@ -53,3 +53,14 @@ def wait_for_teardown() -> None:
         dist.barrier()
     except Exception:
         return
+
+
+def destroy_before_exit() -> None:
+    """Destroy every process group before ``sys.exit``, so that the exit code is the one asked for.
+
+    A process that exits with a live gloo group can abort during interpreter finalisation
+    (SIGABRT, "terminate called without an active exception": seen here), and a scheduler would
+    then read the wrong status. Every rank exits at the same decision, so nobody waits on us.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

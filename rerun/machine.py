@@ -321,15 +321,17 @@ class RerunStateMachine:
         """Act on an exit decision (call when ``should_checkpoint_and_exit`` says exit).
 
         Standalone (``in_job=False``) and for a correct result (a restart cannot fix the model or
-        the data): ``sys.exit(code)`` on every rank. With ``in_job=True`` it raises
-        ``RerunExit`` for ``@restartable``: at once on a rank with an action ("demote" /
-        "retire") and on the rank whose result did not reproduce; the other ranks first wait
-        until that rank's restart tears the default group down (bounded by the group's timeout),
-        so that the wrapper sees them as taking part in the restart, not as faulty.
+        the data): destroys the process groups and calls ``sys.exit(code)`` on every rank.
+        With ``in_job=True`` it raises ``RerunExit`` for ``@restartable``: at once on a rank
+        with an action ("demote" / "retire") and on the rank whose result did not reproduce;
+        the other ranks first wait until that rank's restart tears the default group down
+        (bounded by the group's timeout), so that the wrapper sees them as taking part in the
+        restart, not as faulty.
         """
         exc = self.exit_exception()
         logger.info("rank %d: %s", self._rank(), exc)
         if not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT:
+            agree.destroy_before_exit()
             sys.exit(exc.exit_code)
         if exc.restartable_rank_action is None and self._rank() not in self._suspects.ranks:
             agree.wait_for_teardown()

@@ -138,6 +138,7 @@ def train(
                     raised=True, raised_at=time.time(), action=raised.restartable_rank_action
                 )
                 (out / f"exit.{rank}.json").write_text(json.dumps(info))
+                dist.destroy_process_group()  # what the @restartable wrapper's teardown does
                 raise
         opt.step()
         consumed += 1
