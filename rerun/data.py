@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
+
+from rerun.errors import RerunConfigError
 
 
 class RerunDataIterator:
@@ -64,3 +66,37 @@ class RerunDataIterator:
         self._recording = True
         self._replaying = True
         self._pos = 0
+
+
+def as_iterators(data: Any, *, required: bool, mode: str) -> list[RerunDataIterator]:
+    """The ``RerunDataIterator`` s in ``data`` (None, one, or a list; Nones are skipped).
+
+    With ``required`` (a mode that may re-run a step) any other iterator is an error: its
+    microbatches could not be replayed.
+    """
+    out = []
+    for it in data if isinstance(data, list) else [data]:
+        if isinstance(it, RerunDataIterator):
+            out.append(it)
+        elif it is not None and required:
+            raise RerunConfigError(
+                f"data ({type(it).__name__}) must be a RerunDataIterator (or a list of them) "
+                f"when mode is {mode}: wrap it, data = RerunDataIterator(loader)"
+            )
+    return out
+
+
+def replay(iterators: Sequence[RerunDataIterator], loaded: list[list[Any]] | None) -> None:
+    """Rewind each iterator, or make it replay ``loaded`` microbatches from a checkpoint."""
+    if loaded is None:
+        for it in iterators:
+            it.rewind()
+        return
+    if len(loaded) != len(iterators):
+        raise RerunConfigError(
+            f"the checkpoint holds microbatches of {len(loaded)} data iterator(s) but "
+            f"should_run_forward_backward got {len(iterators)}: pass the same iterators as the "
+            "job that saved it"
+        )
+    for it, saved in zip(iterators, loaded, strict=True):
+        it.load_replay_buffer(saved)

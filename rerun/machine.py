@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import torch
 
 from rerun import agree, persist, rng, tracker, verdicts
+from rerun import data as data_mod
 from rerun.checks import (
     LargeValueTracker,
     Rejection,
@@ -174,7 +175,9 @@ class RerunStateMachine:
         May raise ``RerunExit(retire)`` with ``in_job`` on hardware known to be faulty.
         """
         if self._state in (State.IDLE, State.WILL_RERUN_ELSEWHERE):
-            self._iterators = self._wrap_check(data)
+            self._iterators = data_mod.as_iterators(
+                data, required=self.mode is not RerunMode.DISABLED, mode=self.mode.value
+            )
             if self.in_job and self.hardware_id in self._faulty_hardware:
                 raise self._exit_exception(
                     17,
@@ -437,38 +440,11 @@ class RerunStateMachine:
     def _rank() -> int:
         return agree.rank_and_world()[0]
 
-    def _wrap_check(self, data: Data) -> list[RerunDataIterator]:
-        items = data if isinstance(data, list) else [data]
-        out = []
-        for it in items:
-            if it is None:
-                continue
-            if not isinstance(it, RerunDataIterator):
-                if self.mode is RerunMode.DISABLED:
-                    continue
-                raise RerunConfigError(
-                    f"data ({type(it).__name__}) must be a RerunDataIterator (or a list of them) "
-                    f"when mode is {self.mode.value}: wrap it, data = RerunDataIterator(loader)"
-                )
-            out.append(it)
-        return out
-
     def _replay(self) -> None:
         if self._snapshot is not None:
             rng.restore(self._snapshot, self._restore_func)
-        if self._loaded_data is not None:
-            if len(self._loaded_data) != len(self._iterators):
-                raise RerunConfigError(
-                    f"the checkpoint holds microbatches of {len(self._loaded_data)} data "
-                    f"iterator(s) but should_run_forward_backward got {len(self._iterators)}: "
-                    "pass the same iterators as the job that saved it"
-                )
-            for it, saved in zip(self._iterators, self._loaded_data, strict=True):
-                it.load_replay_buffer(saved)
-            self._loaded_data = None
-        else:
-            for it in self._iterators:
-                it.rewind()
+        data_mod.replay(self._iterators, self._loaded_data)
+        self._loaded_data = None
 
     def _end_pass(self) -> frozenset[Flag]:
         """This rank's outcome of the pass, agreed with every rank (one collective)."""
