@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,24 @@ log = logging.getLogger(__name__)
 # Signal sent to the main thread with each interrupt: a blocking syscall (time.sleep, I/O) is
 # retried after a signal unless the handler raises (PEP 475), so ours raises the restart.
 WAKE_SIGNAL = signal.SIGUSR2
+# How often a delivery deferred by an import in progress is retried.
+_DEFER_RETRY_S = 0.005
+
+
+def _in_import(thread_id: int) -> bool:
+    """Whether the thread is executing an import right now.
+
+    An exception raised inside an import leaves a half-initialised module in ``sys.modules``:
+    every later ``import`` of it then fails the same way (seen: DDP's lazy ``torch._dynamo``
+    import interrupted once, every later iteration failed on ``torch._dynamo.utils``). So
+    deliveries wait for the import to finish.
+    """
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Interrupter:
@@ -54,11 +73,17 @@ class Interrupter:
             self._armed, self._pending = True, False
             self.acked.clear()
 
-    def deliver(self) -> bool:
-        """Raise the restart in the main thread (monitor thread); False when disarmed."""
+    def deliver(self) -> bool | None:
+        """Raise the restart in the main thread (monitor thread).
+
+        True: delivered. False: disarmed (``train()`` already ended). None: deferred because the
+        main thread is inside an import; the caller retries shortly.
+        """
         with self.lock:
             if not self._armed:
                 return False
+            if _in_import(self._tid):
+                return None
             self._pending = True
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self._tid), ctypes.py_object(RestartInterrupt)
@@ -203,12 +228,17 @@ class Monitor:
             self._abort()
             self.abort_s = time.monotonic() - t0
             delivered = self._interrupter.deliver()
-        while delivered:
-            if self._interrupter.acked.wait(self._redeliver_interval):
+        while delivered is not False:
+            if delivered is None:  # an import in progress: retry as soon as it is done
+                if self._interrupter.acked.wait(_DEFER_RETRY_S):
+                    return
+            elif self._interrupter.acked.wait(self._redeliver_interval):
                 return
-            log.warning(
-                "restart not acknowledged after %.1f s: delivering again", self._redeliver_interval
-            )
+            else:
+                log.warning(
+                    "restart not acknowledged after %.1f s: delivering again",
+                    self._redeliver_interval,
+                )
             delivered = self._interrupter.deliver()
 
     def close(self) -> None:
