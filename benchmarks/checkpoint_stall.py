@@ -58,8 +58,10 @@ def _nbytes(state: dict[str, Any]) -> int:
 
 def _train_step(a: Any, b: Any) -> None:
     # Python-level dispatch plus small kernels: what a GIL-bound background thread slows down.
+    # About 10 ms on one core: long enough that one GIL hand-off (5 ms switch interval) is
+    # not the whole step, short enough to sample a background write many times.
     acc = 0.0
-    for _ in range(40):
+    for _ in range(20):
         acc += float((a @ b).sum())
     del acc
 
@@ -153,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     base = Path(args.dir)
     state = _state(args.size_mib * 2**20 // world, args.small // world, rank)
-    a, b = torch.rand(64, 64), torch.rand(64, 64)
+    a, b = torch.rand(256, 256), torch.rand(256, 256)
     floors = _floors(state, base, rank)
     dist.barrier()
     baseline = statistics.fmean(_steps_while(lambda: True, a, b, 1.0))
@@ -167,6 +169,7 @@ def worker(args: argparse.Namespace) -> None:
             # once with training steps running (their slowdown while the write is in flight).
             run: dict[str, Any] = {}
             for phase in ("idle", "busy") if method in ASYNC else ("idle",):
+                t_phase = time.perf_counter()
                 target = base / method / f"{rep}-{phase}"
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -180,6 +183,7 @@ def worker(args: argparse.Namespace) -> None:
                     # Mean, not median: throughput is what a stalled step costs.
                     run["slowdown"] = statistics.fmean(steps) / baseline if steps else None
                     run["steps_during_write"] = len(steps)
+                    run["durable_busy_s"] = time.perf_counter() - t_phase
                 dist.barrier()
                 if rank == 0:
                     shutil.rmtree(target, ignore_errors=True)

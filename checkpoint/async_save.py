@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ours)
+WRITER_NICE = 5  # niceness added to the writer thread (Linux); see _lower_priority
 CRASH_POINTS = ("agree", "write", "before_commit", "commit", "retention")
 
 
@@ -312,7 +313,7 @@ def _lower_priority() -> None:
     import threading
 
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
 def _describe(e: BaseException) -> str:

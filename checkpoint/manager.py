@@ -136,8 +136,9 @@ class CheckpointManager:
 
         COLLECTIVE. ``force_persistent=True`` (same value on every rank) also writes the
         persistent tier whatever its interval, e.g. for a preemption checkpoint. Returns once the
-        state is staged (host copy); writes continue in the background. A second save while a persistent one is in flight waits for it (default
-        ``on_busy="wait"``) or is skipped (``on_busy="skip"``). A failed earlier background
+        state is staged (host copy); writes continue in the background. A second save while a
+        persistent one is in flight waits for it (default ``on_busy="wait"``) or is skipped
+        (``on_busy="skip"``). A failed earlier background
         save raises here (or from ``wait()``) as ``CheckpointRankError`` on every rank.
         """
         self._check_open("save")

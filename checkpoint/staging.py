@@ -1,8 +1,9 @@
 """Staging: copy a DCP-style state into host buffers that are reused from save to save.
 
-This is the only part of a persistent save that blocks the training loop. The buffers are one
-flat, 64-byte aligned host allocation per layout (pinned when CUDA is available), so after the
-first save a stage is a plain memory copy with no allocation and no page faults. The staged
+This is the only part of a persistent save that blocks the training loop. The buffers (one host
+tensor per state tensor, pinned when CUDA is available) are allocated when the layout changes
+and reused, so after the first save a stage is a plain memory copy with no allocation and no
+page faults. The staged
 tree has the same structure as the input, with every tensor replaced by a view into the pool
 and every other leaf deep-copied, so mutating the live state after ``stage()`` returns never
 changes what is written.
@@ -22,7 +23,6 @@ from checkpoint.errors import CheckpointConfigError
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 64
 _Path = tuple[Any, ...]
 
 
@@ -57,7 +57,6 @@ class StagingPool:
 
     def __init__(self) -> None:
         self._signature: tuple[Any, ...] | None = None
-        self._buffer: torch.Tensor | None = None
         self._views: dict[_Path, torch.Tensor] = {}
         self.nbytes = 0
 
@@ -87,27 +86,21 @@ class StagingPool:
         signature = tuple((p, tuple(t.shape), t.dtype) for p, t in leaves)
         if signature == self._signature:
             return
-        offsets = []
-        total = 0
-        for _, t in leaves:
-            offsets.append(total)
-            nbytes = t.numel() * t.element_size()
-            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         pin = torch.cuda.is_available()
-        # Drop the old pool before allocating the new one: peak memory is one pool.
+        # Drop the old buffers before allocating new ones: peak memory is one set.
         self._views = {}
-        self._buffer = None
-        buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-        views = {}
-        for (path, t), off in zip(leaves, offsets, strict=True):
-            nbytes = t.numel() * t.element_size()
-            views[path] = buffer[off : off + nbytes].view(t.dtype).view(t.shape)
-        self._buffer, self._views, self._signature = buffer, views, signature
-        self.nbytes = total
+        # One allocation per tensor, not views into one flat buffer: DCP's writer clones any
+        # tensor whose storage is larger than the tensor itself (a view), which would add a
+        # full extra copy (and its page faults) to every background write.
+        self._views = {
+            path: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for path, t in leaves
+        }
+        self._signature = signature
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in leaves)
         log.info(
-            "checkpoint: staging pool laid out for %d tensors, %.1f MiB%s",
+            "checkpoint: staging buffers laid out for %d tensors, %.1f MiB%s",
             len(leaves),
-            total / 2**20,
+            self.nbytes / 2**20,
             " (pinned)" if pin else "",
         )
 
@@ -137,6 +130,5 @@ class StagingPool:
     def release(self) -> None:
         """Free the buffers (the next stage allocates again)."""
         self._views = {}
-        self._buffer = None
         self._signature = None
         self.nbytes = 0
