@@ -73,8 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class TrainState(Stateful):
     """Everything a restart restores: model, optimizer, re-run machine, step."""
 
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, rsm: RerunStateMachine):
+    def __init__(
+        self, model: torch.nn.Module, opt: torch.optim.Optimizer, rsm: RerunStateMachine, rank: int
+    ):
         self.model, self.opt, self.rsm = model, opt, rsm
+        # The re-run machine's state differs per rank: a rank-specific key keeps torch_dist's
+        # de-duplication of identical keys from saving rank 0's copy for everyone.
+        self.rerun_key = f"rerun_rank{rank}"
         self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -82,7 +87,7 @@ class TrainState(Stateful):
         return {
             "model": model_sd,
             "optim": optim_sd,
-            "rerun": self.rsm.state_dict(),
+            self.rerun_key: self.rsm.state_dict(),
             "step": self.step,
         }
 
@@ -90,7 +95,7 @@ class TrainState(Stateful):
         set_state_dict(
             self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
         )
-        self.rsm.load_state_dict(sd["rerun"])
+        self.rsm.load_state_dict(sd[self.rerun_key])
         self.step = int(sd["step"])
 
 
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(cfg, args.seed)
         ddp = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        state = TrainState(model, opt, rsm)
+        state = TrainState(model, opt, rsm, ctx.rank)
         ckpt = {"train": state}
 
         t0 = time.monotonic()
