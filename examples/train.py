@@ -161,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         events.emit("enter", iteration=ctx.iteration, rank=ctx.rank, restart=_restart_phases(ctx))
         # Built afresh in every iteration: whatever a fault left half-done is dropped, and the
         # state comes back from the checkpoint (the manager outlives iterations, the rest not).
+        # in_job: a result that needs other hardware to judge hands this rank's work to a warm
+        # reserve inside the job (RerunExit with a rank action) instead of exiting with code 16.
         rsm = RerunStateMachine(
-            mode="validate_results", check_for_nan_in_loss=True, check_for_spiky_loss=True
+            mode="validate_results",
+            check_for_nan_in_loss=True,
+            check_for_spiky_loss=True,
+            in_job=True,
         )
         model = build_model(cfg, args.seed)
         ddp = DDP(model)
