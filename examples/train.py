@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             check_for_nan_in_loss=True,
             check_for_spiky_loss=True,
             in_job=True,
+            # On a CPU host every rank shares the "cpu" device: the process is the hardware.
+            hardware_id=None if torch.cuda.is_available() else f"cpu-rank{ctx.initial_rank}",
         )
         model = build_model(cfg, args.seed)
         ddp = DDP(model)
