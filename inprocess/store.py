@@ -9,8 +9,9 @@ of an earlier iteration is ever read again. Inside it:
 * ``join/*``        the barrier active ranks pass before creating the process group
 * ``ready/*``       the barrier they pass after it, before ``train()``; a fault breaks both
 * ``done/*``        the completion counter
-* ``restart/*``     the barrier after a fault; its release value is the next assignment (JSON),
-                    written once by the rank that completes it, so every rank reads the same one
+* ``restart/*``     the barrier after a fault (live ranks and death reports count once each);
+                    ``restart/go`` is the next assignment (JSON), first writer wins, so every
+                    rank reads the same one
 * ``pg/``           the prefix handed to ``init_process_group`` and to ``ctx.store``
 """
 
@@ -68,9 +69,10 @@ def record_fault(store: StoreLike, record: FaultRecord) -> None:
     all wake with the same answer at once. Safe to call from any process, any number of times.
     """
     it = record.iteration
-    if record.kind in GONE_KINDS:  # job-wide: a later iteration must not wait for this rank
-        store.append(GONE_KEY, f"{record.initial_rank},")
     store.append(_key(it, "faults"), json.dumps(asdict(record)) + "\n")
+    if record.kind in GONE_KINDS:  # job-wide: no later iteration waits for this rank either
+        store.append(GONE_KEY, f"{record.initial_rank},")
+        _count_once(store, it, record.initial_rank)
     store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
     store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
     store.compare_set(_key(it, "ready/go"), "", OUTCOME_FAULT)
@@ -251,6 +253,25 @@ def mark_completed(store: StoreLike, iteration: int, *, active: int) -> None:
         store.compare_set(_key(iteration, "end"), "", OUTCOME_DONE)
 
 
+def set_participants(store: StoreLike, iteration: int, count: int) -> None:
+    """How many ranks (active + reserve) take part in ``iteration``; every rank writes it."""
+    store.set(_key(iteration, "restart/expected"), str(count))
+
+
+def _count_once(store: StoreLike, iteration: int, initial_rank: int) -> None:
+    """Count ``initial_rank`` at the restart barrier of ``iteration`` (once, alive or gone).
+
+    A live rank counts itself when it arrives; a rank reported gone is counted by the report
+    (its watchdog arrives on its behalf), so the last of either completes the barrier at once.
+    """
+    if store.add(_key(iteration, f"restart/counted/{initial_rank}"), 1) != 1:
+        return
+    n = store.add(_key(iteration, "restart/n"), 1)
+    expected = _key(iteration, "restart/expected")
+    if store.check([expected]) and n >= int(store.get(expected)):
+        store.set(_key(iteration, "restart/full"), "1")
+
+
 def restart_barrier(
     store: StoreLike,
     iteration: int,
@@ -263,33 +284,40 @@ def restart_barrier(
 ) -> str:
     """Every live participant meets after iteration ``iteration`` faulted; returns the decision.
 
-    ``participants``: the initial ranks of the previous assignment (active and reserve). A rank
-    reported gone (``GONE_KINDS``) is not waited for. The rank whose arrival completes the
-    barrier calls ``decide(faults)`` once and publishes its result as the release value, so all
-    ranks continue with the same decision even if more faults are recorded later. Raises
+    ``participants``: the initial ranks of the iteration (active and reserve; their number was
+    published with ``set_participants``). A rank reported gone (``GONE_KINDS``) is counted by
+    the report itself, so nobody waits for it, whichever comes first. Once all are counted,
+    ranks call ``decide(faults)``; the first published decision wins (compare-and-set), so all
+    ranks continue with the same one even if more faults are recorded later. A re-check every
+    ``_RECHECK_S`` covers a report that came before ``set_participants``. Raises
     ``StoreTimeoutError`` after ``timeout`` seconds.
     """
-    who, go = _key(iteration, "restart/who"), _key(iteration, "restart/go")
+    who, full, go = (_key(iteration, f"restart/{k}") for k in ("who", "full", "go"))
     store.append(who, f"{initial_rank},")
+    _count_once(store, iteration, initial_rank)
     deadline = clock() + timeout
 
-    def try_release() -> bool:
+    def recheck() -> bool:
         gone = gone_ranks(store)
         arrived = {int(x) for x in store.get(who).decode().split(",") if x}
         if set(participants) - gone <= arrived:
-            store.compare_set(go, "", decide(read_faults(store, iteration)))
+            store.set(full, "1")
             return True
         return False
 
-    try_release()
-    return _wait_released(
+    if not store.check([full]):
+        recheck()
+    _wait_released(
         store,
-        go,
+        full,
         deadline=deadline,
         clock=clock,
         what=f"restart barrier {iteration}",
-        recheck=try_release,
+        recheck=recheck,
     )
+    if not store.check([go]):
+        store.compare_set(go, "", decide(read_faults(store, iteration)))
+    return store.get(go).decode()
 
 
 def pg_prefix(iteration: int) -> str:

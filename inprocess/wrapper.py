@@ -204,6 +204,9 @@ class _Job:
         pending: dict[str, Any] | None = None  # the restart being completed, logged once
         while True:
             self.watchdog.set_iteration(iteration)
+            keys.set_participants(
+                self.store, iteration, len(assignment.active) + len(assignment.reserve)
+            )
             self._health_phase(iteration)
             rank = assignment.rank_of(self.me)
             if rank is not None:

@@ -143,6 +143,7 @@ def test_a_fault_during_the_join_wait_breaks_it(store: FakeStore, clock: FakeClo
 
 
 def test_restart_barrier_does_not_wait_for_gone_ranks(store: FakeStore) -> None:
+    keys.set_participants(store, 0, 3)
     keys.report_fault(store, iteration=0, initial_rank=2, kind="hard_timeout", detail="killed")
     calls: list[int] = []
 
@@ -166,12 +167,14 @@ def test_restart_barrier_does_not_wait_for_gone_ranks(store: FakeStore) -> None:
     assert calls.count(1) == 1  # decided once, from the one fault record
 
 
-def test_restart_barrier_rechecks_when_a_rank_dies_meanwhile(
+def test_a_death_during_the_restart_wait_completes_it_at_once(
     store: FakeStore, clock: FakeClock
 ) -> None:
-    # Ranks 0 and 1 wait for rank 2, which dies: its watchdog records it; the waiter's next
-    # recheck releases the barrier instead of waiting for barrier_timeout.
+    # Ranks 0 and 1 wait for rank 2, which dies: its watchdog's report counts it at the
+    # barrier, which releases without any re-check or timeout.
+    keys.set_participants(store, 0, 3)
     store.append(keys.iteration_prefix(0) + "restart/who", "1,")
+    keys._count_once(store, 0, 1)
     store.events.append(
         lambda: keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
     )
@@ -185,7 +188,15 @@ def test_restart_barrier_rechecks_when_a_rank_dies_meanwhile(
         clock=clock,
     )
     assert got == "1 faults"
-    assert clock.now - 1000.0 <= 2 * keys._RECHECK_S
+    assert clock.now == 1000.0
+
+
+def test_a_rank_reported_twice_is_counted_once(store: FakeStore, clock: FakeClock) -> None:
+    keys.set_participants(store, 0, 3)
+    keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="watchdog")
+    keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="again")
+    keys._count_once(store, 0, 1)
+    assert not store.check([keys.iteration_prefix(0) + "restart/full"])  # rank 0 still missing
 
 
 def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: FakeClock) -> None:
