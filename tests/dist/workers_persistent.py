@@ -155,7 +155,7 @@ def crash_during_save(root: str, point: str, crash_rank: int) -> dict[str, Any]:
     os.environ[ENV_CRASH_AT] = point
     os.environ[ENV_CRASH_RANK] = str(crash_rank)
     error = None
-    mgr = CheckpointManager(root, persistent_every=1, timeout=10.0)
+    mgr = CheckpointManager(root, persistent_every=1, timeout=5.0)
     try:
         mgr.save(2, {"x": torch.full((1000,), 2.0)})
         mgr.wait()
