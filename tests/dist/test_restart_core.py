@@ -96,3 +96,18 @@ def test_atomic_section_is_not_interrupted() -> None:
         2, target=f"{W}:atomic_section", kwargs={"fail_rank": 1}, host_store=True, deadline=40
     )
     assert outs[0].result["atomic_completed"] == [0], outs[0].output
+
+
+def test_without_a_hosted_store_rank0_starts_a_store_server_process() -> None:
+    # srun / by hand: nobody hosts the store, so rank 0 spawns `inprocess.store_server`; the
+    # restart still works and the server is not part of any rank's process.
+    outs = run_ranks(
+        2,
+        target=f"{W}:exception_mid_collective",
+        kwargs={"fail_rank": 0, "steps": 3, "fault_step": 1},
+        host_store=False,
+        deadline=40,
+    )
+    for o in outs:
+        assert [s["iteration"] for s in o.result["seen"]] == [0, 1], o.output
+        assert o.result["result"] == {"sum": 3.0, "iteration": 1}
