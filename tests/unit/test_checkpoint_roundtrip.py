@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -184,14 +185,27 @@ def test_memory_filesystem_round_trip() -> None:
 
 def test_skip_policy_skips_while_in_flight(tmp_path: Path) -> None:
     with CheckpointManager(str(tmp_path), persistent_every=1, on_busy="skip") as mgr:
-        saver = mgr._persistent
-        saver.save(1, {"x": torch.zeros(1 << 22)})
-        in_flight = saver.in_flight
-        mgr.save(2, {"x": torch.zeros(1 << 22)})
+        # Hold the writer thread so that step 1 is certainly still in flight at step 2.
+        release = threading.Event()
+        mgr._persistent._executor.submit(release.wait, 30)
+        mgr.save(1, {"x": torch.zeros(10)})
+        mgr.save(2, {"x": torch.ones(10)})
+        release.set()
         mgr.wait()
-        steps = [c.step for c in mgr.committed()]
-    # Without a pause hook the first write may already be done; either way nothing is corrupt.
-    assert steps == ([1] if in_flight else [1, 2])
+        assert [c.step for c in mgr.committed()] == [1]
+        out = {"x": torch.ones(10)}
+        assert mgr.load_latest(out) == 1 and out["x"].sum().item() == 0.0
+
+
+def test_wait_policy_saves_both(tmp_path: Path) -> None:
+    with CheckpointManager(str(tmp_path), persistent_every=1) as mgr:
+        release = threading.Event()
+        mgr._persistent._executor.submit(release.wait, 30)
+        mgr.save(1, {"x": torch.zeros(10)})
+        threading.Timer(0.2, release.set).start()
+        mgr.save(2, {"x": torch.ones(10)})  # waits for step 1, then stages step 2
+        mgr.wait()
+        assert [c.step for c in mgr.committed()] == [1, 2]
 
 
 class Broken:
