@@ -19,6 +19,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The pipe protocol. Rank -> watchdog (stdin): one line per heartbeat holding the current
+# iteration, or CLOSE_MESSAGE. Watchdog -> rank (stdout): READY_MESSAGE once, when watching.
+CLOSE_MESSAGE = b"close\n"
+READY_MESSAGE = b"ready\n"
+
 _STORE_TIMEOUT_S = 30.0  # connect + report; the watchdog must never outlive its job for long
 _DEAD_POLL_S = 0.01  # only where pidfd_open is missing (not Linux >= 5.3)
 
@@ -46,11 +51,13 @@ def main(argv: Sequence[str]) -> int:
             buffer += chunk
             *lines, buffer = buffer.split(b"\n")
             for line in lines:
-                if line == b"close":
+                if line + b"\n" == CLOSE_MESSAGE:
                     log.debug("rank %d closed its watchdog", args.initial_rank)
                     return 0
-                if line.strip():
+                try:
                     iteration = int(line)
+                except ValueError:  # not ours (a stray write): keep watching, it was a beat
+                    log.warning("ignoring unexpected input %r", line[:80])
             if lines:
                 last_beat = time.monotonic()
         if eof or watched.gone(readable):
@@ -127,8 +134,6 @@ class _Watched:
 def _say_ready() -> None:
     # One line on stdout (a pipe to the rank), then stdout points to /dev/null: nothing else
     # may go down that pipe, and fd 1 must stay taken so no socket is ever opened as fd 1.
-    from inprocess.watchdog import READY_MESSAGE
-
     with contextlib.suppress(OSError):
         os.write(1, READY_MESSAGE)
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+# The pipe protocol lives beside the process side (stdlib only, cheap to import).
+from inprocess._watchdog_main import CLOSE_MESSAGE, READY_MESSAGE
+
 log = logging.getLogger(__name__)
 
-CLOSE_MESSAGE = b"close\n"
-READY_MESSAGE = b"ready\n"
 _CLOSE_WAIT_S = 5.0  # the process exits within milliseconds of "close"; kill it after this
 _READY_TIMEOUT_S = 60.0  # torch import on a loaded host; never block a rank's start for longer
 

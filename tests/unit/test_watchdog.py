@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from torch.distributed import TCPStore
@@ -130,7 +131,7 @@ def test_rank_exiting_without_close_is_reported_dead(store: TCPStore) -> None:
     assert wait_gone(watchdog_pid, 5)
 
 
-def test_gil_held_hang_is_killed_after_hard_timeout(store: TCPStore, tmp_path: str) -> None:
+def test_gil_held_hang_is_killed_after_hard_timeout(store: TCPStore, tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc, watchdog_pid = start_rank(store, "gil", str(tmp_path))
     kind, detail = wait_fault(store, timeout=20)
@@ -141,7 +142,7 @@ def test_gil_held_hang_is_killed_after_hard_timeout(store: TCPStore, tmp_path: s
     assert proc.wait(5) == -signal.SIGTERM
     assert elapsed >= HARD_TIMEOUT
     assert wait_gone(watchdog_pid, 5)
-    log = (tmp_path / f"watchdog_rank{RANK}.log").read_text()  # type: ignore[operator]
+    log = (tmp_path / f"watchdog_rank{RANK}.log").read_text()
     assert "hard_timeout" in log
 
 
