@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import time
+import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,8 +14,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
-def abort_process_groups() -> None:
+def abort_process_groups() -> list[weakref.ref[Any]]:
     """Abort (NCCL) and destroy every process group of this rank; never raises.
+
+    Returns weak references to the destroyed groups, for ``release_lingering``.
 
     Called by the monitor thread when a fault is seen, and by the main thread after ``train()``
     raised, possibly both; the second call finds nothing to do. Gloo collectives cannot be
@@ -20,13 +26,44 @@ def abort_process_groups() -> None:
     communicators are aborted first so that pending kernels stop.
     """
     if not dist.is_available() or not dist.is_initialized():
-        return
+        return []
+    refs: list[weakref.ref[Any]] = []
+    try:
+        for pg in list(dist.distributed_c10d._world.pg_map):
+            refs.append(weakref.ref(pg))
+    except Exception as exc:  # private registry changed: only the lingering check is lost
+        log.debug("could not list process groups: %r", exc)
     if torch.cuda.is_available():
         _abort_nccl()
     try:
         dist.destroy_process_group()
     except Exception as exc:  # a group already torn down by the other thread, or broken
         log.debug("destroy_process_group failed (already torn down?): %r", exc)
+    return refs
+
+
+def release_lingering(refs: list[weakref.ref[Any]]) -> float:
+    """Free destroyed groups that something still references; returns the seconds spent.
+
+    A destroyed gloo group closes its sockets only when its last reference goes; until then
+    peers blocked on this rank stay blocked (neither ``abort()`` nor ``shutdown()`` closes
+    them). ``train()``'s frames are cleared by the wrapper, but an object in a reference cycle
+    (a DDP module, for one) keeps its group alive until the cycle collector runs. Only then,
+    and only on this rank, is ``gc.collect()`` run: normally it costs nothing.
+    """
+    if not any(r() is not None for r in refs):
+        return 0.0
+    t0 = time.monotonic()
+    gc.collect()
+    spent = time.monotonic() - t0
+    still = sum(r() is not None for r in refs)
+    log.info(
+        "a destroyed process group was still referenced (a reference cycle, e.g. a DDP "
+        "module): gc.collect() took %.3f s; %d group(s) still alive",
+        spent,
+        still,
+    )
+    return spent
 
 
 def _abort_nccl() -> None:

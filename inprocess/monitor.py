@@ -228,6 +228,7 @@ class Monitor:
             self._abort()
             self.abort_s = time.monotonic() - t0
             delivered = self._interrupter.deliver()
+        redeliveries = 0
         while delivered is not False:
             if delivered is None:  # an import in progress: retry as soon as it is done
                 if self._interrupter.acked.wait(_DEFER_RETRY_S):
@@ -235,9 +236,12 @@ class Monitor:
             elif self._interrupter.acked.wait(self._redeliver_interval):
                 return
             else:
-                log.warning(
+                redeliveries += 1
+                # Once at WARNING: the main thread is stuck in a C call that does not return
+                # (or it swallowed the restart); repeating it every interval only floods logs.
+                (log.warning if redeliveries == 1 else log.debug)(
                     "restart not acknowledged after %.1f s: delivering again",
-                    self._redeliver_interval,
+                    redeliveries * self._redeliver_interval,
                 )
             delivered = self._interrupter.deliver()
 

@@ -1,8 +1,8 @@
 """``@restartable``: the restart loop, run as a flat sequence of named phases per iteration.
 
 Per rank: connect -> initial barrier -> assign ranks, then for each iteration:
-health -> join (active) or wait (reserve) -> train() -> completion, and on a fault:
-unwind -> abort -> restart barrier (one rank decides the next assignment) -> next iteration.
+join (active) or wait (reserve) -> train() -> completion, and on a fault:
+unwind -> abort -> health check -> restart barrier (one decision wins) -> next iteration.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from inprocess import store as keys
-from inprocess.abort import abort_process_groups
+from inprocess.abort import abort_process_groups, release_lingering
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.environment import read_env
@@ -131,6 +131,7 @@ class _Job:
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
         self.closed = False
+        self.doomed: list[Any] = []  # weak references to destroyed process groups
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -207,7 +208,8 @@ class _Job:
             keys.set_participants(
                 self.store, iteration, len(assignment.active) + len(assignment.reserve)
             )
-            self._health_phase(iteration)
+            if iteration == 0:
+                self._health_phase(iteration)  # later: right after each fault, below
             rank = assignment.rank_of(self.me)
             if rank is not None:
                 out = self._active_phase(iteration, assignment, rank, pending, args, kwargs)
@@ -218,6 +220,9 @@ class _Job:
             pending = None
             if out.done:
                 return out.value
+            # Checked now, before the barrier, so an unhealthy rank is retired by this restart's
+            # decision instead of costing another restart at the start of the next iteration.
+            self._health_phase(iteration)
             t_barrier = time.monotonic()
             decision = self._restart_phase(iteration, assignment, target)
             barrier_s = time.monotonic() - t_barrier
@@ -258,7 +263,8 @@ class _Job:
     # ----- phases ----------------------------------------------------------------------------
 
     def _health_phase(self, iteration: int) -> None:
-        """Before every iteration: an unhealthy rank records a fault (it will be retired)."""
+        """Before the first iteration and after every fault (before the restart barrier): an
+        unhealthy rank records a fault of ``iteration``, and the restart decision retires it."""
         assert self.health is not None and self.progress is not None
         with self.progress.paused():
             try:
@@ -329,7 +335,7 @@ class _Job:
             soft_timeout=cfg.soft_timeout,
             progress=self.progress,
             interrupter=self.interrupter,
-            abort=abort_process_groups,
+            abort=self._abort,
             step=lambda: ctx.step,
             check_interval=min(1.0, cfg.soft_timeout / 10),
             redeliver_interval=max(0.5, min(5.0, cfg.soft_timeout / 2)),
@@ -400,8 +406,10 @@ class _Job:
                 self._report_exception(iteration, exc, ctx.step, where)
             noticed = time.time()
         t0 = time.monotonic()
-        abort_process_groups()
+        self._abort()
         abort_s = monitor.abort_s or time.monotonic() - t0
+        refs, self.doomed = self.doomed, []
+        abort_s += release_lingering(refs)
         unwind_s = time.monotonic() - t_unwind if interrupted else 0.0
         if exc is None and not interrupted and not delivered:
             keys.mark_completed(store, iteration, active=len(assignment.active))
@@ -515,13 +523,22 @@ class _Job:
         backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
+        # gloo collectives cannot be aborted: one blocked on a peer ends when that peer's group
+        # is freed, or at this timeout. A main thread blocked that long is a soft-timeout fault
+        # anyway, so soft_timeout bounds it; it matters when something outside train() keeps
+        # the faulted rank's group alive (a model held by a long-lived object, hooks and all).
+        timeout = cfg.soft_timeout if backend == "gloo" else cfg.barrier_timeout
         dist.init_process_group(
             backend=backend,
             store=dist.PrefixStore(keys.pg_prefix(iteration), self.store),
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=cfg.barrier_timeout),
+            timeout=datetime.timedelta(seconds=timeout),
         )
+
+    def _abort(self) -> None:
+        """Tear down this rank's groups (monitor or main thread); remember them weakly."""
+        self.doomed.extend(abort_process_groups())
 
     def _disarm(self) -> bool:
         """Stop the monitor's deliveries; a delivery racing with this call is absorbed."""
