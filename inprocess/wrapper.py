@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from inprocess import store as keys
-from inprocess.abort import abort_process_groups, release_lingering
+from inprocess.abort import abort_process_groups, lingering
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.environment import read_env
@@ -132,6 +132,7 @@ class _Job:
         self.prewarmed = False
         self.closed = False
         self.doomed: list[Any] = []  # weak references to destroyed process groups
+        self.warned_lingering = False
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -409,7 +410,15 @@ class _Job:
         self._abort()
         abort_s = monitor.abort_s or time.monotonic() - t0
         refs, self.doomed = self.doomed, []
-        abort_s += release_lingering(refs)
+        if lingering(refs) and not self.warned_lingering:
+            self.warned_lingering = True
+            log.warning(
+                "rank %d: a destroyed process group is still referenced after train() unwound "
+                "(e.g. a DDP-wrapped model kept by an object that outlives train()); peers "
+                "blocked on this rank are released only by the group timeout (soft_timeout "
+                "for gloo). Create such objects inside train() to restart in milliseconds.",
+                self.me,
+            )
         unwind_s = time.monotonic() - t_unwind if interrupted else 0.0
         if exc is None and not interrupted and not delivered:
             keys.mark_completed(store, iteration, active=len(assignment.active))
