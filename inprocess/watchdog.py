@@ -31,8 +31,8 @@ class Watchdog:
 
     Call order: ``start()`` once when the wrapper starts, ``set_iteration(n)`` at the start of
     every restart iteration, ``close()`` when the rank leaves normally (idempotent; also on
-    ``__exit__``). Nothing here blocks for longer than a pipe write, except ``close()``, which
-    waits at most a few seconds for the process.
+    ``__exit__``). ``start()`` blocks until the process watches (it imports torch: about a
+    second, bounded); ``close()`` waits at most a few seconds; the rest is a pipe write.
 
     How it works: a daemon thread writes the current iteration to the process's stdin every
     ``heartbeat_interval``. That thread needs the GIL, so the beats stop only when the process
@@ -95,7 +95,13 @@ class Watchdog:
         return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
-        """Start the watchdog process and the heartbeat thread (returns at once)."""
+        """Start the watchdog process and the heartbeat thread; wait until the process watches.
+
+        Waiting here (at most ``_READY_TIMEOUT_S``), before the caller's start-up barrier, means
+        every rank is watched from the first iteration on: a death right after the start is
+        reported in milliseconds, not once a late watchdog has imported torch (measured: a
+        reserve whose watchdog was still starting held up the first restart by ~1 s).
+        """
         if self._proc is not None or self._closed:
             raise RuntimeError("Watchdog.start() called twice or after close(): create a new one")
         cmd = [
@@ -136,7 +142,19 @@ class Watchdog:
             target=self._beat, name=f"inprocess-heartbeat-{self._initial_rank}", daemon=True
         )
         self._thread.start()
-        log.debug("watchdog pid %d started for rank %d", self._proc.pid, self._initial_rank)
+        t0 = time.monotonic()
+        if not self.wait_ready(_READY_TIMEOUT_S):
+            log.warning(
+                "watchdog of rank %d not ready after %.0f s: deaths are reported late",
+                self._initial_rank,
+                _READY_TIMEOUT_S,
+            )
+        log.debug(
+            "watchdog pid %d of rank %d ready in %.3f s",
+            self._proc.pid,
+            self._initial_rank,
+            time.monotonic() - t0,
+        )
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until the process is connected to the store and watching.
@@ -153,22 +171,8 @@ class Watchdog:
         return self._ready
 
     def set_iteration(self, iteration: int) -> None:
-        """Deaths from now on are reported for ``iteration``; tells the process at once.
-
-        The first call waits (at most ``_READY_TIMEOUT_S``) until the process watches, so that
-        from iteration 0 on a killed rank is reported in milliseconds; callers overlap that
-        wait with their own start-up by calling ``start()`` early.
-        """
+        """Deaths from now on are reported for ``iteration``; tells the process at once."""
         self._iteration = iteration
-        if self._proc is not None and not self._ready and not self._closed:
-            t0 = time.monotonic()
-            if not self.wait_ready(_READY_TIMEOUT_S):
-                log.warning(
-                    "watchdog of rank %d not ready after %.0f s: deaths are reported late",
-                    self._initial_rank,
-                    _READY_TIMEOUT_S,
-                )
-            log.debug("waited %.3f s for the watchdog", time.monotonic() - t0)
         self._send(f"{iteration}\n".encode())
 
     def close(self) -> None:

@@ -154,10 +154,10 @@ def test_sleeping_rank_is_not_killed_and_clean_close_reports_nothing(store: TCPS
     assert read_faults(store, ITERATION) == []
 
 
-def test_close_is_idempotent_and_stops_the_process() -> None:
+def test_start_waits_until_watching_and_close_is_idempotent(store: TCPStore) -> None:
     w = Watchdog(
         store_host="127.0.0.1",
-        store_port=1,  # nothing listens: the watchdog only logs, and close() must still work
+        store_port=store.port,
         initial_rank=0,
         hard_timeout=5.0,
         termination_grace_time=0.1,
@@ -166,10 +166,12 @@ def test_close_is_idempotent_and_stops_the_process() -> None:
     )
     with w:
         w.start()
+        assert w.wait_ready(0), "start() returned before the process was watching"
         pid = w.pid
         assert pid is not None
     w.close()
     assert wait_gone(pid, 5)
+    assert read_faults(store, 0) == []
 
 
 @pytest.mark.parametrize(
