@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from checkpoint.errors import CheckpointConfigError
@@ -38,9 +39,11 @@ class BackgroundGroup:
             )
         self._timeout = float(timeout)
         self._lock = threading.Lock()
-        # The default group our group was built for. Holding a strong reference keeps its
-        # identity from being reused by a new group object after the old one is collected.
-        self._default: ProcessGroup | None = None
+        # The default group our group was built for, held WEAKLY: a strong reference would keep a
+        # destroyed default group's sockets open after an in-process restart, so peers blocked on
+        # this rank would wait for the gloo timeout instead of being released at once. A dead
+        # reference reads as None, never as the new group, so a reused id cannot fool us.
+        self._default: weakref.ref[ProcessGroup] | None = None
         self._group: ProcessGroup | None = None
         self._generation = 0
         self._closed = False
@@ -69,13 +72,14 @@ class BackgroundGroup:
                 self._drop_locked()
                 return None
             default = dist.distributed_c10d._get_default_group()
-            if self._group is not None and default is self._default:
+            built_for = self._default() if self._default is not None else None
+            if self._group is not None and default is built_for:
                 return self._group
             self._drop_locked()
             self._group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self._timeout)
             )
-            self._default = default
+            self._default = weakref.ref(default)
             self._generation += 1
             log.debug(
                 "created dedicated gloo group (generation %d, %d ranks)",
@@ -97,7 +101,8 @@ class BackgroundGroup:
                 return False
             if not (dist.is_available() and dist.is_initialized()):
                 return True
-            return dist.distributed_c10d._get_default_group() is not self._default
+            built_for = self._default() if self._default is not None else None
+            return dist.distributed_c10d._get_default_group() is not built_for
 
     def drop(self) -> None:
         """Abandon the dedicated group now (not collective). The next ``current()`` recreates it.

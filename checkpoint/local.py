@@ -44,6 +44,9 @@ class GroupSource(Protocol):
 
     def drop(self) -> None: ...
 
+    @property
+    def generation(self) -> int: ...
+
 
 def _rank_world(pg: dist.ProcessGroup | None) -> tuple[int, int]:
     if pg is None:
@@ -98,7 +101,9 @@ class LocalTier:
         self._keep = keep
         self._group = group
         self._node = node_key()
-        self._nodes: tuple[dist.ProcessGroup | None, list[int]] | None = None  # per group
+        # Per dedicated group, keyed by its generation: holding the group object itself would keep
+        # a destroyed group's sockets open after a restart.
+        self._nodes: tuple[tuple[bool, int], list[int]] | None = None
         self._lock = threading.Lock()  # guards _held / _complete / _free (training vs worker)
         self._held: dict[tuple[int, int], Shard] = {}
         self._complete: list[int] = []
@@ -207,14 +212,15 @@ class LocalTier:
         Gathered, not derived from the rank: after an in-process restart a reserve from another
         node may play any rank, and a replica must never land on the owner's own node.
         """
-        if self._nodes is not None and self._nodes[0] is pg:
+        key = (pg is None, self._group.generation)
+        if self._nodes is not None and self._nodes[0] == key:
             return self._nodes[1]
         keys: list[Any] = [self._node]
         if pg is not None:
             keys = [None] * dist.get_world_size(pg)
             dist.all_gather_object(keys, self._node, group=pg)
         nodes = replication.node_indices(keys)
-        self._nodes = (pg, nodes)
+        self._nodes = (key, nodes)
         return nodes
 
     def _background(self, shard: Shard, pg: dist.ProcessGroup | None, nodes: list[int]) -> None:

@@ -41,3 +41,22 @@ def test_follows_the_default_group_across_reinitialisation() -> None:
         bg.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         bg.current()
+
+
+def test_a_destroyed_default_group_is_not_kept_alive() -> None:
+    # After an in-process restart the old default group must really go away: while any object
+    # holds it, its sockets stay open and peers blocked on this rank wait for the gloo timeout.
+    import gc
+    import weakref
+
+    bg = BackgroundGroup(timeout=5.0)
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        assert bg.current() is not None
+        default = weakref.ref(dist.distributed_c10d._get_default_group())
+        dist.destroy_process_group()
+        gc.collect()
+        assert default() is None
+        assert bg.is_stale()
+    finally:
+        bg.close()

@@ -16,6 +16,8 @@ from checkpoint.local import LocalTier
 class NoGroup:
     """Not distributed: world of one."""
 
+    generation = 0
+
     def current(self) -> None:
         return None
 
