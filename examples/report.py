@@ -73,7 +73,15 @@ def build_report(
         if fault["kind"] in RESTART_KINDS:
             record.update(_restart_fault_terms(events, t_fault, median_step))
         else:
-            record.update(_rerun_fault_terms(events, t_fault))
+            # A NaN is re-run in place first; a verdict that rolls back (a transient fault may
+            # have corrupted the state: resume from the last checkpoint) then also restarts.
+            rerun = _rerun_fault_terms(events, t_fault)
+            t_verdict = rerun.pop("t")
+            restart = _restart_fault_terms(
+                events, t_fault, median_step, detection=rerun["lost_work_s"], until=t_verdict
+            )
+            record.update(restart if restart["recovered"] else rerun)
+            record["verdict"] = rerun["verdict"]
         record["downtime_s"] = round(
             record["detection_s"]
             + record["shutdown_restart_s"]
@@ -114,10 +122,27 @@ def build_report(
 
 
 def _restart_fault_terms(
-    events: list[dict[str, Any]], t_fault: float, median_step: float
+    events: list[dict[str, Any]],
+    t_fault: float,
+    median_step: float,
+    *,
+    detection: float | None = None,
+    until: float | None = None,
 ) -> dict[str, Any]:
+    """Terms of a fault that restarted train(): the first re-entry after the fault.
+
+    ``detection``: seconds known to be detection (else the wrapper's detect phase);
+    ``until``: the restart must begin before this time (None: any later restart).
+    """
     after = [e for e in events if float(e["t"]) >= t_fault]
     enters = [e for e in after if e["ev"] == "enter"]
+    if until is not None:
+        first_step_after = min(
+            (float(e["t"]) for e in after if e["ev"] == "step" and float(e["t"]) > until),
+            default=None,
+        )
+        if first_step_after is not None:
+            enters = [e for e in enters if float(e["t"]) < first_step_after]
     if not enters:  # the job ended before recovering (its error is in the logs)
         return {
             "detection_s": 0.0,
@@ -132,7 +157,8 @@ def _restart_fault_terms(
     same = [e for e in enters if e["iteration"] == iteration]
     t_enter = max(float(e["t"]) for e in same)  # every active rank is back in train()
     phases = same[0].get("restart") or {}
-    detection = float(phases.get("detect_s", 0.0))
+    if detection is None:
+        detection = float(phases.get("detect_s", 0.0))
     restored = [e for e in after if e["ev"] == "restored" and e["iteration"] == iteration]
     reload = max((float(e["seconds"]) for e in restored), default=0.0)
     fault_step = next(
@@ -158,6 +184,7 @@ def _rerun_fault_terms(events: list[dict[str, Any]], t_fault: float) -> dict[str
     reruns = [e for e in events if e["ev"] == "rerun" and float(e["t"]) >= t_fault]
     rerun = reruns[0] if reruns else {}
     return {
+        "t": float(rerun.get("t", t_fault)),
         "detection_s": round(float(rerun.get("detect_s", 0.0)), 4),
         "shutdown_restart_s": 0.0,
         "reload_s": 0.0,

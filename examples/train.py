@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     attempts=attempts,
                     detect_s=t_detect,
                     rerun_s=time.monotonic() - t_step,
-                    verdict="transient",
+                    verdict=rsm.verdict.value if rsm.verdict is not None else None,
                 )
             _, exit_now, _ = rsm.should_checkpoint_and_exit()
             if exit_now:  # a verdict that needs other hardware or a person: see rerun/README

@@ -11,6 +11,7 @@ import datetime
 import functools
 import json
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -415,7 +416,7 @@ class _Job:
             log.warning(
                 "rank %d: a destroyed process group is still referenced after train() unwound "
                 "(e.g. a DDP-wrapped model kept by an object that outlives train()); peers "
-                "blocked on this rank are released only by the group timeout (soft_timeout "
+                "blocked on this rank are released only by the group timeout (hard_timeout "
                 "for gloo). Create such objects inside train() to restart in milliseconds.",
                 self.me,
             )
@@ -533,17 +534,24 @@ class _Job:
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
         # gloo collectives cannot be aborted: one blocked on a peer ends when that peer's group
-        # is freed, or at this timeout. A main thread blocked that long is a soft-timeout fault
-        # anyway, so soft_timeout bounds it; it matters when something outside train() keeps
-        # the faulted rank's group alive (a model held by a long-lived object, hooks and all).
-        timeout = cfg.soft_timeout if backend == "gloo" else cfg.barrier_timeout
-        dist.init_process_group(
-            backend=backend,
-            store=dist.PrefixStore(keys.pg_prefix(iteration), self.store),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        # is freed, or at this timeout. It matters only when something outside train() keeps a
+        # faulted rank's group alive (a model held by a long-lived object, hooks and all). It
+        # must exceed soft_timeout: a peer's collective timing out first would blame the
+        # waiting rank for the hung one (its monitor fires after soft_timeout and aborts).
+        timeout = cfg.hard_timeout if backend == "gloo" else cfg.barrier_timeout
+        # init_process_group wraps sys.excepthook with a "[rankN]:" prefix each time it is
+        # called: once per iteration would stack the prefixes. Keep the process's own hook.
+        excepthook = sys.excepthook
+        try:
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore(keys.pg_prefix(iteration), self.store),
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+        finally:
+            sys.excepthook = excepthook
 
     def _abort(self) -> None:
         """Tear down this rank's groups (monitor or main thread); remember them weakly."""

@@ -14,7 +14,9 @@ from tests.multiproc import run_job
 STEPS = 60
 # One fault of each kind the example knows (hang_gil costs a hard timeout: kept to the demo).
 PLAN = "exception@rank1:step10,kill@rank1:step20,hang@rank0:step30,nan@rank1:step40"
-RESTART_FAULTS = 3  # exception, kill, hang; the NaN is re-run in place
+# exception, kill, hang, and the NaN: re-run in place, found not reproducible (a transient
+# fault), then rolled back to the last checkpoint as Megatron does (exit 17 -> in-job restart).
+RESTART_FAULTS = 4
 
 
 def _launch(run_dir: Path, *, nproc: int, faults: str, steps: int = STEPS, **kw: Any) -> Any:
@@ -56,12 +58,11 @@ def test_faulty_run_recovers_reports_consistently_and_matches_clean_loss(tmp_pat
     for f in rep["faults"]:
         parts = f["detection_s"] + f["shutdown_restart_s"] + f["reload_s"] + f["lost_work_s"]
         assert abs(parts - f["downtime_s"]) < 1e-3
-    restart_faults = [f for f in rep["faults"] if f["kind"] != "nan"]
     # Memory copy every step: at most the faulting step is recomputed.
-    assert all(f["lost_steps"] <= 1 for f in restart_faults), restart_faults
-    assert all(f["tier"] in ("memory", "peer", "local_dir") for f in restart_faults)
+    assert all(f["lost_steps"] <= 1 for f in rep["faults"]), rep["faults"]
+    assert all(f["tier"] in ("memory", "peer", "local_dir") for f in rep["faults"])
     nan = next(f for f in rep["faults"] if f["kind"] == "nan")
-    assert nan["verdict"] == "transient"
+    assert nan["verdict"] == "transient_error"
     summed = tot["checkpoint_overhead_s"] + sum(f["downtime_s"] for f in rep["faults"])
     assert abs(summed - tot["downtime_s"]) < 1e-3
     assert abs(tot["startup_s"] + tot["productive_s"] + tot["downtime_s"] - tot["wall_s"]) < 1e-2

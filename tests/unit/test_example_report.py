@@ -95,3 +95,43 @@ def test_report_terms_add_up(tmp_path: Path) -> None:
     assert tot["startup_s"] + tot["productive_s"] + tot["downtime_s"] == pytest.approx(2.1)
     assert tot["goodput"] == pytest.approx(tot["productive_s"] / 2.1, abs=1e-3)
     assert "goodput" in format_report(report)
+
+
+def test_nan_with_rollback_counts_rerun_as_detection(tmp_path: Path) -> None:
+    ev: list[dict[str, object]] = [{"ev": "start", "t": 0.0, "initial_rank": 0}]
+    ev.append({"ev": "enter", "t": 0.1, "iteration": 0, "rank": 0})
+    for step in range(3):
+        ev.append({"ev": "step", "t": 0.2 + 0.1 * step, "step": step, "rank": 0, "seconds": 0.1})
+    # NaN at step 3 (t=0.45): re-run until 0.65, verdict rolls back; train() re-entered at 0.8.
+    ev.append(
+        {
+            "ev": "rerun",
+            "t": 0.65,
+            "step": 3,
+            "rank": 0,
+            "detect_s": 0.001,
+            "rerun_s": 0.2,
+            "verdict": "transient_error",
+        }
+    )
+    ev.append({"ev": "enter", "t": 0.8, "iteration": 1, "rank": 0})
+    ev.append(
+        {
+            "ev": "restored",
+            "t": 0.85,
+            "iteration": 1,
+            "rank": 0,
+            "step": 3,
+            "seconds": 0.05,
+            "tier": "memory",
+        }
+    )
+    ev.append({"ev": "step", "t": 0.95, "step": 3, "rank": 0, "seconds": 0.1})
+    ev.append({"ev": "done", "t": 0.95, "rank": 0, "step": 4, "loss": 1.0})
+    _write(tmp_path, ev)
+    faults = [{"fault": "nan@rank0:step3", "kind": "nan", "time": 0.45}]
+    (nan,) = build_report(tmp_path, faults=faults, wall_end=1.0)["faults"]
+    assert nan["verdict"] == "transient_error" and nan["tier"] == "memory"
+    assert nan["detection_s"] == pytest.approx(0.2)
+    assert nan["shutdown_restart_s"] == pytest.approx(0.8 - 0.45 - 0.2)
+    assert nan["lost_steps"] == 0 and nan["reload_s"] == pytest.approx(0.05)
