@@ -44,7 +44,10 @@ class BackgroundGroup:
         # this rank would wait for the gloo timeout instead of being released at once. A dead
         # reference reads as None, never as the new group, so a reused id cannot fool us.
         self._default: weakref.ref[ProcessGroup] | None = None
-        self._group: ProcessGroup | None = None
+        # Our dedicated group, weakly too: torch's registry keeps it alive while it exists, and
+        # destroying the default group (the restart's abort) unregisters it; a strong reference
+        # here would keep its sockets open until the next save. Work in flight holds its own.
+        self._group: weakref.ref[ProcessGroup] | None = None
         self._generation = 0
         self._closed = False
 
@@ -73,12 +76,14 @@ class BackgroundGroup:
                 return None
             default = dist.distributed_c10d._get_default_group()
             built_for = self._default() if self._default is not None else None
-            if self._group is not None and default is built_for:
-                return self._group
+            group = self._group() if self._group is not None else None
+            if group is not None and default is built_for:
+                return group
             self._drop_locked()
-            self._group = dist.new_group(
+            group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self._timeout)
             )
+            self._group = weakref.ref(group)
             self._default = weakref.ref(default)
             self._generation += 1
             log.debug(
@@ -86,7 +91,7 @@ class BackgroundGroup:
                 self._generation,
                 dist.get_world_size(),
             )
-            return self._group
+            return group
 
     def is_stale(self) -> bool:
         """True when a dedicated group exists but the default group changed (or is gone) since.
@@ -126,7 +131,8 @@ class BackgroundGroup:
         self.close()
 
     def _drop_locked(self) -> None:
-        group, self._group, self._default = self._group, None, None
+        ref, self._group, self._default = self._group, None, None
+        group = ref() if ref is not None else None
         if group is None:
             return
         import torch.distributed as dist

@@ -52,11 +52,12 @@ def test_a_destroyed_default_group_is_not_kept_alive() -> None:
     bg = BackgroundGroup(timeout=5.0)
     try:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        assert bg.current() is not None
+        dedicated = weakref.ref(bg.current())
         default = weakref.ref(dist.distributed_c10d._get_default_group())
         dist.destroy_process_group()
         gc.collect()
         assert default() is None
+        assert dedicated() is None  # its sockets are closed now, not at the next save
         assert bg.is_stale()
     finally:
         bg.close()
