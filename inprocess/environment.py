@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,6 +28,7 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     store_hosted: bool
+    launcher_pid: int | None = None  # set by inprocess.launch (INPROCESS_LAUNCHER_PID)
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -66,4 +70,27 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=get_int("MASTER_PORT"),
         store_hosted=hosted,
+        launcher_pid=get_int("INPROCESS_LAUNCHER_PID", default=0) or None,
     )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def bind_to_launcher(launcher_pid: int) -> None:
+    """Make this rank die with ``inprocess.launch`` (Linux; a no-op elsewhere).
+
+    The launcher hosts the store and relays the ranks' output: once it is gone (SIGKILLed, its
+    node lost) its ranks can never finish, and left alone they would wait forever as orphans.
+    The kernel delivers SIGKILL to this process when its parent exits. Raises ``ConfigError``
+    when the launcher is already gone.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # not fatal: only the orphan protection is lost
+    if os.getppid() != launcher_pid:  # it died before the prctl took effect
+        raise ConfigError(
+            f"the launcher (pid {launcher_pid}) is gone: this rank cannot join its job"
+        )

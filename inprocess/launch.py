@@ -72,6 +72,8 @@ def rank_env(args: argparse.Namespace, local_rank: int, port: int) -> dict[str, 
         "MASTER_ADDR": args.master_addr,
         "MASTER_PORT": str(port),
         "INPROCESS_STORE_HOSTED": "1",
+        # The ranks die with us (the store we host dies with us too): see bind_to_launcher().
+        "INPROCESS_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     }
 

@@ -26,6 +26,27 @@ WAKE_SIGNAL = signal.SIGUSR2
 _DEFER_RETRY_S = 0.005
 
 
+# Code in which a main thread that makes no progress is waiting for its peers, not hung itself:
+# collectives, and autograd (where DDP waits for its gradient all-reduce).
+_PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/distributed.py")
+
+
+def _waiting_on_peers(thread_id: int) -> bool:
+    """Whether the thread is inside a collective (or a backward pass that waits on one).
+
+    When one rank hangs, its peers stall in the next collective after about the same time. The
+    hung rank's own monitor must report first, or the fault is blamed on a waiting rank (and a
+    healthy rank could be retired for it): a waiting rank gets a grace beyond soft_timeout.
+    """
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in _PEER_WAIT_PATHS):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _in_import(thread_id: int) -> bool:
     """Whether the thread is executing an import right now.
 
@@ -61,6 +82,11 @@ class Interrupter:
         self._installed = threading.current_thread() is threading.main_thread()
         if self._installed:
             self._old_handler = signal.signal(WAKE_SIGNAL, self._on_signal)
+
+    @property
+    def thread_id(self) -> int:
+        """The thread that restarts are delivered to (the main thread)."""
+        return self._tid
 
     @property
     def pending(self) -> bool:
@@ -133,11 +159,12 @@ class Monitor:
     ``interrupter.disarm()`` and ``close()``. One thread blocks on the iteration's outcome key
     (its own store client, so it never blocks the main thread's store calls; no timed-out waits,
     which c10d logs as warnings). A second one checks the main thread's progress every
-    ``check_interval``: a stall longer than ``soft_timeout`` is recorded as this rank's fault,
-    which ends the iteration for everyone. When the iteration ends with a fault, the store
-    thread takes ``interrupter.lock``, calls ``abort()`` (tear down the process groups, which
-    releases peers blocked on this rank) and delivers the restart; it re-delivers every
-    ``redeliver_interval`` until the main thread acknowledges (disarms).
+    ``check_interval``: a stall longer than ``soft_timeout`` (1.5x that while the main thread
+    waits inside a collective, so a hung peer is blamed rather than us) is recorded as this
+    rank's fault, which ends the iteration for everyone. When the iteration ends with a fault,
+    the store thread takes ``interrupter.lock``, calls ``abort()`` (tear down the process
+    groups, which releases peers blocked on this rank) and delivers the restart; it re-delivers
+    every ``redeliver_interval`` until the main thread acknowledges (disarms).
     """
 
     def __init__(
@@ -196,7 +223,10 @@ class Monitor:
     def _watch_progress(self) -> None:
         while not self._stop.wait(self._check_interval):
             stalled = self._progress.stalled_for()
-            if stalled <= self._soft_timeout:
+            limit = self._soft_timeout
+            if stalled > limit and _waiting_on_peers(self._interrupter.thread_id):
+                limit += self._soft_timeout / 2
+            if stalled <= limit:
                 self._progress.poke()
                 continue
             log.warning("soft timeout: no progress of the main thread for %.1f s", stalled)

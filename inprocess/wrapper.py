@@ -25,7 +25,7 @@ from inprocess import store as keys
 from inprocess.abort import abort_process_groups, lingering
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
-from inprocess.environment import read_env
+from inprocess.environment import bind_to_launcher, read_env
 from inprocess.errors import ConfigError, FaultRecord, RestartAbortedError, RestartInterrupt
 from inprocess.health import HealthChecker
 from inprocess.monitor import Interrupter, Monitor
@@ -116,6 +116,8 @@ class _Job:
     def __init__(self, cfg: RestartConfig, fn: Callable[..., Any]) -> None:
         self.cfg, self.fn = cfg, fn
         self.env = read_env()
+        if self.env.launcher_pid is not None:
+            bind_to_launcher(self.env.launcher_pid)
         cfg.validate_world(self.env.world_size)
         self.me = self.env.rank
         self.node_of = node_of_ranks(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -63,4 +64,9 @@ def destroy_before_exit() -> None:
     then read the wrong status. Every rank exits at the same decision, so nobody waits on us.
     """
     if dist.is_available() and dist.is_initialized():
+        # Every rank exits at this decision: meet first, so that no rank tears its sockets
+        # down while a peer is still sending (the abort above was such a race). A peer already
+        # gone makes the barrier fail; the teardown below is all that is left to do then.
+        with contextlib.suppress(Exception):
+            dist.barrier()
         dist.destroy_process_group()

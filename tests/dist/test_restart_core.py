@@ -32,6 +32,8 @@ def test_soft_timeout_hang_interrupts_sleep_and_restarts() -> None:
     for o in outs:
         assert o.result["seen"] == [0, 1], o.output
         assert o.result["result"] == {"sum": 3.0}
+        # The peers stalled in all_reduce as long as rank 2 slept: the hung rank is blamed.
+        assert o.result["blamed"] == [2], o.output
     hung = outs[2].result["hang_interrupted_after"]
     # soft_timeout is 2 s: the sleep is cut short by the restart, not left to run for a day.
     assert 2.0 <= hung < 6.0, hung

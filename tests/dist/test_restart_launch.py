@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
@@ -31,6 +32,27 @@ def test_sigterm_is_forwarded_to_every_rank() -> None:
     job = run_job(_launch("signals"), deadline=30, signal_when=("[rank 1] ready", signal.SIGTERM))
     assert job.returncode == 0, job.output
     assert "[rank 0] got SIGTERM" in job.output and "[rank 1] got SIGTERM" in job.output
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie is dead too
+    except FileNotFoundError:
+        return True
+
+
+def test_ranks_die_with_a_killed_launcher() -> None:
+    # The launcher hosts the store: once it is SIGKILLed its ranks can never finish, and they
+    # must not linger as orphans.
+    job = run_job(_launch("orphan"), deadline=60, signal_when=("[rank 1] pid", signal.SIGKILL))
+    assert job.returncode == -signal.SIGKILL, job.output
+    pids = [int(line.split()[-2]) for line in job.output.splitlines() if " ready" in line]
+    assert pids, job.output
+    end = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert all(_gone(p) for p in pids), pids
 
 
 def test_restart_through_the_launcher() -> None:

@@ -55,6 +55,7 @@ def hang_then_recover(*, hang_rank: int, steps: int = 4) -> dict[str, Any]:
     seen: list[int] = []
     t_fault: list[float] = []
     t_reentry: list[float] = []
+    blamed: list[int] = []
 
     @restartable(**FAST)
     def train() -> dict[str, Any]:
@@ -62,6 +63,8 @@ def hang_then_recover(*, hang_rank: int, steps: int = 4) -> dict[str, Any]:
         seen.append(ctx.iteration)
         if ctx.iteration == 1:
             t_reentry.append(time.monotonic())
+            assert ctx.last_restart is not None
+            blamed.extend(ctx.last_restart.faulting_ranks)
         total = 0.0
         for step in range(steps):
             if ctx.rank == hang_rank and ctx.iteration == 0 and step == 1:
@@ -78,6 +81,7 @@ def hang_then_recover(*, hang_rank: int, steps: int = 4) -> dict[str, Any]:
         "result": result,
         "elapsed": time.monotonic() - t0,
         "hang_interrupted_after": (t_reentry[0] - t_fault[0]) if t_fault else None,
+        "blamed": blamed,
     }
 
 
@@ -178,6 +182,16 @@ def _script(mode: str) -> int:
     if mode == "restart":  # the core through the launcher: one exception, one restart
         result = exception_mid_collective(fail_rank=1, steps=3, fault_step=1)
         print(f"iterations {[s['iteration'] for s in result['seen']]}", flush=True)
+        return 0
+    if mode == "orphan":  # ranks that would run for a minute; the test kills the launcher
+
+        @restartable(**FAST)
+        def train() -> None:
+            print(f"pid {os.getpid()} ready", flush=True)
+            for _ in range(600):
+                time.sleep(0.1)
+
+        train()
         return 0
     print(f"unknown mode {mode}", file=sys.stderr)
     return 2
