@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
@@ -45,6 +46,14 @@ def _waiting_on_peers(thread_id: int) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _where(thread_id: int, depth: int = 6) -> str:
+    """The innermost frames of the thread's stack, for the log (what a user must look at)."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "  (thread gone)"
+    return "".join(traceback.format_stack(frame)[-depth:]).rstrip()
 
 
 def _in_import(thread_id: int) -> bool:
@@ -229,7 +238,11 @@ class Monitor:
             if stalled <= limit:
                 self._progress.poke()
                 continue
-            log.warning("soft timeout: no progress of the main thread for %.1f s", stalled)
+            log.warning(
+                "soft timeout: no progress of the main thread for %.1f s, in:\n%s",
+                stalled,
+                _where(self._interrupter.thread_id),
+            )
             try:
                 keys.record_fault(
                     self._store_for_reports(),

@@ -418,8 +418,9 @@ class _Job:
             log.warning(
                 "rank %d: a destroyed process group is still referenced after train() unwound "
                 "(e.g. a DDP-wrapped model kept by an object that outlives train()); peers "
-                "blocked on this rank are released only by the group timeout (hard_timeout "
-                "for gloo). Create such objects inside train() to restart in milliseconds.",
+                "blocked on this rank are released only by the group timeout (about "
+                "1.25 x soft_timeout for gloo). Create such objects inside train() "
+                "to restart in milliseconds.",
                 self.me,
             )
         unwind_s = time.monotonic() - t_unwind if interrupted else 0.0
@@ -536,11 +537,17 @@ class _Job:
         if backend == "nccl" and torch.cuda.is_available():
             torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
         # gloo collectives cannot be aborted: one blocked on a peer ends when that peer's group
-        # is freed, or at this timeout. It matters only when something outside train() keeps a
-        # faulted rank's group alive (a model held by a long-lived object, hooks and all). It
-        # must exceed soft_timeout: a peer's collective timing out first would blame the
-        # waiting rank for the hung one (its monitor fires after soft_timeout and aborts).
-        timeout = cfg.hard_timeout if backend == "gloo" else cfg.barrier_timeout
+        # is freed, or at this timeout, which is what frees ranks stuck behind a group that
+        # something still holds (keep it short). Order: soft_timeout < this < hard_timeout.
+        # Just above soft_timeout, so a hung rank's own monitor (soft_timeout + one check
+        # interval) reports first and is blamed, not the rank waiting for it; below
+        # hard_timeout, because some waits hold the GIL (seen: a peer's heartbeat stopped) and
+        # the watchdog would kill a healthy rank.
+        timeout = (
+            min(1.25 * cfg.soft_timeout, (cfg.soft_timeout + cfg.hard_timeout) / 2)
+            if backend == "gloo"
+            else cfg.barrier_timeout
+        )
         # init_process_group wraps sys.excepthook with a "[rankN]:" prefix each time it is
         # called: once per iteration would stack the prefixes. Keep the process's own hook.
         excepthook = sys.excepthook
