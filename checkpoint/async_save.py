@@ -27,10 +27,8 @@ import logging
 import os
 import secrets
 import signal
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from checkpoint.collectives import all_gather, broadcast, rank_and_size
@@ -50,8 +48,6 @@ log = logging.getLogger(__name__)
 METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ours)
 WRITER_NICE = 5  # niceness added to the writer thread (Linux); see _lower_priority
 CRASH_POINTS = ("agree", "write", "before_commit", "commit", "retention")
-# After a restart: how long the previous save may take to finish before it is abandoned.
-_SETTLE_S = 1.0
 
 
 @dataclasses.dataclass
@@ -98,6 +94,9 @@ class PersistentSaver:
         self._group = group
         self._hooks = hooks
         self._pool = StagingPool()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ckpt-persistent", initializer=_lower_priority
+        )
         self._pending: concurrent.futures.Future[SaveStats | _Failed] | None = None
         self._pending_job: _Job | None = None
         self._closed = False
@@ -133,7 +132,7 @@ class PersistentSaver:
         stats = SaveStats(step=step, stall_s=time.perf_counter() - t0)
         job = _Job(step, staged, stage_error, group, self._group.generation, stats)
         self._pending_job = job
-        self._pending = _start_writer(self._run, job)
+        self._pending = self._executor.submit(self._run, job)
         if stage_error is not None:
             # The job still runs so peers learn of the failure in `agree` instead of hanging.
             raise CheckpointError(f"save of step {step}: {stage_error}") from staging_exc
@@ -167,26 +166,12 @@ class PersistentSaver:
         """
         if self._pending is None or not self._group.is_stale():
             return
-        job, fut = self._pending_job, self._pending
-        step = job.step if job else "?"
+        job = self._pending_job
         self._group.drop()
-        try:
-            fut.result(timeout=_SETTLE_S)
-        except concurrent.futures.TimeoutError:
-            # Its writer waits in a collective for peers whose writers are in the same state,
-            # each holding the old group open, so none is released before that group's
-            # timeout. It can never commit (its agreement runs on the dropped group): leave it
-            # to end there, and let new saves start at once.
-            self._pending = self._pending_job = None
-            log.warning(
-                "checkpoint: abandoned save of step %s (restart): its writer is blocked on the "
-                "previous group, never commits, and ends at that group's timeout",
-                step,
-            )
-            return
         try:
             self.wait()
         except CheckpointError as e:
+            step = job.step if job else "?"
             log.warning("checkpoint: abandoned save of step %s (restart): %s", step, str(e))
 
     def close(self) -> None:
@@ -199,6 +184,7 @@ class PersistentSaver:
         except CheckpointError as e:
             log.error("checkpoint: save in flight at close() failed: %s", str(e))
         finally:
+            self._executor.shutdown(wait=True)
             self._pool.release()
 
     # -- background ----------------------------------------------------------------------------
@@ -318,30 +304,6 @@ def _dcp_save(
 
     writer = make_writer(layout, dirpath, sums, thread_count=thread_count)
     dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
-
-
-def _start_writer(
-    fn: Callable[[_Job], SaveStats | _Failed], job: _Job
-) -> concurrent.futures.Future[SaveStats | _Failed]:
-    """Run one save's background work in its own thread; its Future carries the outcome.
-
-    A daemon thread, one per save: a writer abandoned at a restart (blocked on the previous
-    group until that group's timeout) must neither delay later saves nor the process's exit.
-    A live save is still waited for, bounded, by ``wait()`` and ``close()``.
-    """
-    fut: concurrent.futures.Future[SaveStats | _Failed] = concurrent.futures.Future()
-
-    def run() -> None:
-        _lower_priority()
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(job))
-        except BaseException as e:
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name="ckpt-persistent", daemon=True).start()
-    return fut
 
 
 def _lower_priority() -> None:

@@ -183,22 +183,11 @@ def test_memory_filesystem_round_trip() -> None:
         assert out["x"][0].item() == 3.0
 
 
-def _hold_writer(mgr: CheckpointManager, release: threading.Event) -> None:
-    """Make every background save wait for `release` before doing its work."""
-    run = mgr._persistent._run
-
-    def held(job: Any) -> Any:
-        release.wait(30)
-        return run(job)
-
-    mgr._persistent._run = held  # type: ignore[method-assign]
-
-
 def test_skip_policy_skips_while_in_flight(tmp_path: Path) -> None:
     with CheckpointManager(str(tmp_path), persistent_every=1, on_busy="skip") as mgr:
-        # Hold the background work so that step 1 is certainly still in flight at step 2.
+        # Hold the writer thread so that step 1 is certainly still in flight at step 2.
         release = threading.Event()
-        _hold_writer(mgr, release)
+        mgr._persistent._executor.submit(release.wait, 30)
         mgr.save(1, {"x": torch.zeros(10)})
         mgr.save(2, {"x": torch.ones(10)})
         release.set()
@@ -211,7 +200,7 @@ def test_skip_policy_skips_while_in_flight(tmp_path: Path) -> None:
 def test_wait_policy_saves_both(tmp_path: Path) -> None:
     with CheckpointManager(str(tmp_path), persistent_every=1) as mgr:
         release = threading.Event()
-        _hold_writer(mgr, release)
+        mgr._persistent._executor.submit(release.wait, 30)
         mgr.save(1, {"x": torch.zeros(10)})
         threading.Timer(0.2, release.set).start()
         mgr.save(2, {"x": torch.ones(10)})  # waits for step 1, then stages step 2
