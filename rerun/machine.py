@@ -334,7 +334,10 @@ class RerunStateMachine:
         exc = self.exit_exception()
         logger.info("rank %d: %s", self._rank(), exc)
         if not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT:
+            distributed = agree.is_distributed()
             agree.destroy_before_exit()
+            if distributed:
+                agree.exit_now(exc.exit_code)
             sys.exit(exc.exit_code)
         if exc.restartable_rank_action is None and self._rank() not in self._suspects.ranks:
             agree.wait_for_teardown()
