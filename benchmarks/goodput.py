@@ -25,9 +25,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from faultplan import parse_plan  # noqa: E402
-
-LOSES_RANK = ("kill", "hang_gil")
+from faultplan import LOSES_RANK, parse_plan  # noqa: E402
 
 
 def run(cmd: list[str], *, timeout: float) -> tuple[int, float, str]:

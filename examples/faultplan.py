@@ -27,6 +27,9 @@ KINDS = {
     "nan": "a NaN loss on one rank (re-run in place by the re-run state machine)",
 }
 
+# Faults after which a warm reserve must take the rank's place (the rank is gone).
+LOSES_RANK = ("kill", "hang_gil")
+
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@rank(?P<rank>\d+):step(?P<step>\d+)$")
 
 

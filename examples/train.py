@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faultplan import PlannedFault, claim, fired_faults, parse_plan
+from faultplan import LOSES_RANK, PlannedFault, claim, fired_faults, parse_plan
 from gpt import GPTConfig, batch, build_model, corpus
 from report import EventLog, build_report, format_report, write_png
 
@@ -44,8 +44,6 @@ from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from rerun import RerunDataIterator, RerunStateMachine
 
 log = logging.getLogger("train")
-
-LOSES_RANK = ("kill", "hang_gil")  # faults after which a reserve must take the rank's place
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
