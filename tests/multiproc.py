@@ -214,12 +214,12 @@ def run_job(
     *,
     deadline: float,
     env: Mapping[str, str] | None = None,
-    signal_when: tuple[str, int] | None = None,
+    signal_when: tuple[str | tuple[str, ...], int] | None = None,
 ) -> JobOutput:
     """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from the repo root.
 
     ``signal_when=(text, signum)`` sends ``signum`` to the job's main process once ``text``
-    appears in its output (for preemption tests). Raises ``RanksFailed`` with the whole output
+    (or every text of a tuple) appears in its output (for preemption tests). Raises ``RanksFailed`` with the whole output
     when the deadline passes (the job's process group is killed first).
     """
     full_env = dict(os.environ)
@@ -244,15 +244,15 @@ def run_job(
         )
         end = time.monotonic() + deadline
         signalled = signal_when is None
+        texts = () if signal_when is None else signal_when[0]
+        texts = (texts,) if isinstance(texts, str) else texts
         try:
             while proc.poll() is None and time.monotonic() < end:
-                if (
-                    not signalled
-                    and signal_when is not None
-                    and signal_when[0] in log_path.read_bytes().decode(errors="replace")
-                ):
-                    proc.send_signal(signal_when[1])
-                    signalled = True
+                if not signalled and signal_when is not None:
+                    seen = log_path.read_bytes().decode(errors="replace")
+                    if all(t in seen for t in texts):
+                        proc.send_signal(signal_when[1])
+                        signalled = True
                 time.sleep(_POLL_S)
         finally:
             stuck = proc.poll() is None

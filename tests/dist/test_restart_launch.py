@@ -29,7 +29,10 @@ def test_rank_killed_while_job_succeeds_counts_as_success() -> None:
 
 
 def test_sigterm_is_forwarded_to_every_rank() -> None:
-    job = run_job(_launch("signals"), deadline=30, signal_when=("[rank 1] ready", signal.SIGTERM))
+    # Both ranks must have installed their handler before the signal, or the default action
+    # kills the slower one.
+    ready = ("[rank 0] ready", "[rank 1] ready")
+    job = run_job(_launch("signals"), deadline=30, signal_when=(ready, signal.SIGTERM))
     assert job.returncode == 0, job.output
     assert "[rank 0] got SIGTERM" in job.output and "[rank 1] got SIGTERM" in job.output
 
