@@ -1,22 +1,27 @@
 """Persistent tier save path: stage on the caller's thread, write and commit in the background.
 
 Call order per save (every rank, same step): ``PersistentSaver.save()`` on the training thread
-waits for the previous save (policy ``on_busy``), binds the dedicated gloo group (collective
+waits for the previous save (policy ``on_busy``), binds to the current process group (collective
 after a restart), stages into reused host buffers and returns. A single long-lived worker thread
-then runs, on the dedicated group only:
+then runs the DCP save protocol, coordinating the ranks through the job's store
+(``StoreExchange``), never through a process group:
 
-1. ``agree``   all-gather "staged ok?" (+ rank 0's fresh directory token): a staging failure on
-               any rank fails the save on every rank, before anything is written.
-2. ``write``   rank 0 creates the directory + in-progress marker, then DCP planning and
-               ``write_data`` (every data file fsynced, its CRC32 recorded as it is written) and
-               DCP's ``finish`` (``.metadata``) on rank 0.
-3. ``commit``  all-gather each rank's outcome + checksums; rank 0 writes the commit marker LAST
-               (the checkpoint becomes visible), then broadcasts the commit outcome.
+1. ``start``   rank 0 picks a fresh directory, creates it with its in-progress marker and
+               publishes the path.
+2. ``plan``    every rank's DCP local plan (or its staging error) goes to rank 0, which builds
+               the global plan (DCP's planner: dedup, file names) and hands each rank its part;
+               a staging failure on any rank fails the save on every rank before data is written.
+3. ``write``   each rank writes its data files (each fsynced, its CRC32 recorded as written);
+               outcomes, checksums and DCP write results go to rank 0, which writes DCP's
+               ``.metadata`` and then our commit marker LAST (the checkpoint becomes visible),
+               and publishes the commit outcome.
 4. ``retention`` rank 0 deletes checkpoints beyond ``keep`` and stale partial attempts.
 
 A failure anywhere becomes one ``CheckpointRankError`` naming the ranks, on every rank, raised
-from the next ``wait()`` / ``save()``. Why a thread, not a process: the bulk of the work
-(file writes, fsync, ``zlib.crc32`` on large buffers) releases the GIL; see the benchmark.
+from the next ``wait()`` / ``save()``. After an in-process restart the save in flight is
+cancelled: its worker stops at its next wait or file write (milliseconds), never commits, and
+the restart never waits for it. Why a thread, not a process: the bulk of the work (file writes,
+fsync, ``zlib.crc32`` on large buffers) releases the GIL; see the benchmark.
 """
 
 from __future__ import annotations
@@ -27,21 +32,23 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from checkpoint.collectives import all_gather, broadcast, rank_and_size
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter
+
 from checkpoint.config import PersistentConfig, TestHooks
 from checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRankError
+from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.group import BackgroundGroup
 from checkpoint.integrity import file_checksum
 from checkpoint.layout import Layout, dir_name
 from checkpoint.staging import StagingPool
 from checkpoint.writer import make_writer
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +81,17 @@ class _Job:
     step: int
     staged: dict[str, Any] | None
     stage_error: str | None
-    group: ProcessGroup | None
-    generation: int
+    exchange: StoreExchange
+    previous: StoreExchange | None  # the save before, in the same group: its keys to delete
+    cancel: threading.Event
     stats: SaveStats
 
 
 class PersistentSaver:
     """Owner of the staging pool and the background writer thread of the persistent tier.
 
-    Used from the training thread only (``save``, ``wait``, ``close``); the worker thread is
-    internal. Every wait is bounded by ``config.timeout``.
+    Used from the training thread only (``save``, ``wait``, ``settle_after_restart``,
+    ``close``); the worker thread is internal. Every wait is bounded by ``config.timeout``.
     """
 
     def __init__(
@@ -99,6 +107,10 @@ class PersistentSaver:
         )
         self._pending: concurrent.futures.Future[SaveStats | _Failed] | None = None
         self._pending_job: _Job | None = None
+        # A save cancelled by a restart: not waited for by the restart, only before the
+        # staging buffers it may still read are reused (next save) and at close().
+        self._abandoned: concurrent.futures.Future[SaveStats | _Failed] | None = None
+        self._attempts = Attempts("persistent", timeout=config.timeout)
         self._closed = False
         self.last: SaveStats | None = None
 
@@ -120,8 +132,11 @@ class PersistentSaver:
             log.warning("checkpoint: skipping persistent save of step %d: one in flight", step)
             return False
         self.wait()
+        self._drain_abandoned()
         t0 = time.perf_counter()
+        cancel = threading.Event()
         group = self._group.current()
+        exchange, previous = self._attempts.next(group, self._group.token, cancel)
         stage_error = None
         staged = None
         try:
@@ -130,11 +145,11 @@ class PersistentSaver:
             stage_error = f"staging failed: {type(e).__name__}: {e}"
             staging_exc: Exception = e
         stats = SaveStats(step=step, stall_s=time.perf_counter() - t0)
-        job = _Job(step, staged, stage_error, group, self._group.generation, stats)
+        job = _Job(step, staged, stage_error, exchange, previous, cancel, stats)
         self._pending_job = job
         self._pending = self._executor.submit(self._run, job)
         if stage_error is not None:
-            # The job still runs so peers learn of the failure in `agree` instead of hanging.
+            # The job still runs so peers learn of the failure in `plan` instead of waiting.
             raise CheckpointError(f"save of step {step}: {stage_error}") from staging_exc
         log.debug("checkpoint: staged step %d in %.3f s", step, stats.stall_s)
         return True
@@ -158,21 +173,46 @@ class PersistentSaver:
         return outcome
 
     def settle_after_restart(self) -> None:
-        """If the default group changed since the last save, finish or abandon that save.
+        """If the process group changed since the last save, cancel the save in flight.
 
-        Destroying the old dedicated group releases the worker blocked in a collective on it;
-        a save that had already committed stays committed (every rank's data was durable), any
-        other is abandoned (logged, never raised, never visible). Call before ``current()``.
+        Never blocks: the worker stops at its next wait or file write and the save never
+        becomes visible (unless rank 0 had already committed it, in which case every rank's
+        data was durable and it stays a valid checkpoint). Call at every collective entry.
         """
         if self._pending is None or not self._group.is_stale():
             return
-        job = self._pending_job
         self._group.drop()
+        if self._pending.done():  # finished before the restart: collect its outcome
+            try:
+                self.wait()
+            except CheckpointError as e:
+                log.warning("checkpoint: the save in flight at the restart failed: %s", str(e))
+            return
+        job = self._pending_job
+        if job is not None:
+            job.cancel.set()
+            log.warning(
+                "checkpoint: process group changed with the save of step %d in flight: "
+                "abandoning it (it never becomes visible unless it had already committed)",
+                job.step,
+            )
+        self._abandoned, self._pending, self._pending_job = self._pending, None, None
+
+    def _drain_abandoned(self) -> None:
+        """Wait (bounded) for a cancelled save to stop: it may still read the staging buffers."""
+        fut, self._abandoned = self._abandoned, None
+        if fut is None:
+            return
         try:
-            self.wait()
-        except CheckpointError as e:
-            step = job.step if job else "?"
-            log.warning("checkpoint: abandoned save of step %s (restart): %s", step, str(e))
+            outcome = fut.result(timeout=self._cfg.timeout)
+        except concurrent.futures.TimeoutError:
+            log.error(
+                "checkpoint: an abandoned save did not stop within %.0f s (storage hung?)",
+                self._cfg.timeout,
+            )
+            return
+        if isinstance(outcome, _Failed):
+            log.info("checkpoint: abandoned save stopped: %s", outcome.args[0])
 
     def close(self) -> None:
         """Wait for the save in flight (errors are logged, not raised) and stop the worker."""
@@ -180,10 +220,12 @@ class PersistentSaver:
             return
         self._closed = True
         try:
+            self.settle_after_restart()
             self.wait()
         except CheckpointError as e:
             log.error("checkpoint: save in flight at close() failed: %s", str(e))
         finally:
+            self._drain_abandoned()
             self._executor.shutdown(wait=True)
             self._pool.release()
 
@@ -196,80 +238,100 @@ class PersistentSaver:
 
     def _run(self, job: _Job) -> SaveStats | _Failed:
         # Failures travel back as plain data, not as exception objects: a traceback would keep
-        # the job's frames (and through them the process group and its sockets) alive in a
-        # reference cycle after an abandoned save; see test_checkpoint_rebind.
-        if job.generation != self._group.generation:
-            return _Failed(CheckpointAbandoned, (f"save of step {job.step}: group changed",))
+        # the job's frames (and the staged buffers) alive in a reference cycle after an
+        # abandoned save.
+        if job.cancel.is_set():
+            return _Failed(CheckpointAbandoned, (f"save of step {job.step}: cancelled",))
         try:
             return self._run_job(job)
         except CheckpointRankError as e:
             return _Failed(CheckpointRankError, (e.what, e.failures))
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             text = f"save of step {job.step} failed: {_describe(e)}"
-            # Text, not exc_info: a captured record would keep the traceback (and group) alive.
+            # Text, not exc_info: a captured record would keep the traceback alive.
             log.debug("checkpoint: background save failed:\n%s", traceback.format_exc())
             return _Failed(type(e) if isinstance(e, CheckpointError) else CheckpointError, (text,))
         finally:
             job.staged = None
-            job.group = None
 
     def _run_job(self, job: _Job) -> SaveStats:
-        group, step, stats = job.group, job.step, job.stats
-        rank, world = rank_and_size(group)
+        ex, step, stats = job.exchange, job.step, job.stats
+        rank, world = ex.rank, ex.world
         t0 = time.perf_counter()
-        token = secrets.token_hex(4) if rank == 0 else None
         self._crash("agree", rank)
-        gathered = all_gather((job.stage_error, token), group)
-        failures = {r: err for r, (err, _) in enumerate(gathered) if err is not None}
-        if failures:
-            raise CheckpointRankError(f"save of step {step}", failures)
-        dirpath = self._layout.join(dir_name(step, gathered[0][1]))
+        if rank == 0:
+            dirpath = self._layout.join(dir_name(step, secrets.token_hex(4)))
+            try:
+                self._layout.begin(dirpath, step=step, world_size=world)
+                ex.publish("start", (dirpath, None))
+            except Exception as e:
+                ex.publish("start", (dirpath, _describe(e)))
+        dirpath, start_error = ex.receive("start")
         stats.path = dirpath
 
-        error = None
+        # Plan: DCP's planner, driven by hand so that the ranks meet in the store (see module
+        # docstring); the files and .metadata are exactly what torch.distributed.checkpoint.save
+        # writes.
         sums: dict[str, dict[str, int]] = {}
+        writer = make_writer(
+            self._layout, dirpath, sums, thread_count=self._cfg.thread_count, cancel=job.cancel
+        )
+        planner = DefaultSavePlanner()
+        error = job.stage_error or (start_error if rank == 0 else None)
+        local_plan = None
+        if error is None and start_error is None:
+            try:
+                local_plan = _local_plan(planner, writer, job.staged, rank)
+            except BaseException as e:
+                error = _describe(e)
+        plans = ex.gather("plan", (error, local_plan))
+        metadata = None
+        if plans is not None:  # rank 0
+            if job.previous is not None:  # every rank is past the previous save's commit
+                job.previous.discard("commit")
+            failures = {r: err for r, (err, _) in enumerate(plans) if err is not None}
+            central: list[Any] = [None] * world
+            if not failures:
+                try:
+                    central, metadata = planner.create_global_plan([p for _, p in plans])
+                    central = writer.prepare_global_plan(central)
+                except BaseException as e:
+                    failures = {0: _describe(e)}
+            for r in range(world):
+                ex.publish("global", (failures, central[r]), to=r)
+        failures, my_plan = ex.receive("global", mine=True)
+        if failures:
+            raise CheckpointRankError(f"save of step {step}", failures)
+
+        self._crash("write", rank)
+        error, results = None, None
         try:
-            if rank == 0:
-                self._layout.begin(dirpath, step=step, world_size=world)
-            self._crash("write", rank)
-            _dcp_save(job.staged, self._layout, dirpath, sums, group, self._cfg.thread_count)
-            if rank == 0:
-                meta = self._layout.join_dir(dirpath, METADATA_FILE)
-                crc, size = file_checksum(self._layout.fs, meta)
-                sums[METADATA_FILE] = {"crc32": crc, "size": size}
+            pending = writer.write_data(planner.finish_plan(my_plan), planner)
+            pending.wait()
+            results = pending.value()
         except BaseException as e:
             error = _describe(e)
         job.staged = None  # the pool's views; nothing else may keep them alive
         self._crash("before_commit", rank)
-        outcomes = all_gather((error, sums), group)
-        failures = {r: err for r, (err, _) in enumerate(outcomes) if err is not None}
+        outcomes = ex.gather("write", (error, sums, results))
+        if outcomes is not None:  # rank 0
+            ex.discard("start")
+            what = f"save of step {step}"
+            failures = {r: err for r, (err, _, _) in enumerate(outcomes) if err is not None}
+            if not failures:
+                what = f"commit of step {step}"
+                try:
+                    self._commit(writer, metadata, dirpath, step, world, outcomes)
+                except Exception as e:
+                    failures = {0: _describe(e)}
+            ex.publish("commit", (what, failures))
+        what, failures = ex.receive("commit")
         if failures:
-            raise CheckpointRankError(f"save of step {step}", failures)
-
-        commit_error = None
-        if rank == 0:
-            try:
-                files: dict[str, dict[str, int]] = {}
-                for _, rank_sums in outcomes:
-                    files.update(rank_sums)
-                manifest = {
-                    "step": step,
-                    "world_size": world,
-                    "files": files,
-                    "bytes": sum(f["size"] for f in files.values()),
-                    "committed": time.time(),
-                }
-                self._crash("commit", rank)
-                self._layout.commit(dirpath, manifest)
-            except Exception as e:
-                commit_error = _describe(e)
-        commit_error = broadcast(commit_error, group)
-        if commit_error is not None:
-            raise CheckpointRankError(f"commit of step {step}", {0: commit_error})
+            raise CheckpointRankError(what, failures)
         stats.write_s = time.perf_counter() - t0
         stats.bytes_written = sum(f["size"] for f in sums.values())
-        if rank == 0:
-            total = sum(sum(f["size"] for f in s.values()) for _, s in outcomes)
+        if outcomes is not None:
+            total = sum(sum(f["size"] for f in s.values()) for _, s, _ in outcomes)
             log.info(
                 "checkpoint: saved step %d to %s: %d ranks, %.1f MiB, stall %.3f s, "
                 "write+commit %.2f s",
@@ -283,6 +345,32 @@ class PersistentSaver:
             self._retention(dirpath)
         return stats
 
+    def _commit(
+        self,
+        writer: StorageWriter,
+        metadata: Any,
+        dirpath: str,
+        step: int,
+        world: int,
+        outcomes: list[Any],
+    ) -> None:
+        """Rank 0, every rank's data durable: DCP's .metadata, then our commit marker LAST."""
+        writer.finish(metadata=metadata, results=[res for _, _, res in outcomes])
+        files: dict[str, dict[str, int]] = {}
+        for _, rank_sums, _ in outcomes:
+            files.update(rank_sums)
+        crc, size = file_checksum(self._layout.fs, self._layout.join_dir(dirpath, METADATA_FILE))
+        files[METADATA_FILE] = {"crc32": crc, "size": size}
+        manifest = {
+            "step": step,
+            "world_size": world,
+            "files": files,
+            "bytes": sum(f["size"] for f in files.values()),
+            "committed": time.time(),
+        }
+        self._crash("commit", 0)
+        self._layout.commit(dirpath, manifest)
+
     def _retention(self, current: str) -> None:
         try:
             self._crash("retention", 0)
@@ -292,18 +380,13 @@ class PersistentSaver:
             log.warning("checkpoint: retention failed (will retry after the next save): %s", str(e))
 
 
-def _dcp_save(
-    staged: Any,
-    layout: Layout,
-    dirpath: str,
-    sums: dict[str, dict[str, int]],
-    group: ProcessGroup | None,
-    thread_count: int,
-) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    writer = make_writer(layout, dirpath, sums, thread_count=thread_count)
-    dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+def _local_plan(planner: SavePlanner, writer: StorageWriter, staged: Any, rank: int) -> Any:
+    """This rank's DCP save plan (what ``torch.distributed.checkpoint.save`` does first)."""
+    planner.set_up_planner(
+        state_dict=staged, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+    )
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    return writer.prepare_local_plan(planner.create_local_plan())
 
 
 def _lower_priority() -> None:

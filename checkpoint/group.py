@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import secrets
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -49,6 +50,7 @@ class BackgroundGroup:
         # here would keep its sockets open until the next save. Work in flight holds its own.
         self._group: weakref.ref[ProcessGroup] | None = None
         self._generation = 0
+        self._token: str | None = None
         self._closed = False
 
     @property
@@ -60,6 +62,13 @@ class BackgroundGroup:
     def generation(self) -> int:
         """Incremented each time a new dedicated group is created (lets callers notice rebinds)."""
         return self._generation
+
+    @property
+    def token(self) -> str | None:
+        """A random name every rank agreed on when the current group was created (None when
+        not distributed): unique per group instance, it namespaces store keys of background
+        work so that an attempt from before a restart can never be mistaken for a new one."""
+        return self._token
 
     def current(self) -> ProcessGroup | None:
         """The dedicated group for the current default group; None when not distributed.
@@ -83,6 +92,9 @@ class BackgroundGroup:
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self._timeout)
             )
+            box = [secrets.token_hex(6) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, group_src=0, group=group)
+            self._token = box[0]
             self._group = weakref.ref(group)
             self._default = weakref.ref(default)
             self._generation += 1
@@ -131,7 +143,7 @@ class BackgroundGroup:
         self.close()
 
     def _drop_locked(self) -> None:
-        ref, self._group, self._default = self._group, None, None
+        ref, self._group, self._default, self._token = self._group, None, None, None
         group = ref() if ref is not None else None
         if group is None:
             return

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import threading
 import zlib
 from collections.abc import Mapping
 from typing import Any
+
+from checkpoint.errors import CheckpointAbandoned
 
 _CHUNK = 16 << 20  # read size for verification; large reads keep it I/O bound
 
@@ -15,13 +18,15 @@ class CrcStream(io.RawIOBase):
 
     DCP's writer calls ``write``, ``tell``, ``flush``, ``fileno`` (for fsync) and ``close``.
     ``zlib.crc32`` releases the GIL for large buffers, so checksumming costs the training
-    thread little while the background writer runs.
+    thread little while the background writer runs. Once ``cancel`` is set, ``write`` raises
+    ``CheckpointAbandoned``: an abandoned save stops within one tensor, not one checkpoint.
     """
 
-    def __init__(self, raw: Any, on_close: Any) -> None:
+    def __init__(self, raw: Any, on_close: Any, *, cancel: threading.Event | None = None) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
+        self._cancel = cancel
         self.crc = 0
         self.size = 0
 
@@ -29,6 +34,8 @@ class CrcStream(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
+        if self._cancel is not None and self._cancel.is_set():
+            raise CheckpointAbandoned("save cancelled while writing")
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         n = self._raw.write(view)

@@ -1,8 +1,10 @@
 """The local checkpoint tier: host-memory copies, an optional node-local directory, peer replicas.
 
 `CheckpointManager` owns one LocalTier and calls save / wait / load / close from the training
-thread; the copy to the directory and the replication run on one background thread on the
-manager's dedicated gloo group, never on the training group.
+thread; the copy to the directory and the replication run on one background thread (replicas
+travel on the manager's dedicated gloo group, never on the training group), and the ranks agree
+that a step is complete through the job's store, so that a restart can cancel that agreement at
+once instead of leaving a background collective in flight (see checkpoint.exchange).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch.distributed as dist
 
 from checkpoint import local_dir as ldir
 from checkpoint import packing, replication
-from checkpoint.errors import CheckpointConfigError, CheckpointError
+from checkpoint.errors import CheckpointAbandoned, CheckpointConfigError, CheckpointError
+from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local_restore import RestoreResult, Shard, restore
 from checkpoint.packing import ReplicatedState
 from checkpoint.replication_transport import Outgoing, exchange
@@ -46,6 +49,9 @@ class GroupSource(Protocol):
 
     @property
     def generation(self) -> int: ...
+
+    @property
+    def token(self) -> str | None: ...
 
 
 def _rank_world(pg: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -86,6 +92,7 @@ class LocalTier:
         algo: str,
         keep: int,
         group: GroupSource,
+        timeout: float = 600.0,
     ) -> None:
         if algo not in ALGOS:
             raise CheckpointConfigError(f"local_algo ({algo!r}) must be one of {ALGOS}: pick one")
@@ -114,6 +121,8 @@ class LocalTier:
         self._warned_factor = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-ckpt")
         self._future: Future[None] | None = None
+        self._cancel = threading.Event()  # of the background work in flight
+        self._attempts = Attempts("local", timeout=timeout)
         self._closed = False
 
     # ---------------------------------------------------------------- save
@@ -159,7 +168,9 @@ class LocalTier:
             self._held[(step, rank)] = shard
         stall = time.perf_counter() - t0
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
-        self._future = self._pool.submit(self._background, shard, pg, nodes)
+        self._cancel = threading.Event()
+        agree = self._attempts.next(pg, self._group.token, self._cancel)
+        self._future = self._pool.submit(self._background, shard, pg, nodes, agree)
 
     def _forget_stale(self, step: int, world: int) -> None:
         """Free memory copies that can no longer be restored or belong to an abandoned run.
@@ -223,7 +234,13 @@ class LocalTier:
         self._nodes = (key, nodes)
         return nodes
 
-    def _background(self, shard: Shard, pg: dist.ProcessGroup | None, nodes: list[int]) -> None:
+    def _background(
+        self,
+        shard: Shard,
+        pg: dist.ProcessGroup | None,
+        nodes: list[int],
+        agree: tuple[StoreExchange, StoreExchange | None],
+    ) -> None:
         """Checksum, directory write, replication, then agreement that the step is complete."""
         t0 = time.perf_counter()
         ok = True
@@ -238,12 +255,19 @@ class LocalTier:
                     shard.step, shard.owner, self._dir, e,
                 )  # fmt: skip
         if pg is not None and shard.world > 1:
+            ex, previous = agree
             try:
                 ok = self._replicate(shard, pg, nodes) and ok
-                flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
-                ok = bool(flag.item())
-            except Exception as e:  # a dead peer or a torn-down group: the step is incomplete
+                flags = ex.gather("ok", ok)
+                if flags is not None:  # rank 0
+                    if previous is not None:  # every rank is past the previous verdict
+                        previous.discard("verdict")
+                    ex.publish("verdict", all(flags))
+                ok = bool(ex.receive("verdict"))
+            except CheckpointAbandoned:
+                log.info("local save of step %d abandoned (restart)", shard.step)
+                return
+            except Exception as e:  # a dead peer, a restart, a torn-down group: incomplete
                 log.warning(
                     "local save of step %d on rank %d: replication failed: %s",
                     shard.step, shard.owner, e,
@@ -329,7 +353,9 @@ class LocalTier:
         incomplete; the steps before it are untouched.
         """
         if self._future is not None and self._group.is_stale():
-            log.warning("process group changed with a local save in flight: abandoning it")
+            if not self._future.done():
+                log.warning("process group changed with a local save in flight: abandoning it")
+            self._cancel.set()
             self._group.drop()
         self.wait()
 

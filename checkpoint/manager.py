@@ -99,6 +99,7 @@ class CheckpointManager:
                     algo=local_algo,
                     keep=local_keep,
                     group=self._local_group,
+                    timeout=self._cfg.timeout,
                 )
             except BaseException:
                 self.close()

@@ -23,11 +23,15 @@ DATA_SUFFIX = ".distcp"
 
 
 class _ChecksummingFs:
-    """Proxy of a DCP ``FileSystem`` whose write streams for data files record checksums."""
+    """Proxy of a DCP ``FileSystem`` whose write streams for data files record checksums
+    (and stop with ``CheckpointAbandoned`` once ``cancel`` is set)."""
 
-    def __init__(self, inner: Any, sink: dict[str, dict[str, int]]) -> None:
+    def __init__(
+        self, inner: Any, sink: dict[str, dict[str, int]], cancel: threading.Event | None
+    ) -> None:
         self._inner = inner
         self._sink = sink
+        self._cancel = cancel
         self._lock = threading.Lock()  # DCP may write files from several threads
 
     def __getattr__(self, name: str) -> Any:
@@ -46,7 +50,7 @@ class _ChecksummingFs:
                 self._sink[name] = {"crc32": crc, "size": size}
 
         with self._inner.create_stream(path, mode) as raw:
-            stream = CrcStream(raw, record)
+            stream = CrcStream(raw, record, cancel=self._cancel)
             try:
                 yield stream
             finally:
@@ -54,9 +58,16 @@ class _ChecksummingFs:
 
 
 def make_writer(
-    layout: Layout, dirpath: str, sink: dict[str, dict[str, int]], *, thread_count: int
+    layout: Layout,
+    dirpath: str,
+    sink: dict[str, dict[str, int]],
+    *,
+    thread_count: int,
+    cancel: threading.Event | None = None,
 ) -> StorageWriter:
     """A DCP writer for ``dirpath`` that fills ``sink`` with {file name: {crc32, size}}.
+
+    Setting ``cancel`` makes the next write to a data file raise ``CheckpointAbandoned``.
 
     Local directories fsync every file (DCP's ``sync_files``). On other fsspec filesystems a
     file is durable when its stream closes (object stores upload on close); asking DCP to fsync
@@ -73,7 +84,7 @@ def make_writer(
         writer = FsspecWriter(
             layout.url_of(dirpath), sync_files=False, thread_count=thread_count, overwrite=False
         )
-    writer.fs = _ChecksummingFs(writer.fs, sink)
+    writer.fs = _ChecksummingFs(writer.fs, sink, cancel)
     return writer
 
 

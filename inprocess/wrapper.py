@@ -395,6 +395,7 @@ class _Job:
                 delivered = self._disarm()
         except RestartInterrupt:  # landed in the handlers above, before the disarm
             interrupted = True
+            t_unwind = t_unwind or time.monotonic()
             delivered = self._disarm()
         except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
             self._disarm()

@@ -3,6 +3,12 @@
 Usage: ``python -m tests._rank_main module:function kwargs.json``. Calls ``function(**kwargs)``
 and writes its JSON return value to ``$TEST_RESULT_DIR/result.$RANK.json``. An exception
 propagates (traceback on stderr, exit status 1), so the test sees it.
+
+After a successful return the process leaves with ``os._exit(0)`` once stdio is flushed: a
+gloo group object that outlives ``destroy_process_group()`` (a cached DeviceMesh keeps one)
+is destroyed during interpreter finalization, and torch's gloo threads then abort the process
+now and then ("terminate called without an active exception", SIGABRT; pytorch#190489). That
+happens after everything the test asserts, in torch's teardown, not in ours.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ def main() -> None:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -219,8 +219,9 @@ def run_job(
     """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from the repo root.
 
     ``signal_when=(text, signum)`` sends ``signum`` to the job's main process once ``text``
-    (or every text of a tuple) appears in its output (for preemption tests). Raises ``RanksFailed`` with the whole output
-    when the deadline passes (the job's process group is killed first).
+    (or every text of a tuple) appears in its output (for preemption tests). Raises
+    ``RanksFailed`` with the whole output when the deadline passes (the job's process group is
+    killed first).
     """
     full_env = dict(os.environ)
     full_env.update(

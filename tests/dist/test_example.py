@@ -48,12 +48,6 @@ def _report(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "report.json").read_text())
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open bug (issue 4, restarts): the NaN restart at step 40 lands while the persistent "
-    "save of step 40 is in flight; the writers of both ranks can block each other on the old "
-    "dedicated gloo group until its 600 s timeout, and load_latest waits for them",
-)
 def test_faulty_run_recovers_reports_consistently_and_matches_clean_loss(tmp_path: Path) -> None:
     faulty = _launch(tmp_path / "faulty", nproc=3, faults=PLAN)
     assert faulty.returncode == 0, faulty.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.multiproc import run_ranks
@@ -23,6 +25,33 @@ def test_exception_mid_collective_restarts_all_ranks_in_place(fail_rank: int) ->
         assert r["pid"] == o.pid  # same process ran both iterations
         assert [s["iteration"] for s in r["seen"]] == [0, 1], o.output
         assert r["result"] == {"sum": 6.0, "iteration": 1}  # the new group works
+        # The restart's phases, as logged and reported, are real durations of this restart.
+        phases = r["seen"][1]["phases"]
+        assert phases and all(0.0 <= v < 10.0 for v in phases.values()), phases
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.05])
+def test_restart_while_a_persistent_save_is_in_flight(tmp_path: Any, delay: float) -> None:
+    outs = run_ranks(
+        2,
+        target=f"{W}:restart_during_persistent_save",
+        kwargs={"root": str(tmp_path), "delay": delay},
+        host_store=True,
+        deadline=60,
+    )
+    loads = [o.result["iterations"][1]["loaded"] for o in outs]
+    for o in outs:
+        first, second = o.result["iterations"]
+        assert first["loaded"] is None
+        # The exception restarted the job; no rank was stuck behind the save until a timeout.
+        assert second["cause"] is not None and "exception on rank" in second["cause"], second
+        assert "timeout" not in second["cause"], second
+        # The save in flight completed or was abandoned, never half-visible: what loads is a
+        # whole committed step with its own values, the same on both ranks.
+        assert second["loaded"] in (1, 2) and second["value"] == float(second["loaded"]), second
+        assert second["load_s"] < 10.0, "load_latest must not wait for the 60 s save timeout"
+        assert o.result["committed"][-1] == 3, o.result
+    assert loads[0] == loads[1], loads
 
 
 def test_soft_timeout_hang_interrupts_sleep_and_restarts() -> None:

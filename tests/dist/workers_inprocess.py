@@ -37,6 +37,8 @@ def exception_mid_collective(
     def train() -> dict[str, Any]:
         ctx = context()
         seen.append({"iteration": ctx.iteration, "rank": ctx.rank, "world": ctx.world_size})
+        if ctx.last_restart is not None:
+            seen[-1]["phases"] = dict(ctx.last_restart.phases)
         total = 0.0
         for step in range(steps):
             ctx.ping(step=step)
@@ -201,3 +203,42 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(_script(sys.argv[1]))
+
+
+def restart_during_persistent_save(*, root: str, delay: float) -> dict[str, Any]:
+    """A manager that outlives train(); every rank raises right after the background save of
+    step 2 started, so the restart lands while the writers coordinate the save."""
+    from checkpoint import CheckpointManager
+
+    iterations: list[dict[str, Any]] = []
+    mgr = CheckpointManager(root, persistent_every=1, keep=3, local_every=1, timeout=60.0)
+
+    @restartable(**FAST)
+    def train() -> None:
+        ctx = context()
+        state = {"w": torch.zeros(2**18), **{f"b{i}": torch.zeros(64) for i in range(100)}}
+        t0 = time.monotonic()
+        loaded = mgr.load_latest(state)
+        iterations.append(
+            {
+                "loaded": loaded,
+                "load_s": time.monotonic() - t0,
+                "value": float(state["w"][0]),
+                "cause": ctx.last_restart.cause if ctx.last_restart else None,
+            }
+        )
+        for step in range((loaded or 0) + 1, 4):
+            ctx.ping(step=step)
+            state["w"].fill_(float(step))
+            mgr.save(step, state)
+            if step == 1:
+                mgr.wait()  # step 1 is committed before the fault
+            if step == 2 and ctx.iteration == 0:
+                time.sleep(delay)  # the writers are past their first exchange by now
+                fi.fire("raise", detail="restart during a persistent save")
+        mgr.wait()
+
+    train()
+    committed = [c.step for c in mgr.committed()]
+    mgr.close()
+    return {"iterations": iterations, "committed": committed}

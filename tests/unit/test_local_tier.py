@@ -17,6 +17,7 @@ class NoGroup:
     """Not distributed: world of one."""
 
     generation = 0
+    token = None
 
     def current(self) -> None:
         return None

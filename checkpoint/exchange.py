@@ -1,0 +1,157 @@
+"""Small-object exchange between the ranks of one background save, over the job's store.
+
+Why not a process group: a background thread blocked inside a gloo collective cannot be
+released from Python. When an in-process restart destroys the process groups while such a
+collective is in flight, the peers' sockets stay open (the blocked thread holds the group), and
+tearing the group down can block the whole process, GIL held, until the group's timeout. Here
+every wait is a poll of non-blocking store calls (``check``, then ``get`` of a key known to
+exist) that also watches a cancel event, so a save is abandoned within milliseconds of the
+restart noticing it, and no process group is touched outside the training thread.
+
+The store is the default process group's (``PrefixStore`` under the launcher's TCPStore); the
+keys live under a namespace that every rank derives identically for one save attempt.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+from checkpoint.errors import CheckpointAbandoned, CheckpointError
+
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.05
+
+
+class StoreExchange:
+    """Gather to rank 0 and publish from rank 0, through keys under ``namespace``.
+
+    Created on the training thread at ``save()`` (one per save attempt), used only by the
+    background worker. ``store=None`` means a single process: every call returns at once.
+    Every wait is bounded by ``timeout`` seconds and ends early, with ``CheckpointAbandoned``,
+    once ``cancel`` is set.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        namespace: str,
+        *,
+        rank: int,
+        world: int,
+        cancel: threading.Event,
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.namespace = namespace
+        self._store = store
+        self._cancel = cancel
+        self._timeout = timeout
+        self._solo: dict[str, Any] = {}
+
+    def gather(self, name: str, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (indexed by rank); None on the other ranks."""
+        if self._store is None:
+            return [obj]
+        self._store.set(self._key(name, self.rank), pickle.dumps(obj))
+        if self.rank != 0:
+            return None
+        keys = [self._key(name, r) for r in range(self.world)]
+        self._wait(keys, name)
+        out = [pickle.loads(self._store.get(k)) for k in keys]
+        for k in keys:
+            self._store.delete_key(k)
+        return out
+
+    def publish(self, name: str, obj: Any, *, to: int | None = None) -> None:
+        """Rank 0: make ``obj`` readable by ``receive(name)`` on rank ``to`` (None: every rank)."""
+        if self._store is None:
+            self._solo[name] = obj
+            return
+        self._store.set(self._key(name, to), pickle.dumps(obj))
+
+    def receive(self, name: str, *, mine: bool = False) -> Any:
+        """Wait for rank 0's ``publish(name)``; ``mine``: the value published to this rank only
+        (deleted once read, nobody else reads it)."""
+        if self._store is None:
+            return self._solo.pop(name)
+        key = self._key(name, self.rank if mine else None)
+        self._wait([key], name, from_rank=0)
+        value = pickle.loads(self._store.get(key))
+        if mine:
+            self._store.delete_key(key)
+        return value
+
+    def discard(self, name: str) -> None:
+        """Rank 0: delete a value published to every rank once all of them have read it."""
+        if self._store is not None:
+            self._store.delete_key(self._key(name, None))
+
+    def _key(self, name: str, rank: int | None) -> str:
+        return f"{self.namespace}/{name}" if rank is None else f"{self.namespace}/{name}/{rank}"
+
+    def _wait(self, keys: list[str], name: str, *, from_rank: int | None = None) -> None:
+        end = time.monotonic() + self._timeout
+        pause = _POLL_FIRST_S
+        while not self._store.check(keys):
+            if self._cancel.is_set():
+                raise CheckpointAbandoned(f"abandoned while waiting for '{name}'")
+            if time.monotonic() > end:
+                missing = [from_rank] if from_rank is not None else self._missing(keys)
+                raise CheckpointError(
+                    f"rank(s) {missing} did not reach '{name}' of the save within "
+                    f"{self._timeout:.0f} s (timeout): a rank stopped or its storage hung"
+                )
+            # Wait on the event, not time.sleep: cancel() wakes the worker at once.
+            self._cancel.wait(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def _missing(self, keys: list[str]) -> list[int]:
+        return [r for r, k in enumerate(keys) if not self._store.check([k])]
+
+
+class Attempts:
+    """Names successive background operations of one kind identically on every rank.
+
+    An attempt's namespace is ``{kind}/{group token}/{count of attempts since the group was
+    created}``: the token is agreed when the group is created (``BackgroundGroup.token``) and the
+    count is the same everywhere because the calls that start attempts are collective. Used from
+    the training thread only.
+    """
+
+    def __init__(self, kind: str, *, timeout: float) -> None:
+        self._kind = kind
+        self._timeout = timeout
+        self._token: str | None = None
+        self._seq = 0
+        self._last: StoreExchange | None = None
+
+    def next(
+        self, group: Any, token: str | None, cancel: threading.Event
+    ) -> tuple[StoreExchange, StoreExchange | None]:
+        """The exchange of a new attempt over ``group`` (None: one process), and the previous
+        attempt's in the same group (None after a rebind), whose leftover keys rank 0 deletes
+        once every rank has reached the new one."""
+        if group is None:
+            self._token, self._last = None, None
+            return StoreExchange(
+                None, "", rank=0, world=1, cancel=cancel, timeout=self._timeout
+            ), None
+        import torch.distributed as dist
+
+        if token != self._token:
+            self._token, self._seq, self._last = token, 0, None
+        self._seq += 1
+        ex = StoreExchange(
+            dist.distributed_c10d._get_default_store(),
+            f"restartable/ckpt/{self._kind}/{token}/{self._seq}",
+            rank=dist.get_rank(group),
+            world=dist.get_world_size(group),
+            cancel=cancel,
+            timeout=self._timeout,
+        )
+        previous, self._last = self._last, ex
+        return ex, previous
