@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -122,6 +123,7 @@ class LocalTier:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-ckpt")
         self._future: Future[None] | None = None
         self._cancel = threading.Event()  # of the background work in flight
+        self._timeout = timeout
         self._attempts = Attempts("local", timeout=timeout)
         self._closed = False
 
@@ -360,11 +362,17 @@ class LocalTier:
         self.wait()
 
     def wait(self) -> None:
-        """Wait for the background work of the last save (bounded by the group's timeout)."""
+        """Wait (bounded: 2 x timeout) for the background work of the last save."""
         fut, self._future = self._future, None
         if fut is not None:
             try:
-                fut.result()
+                fut.result(timeout=2 * self._timeout)
+            except FutureTimeout:
+                log.error(
+                    "local save background work did not finish within %.0f s: its step will "
+                    "not be restored from this tier",
+                    2 * self._timeout,
+                )
             except Exception:
                 log.warning("local save background work failed", exc_info=True)
 

@@ -178,7 +178,8 @@ class CheckpointManager:
         committed = list_committed(self._layout, group)
         newest = committed[-1].step if committed else None
         if self._local is not None:
-            self._local.wait()
+            # load() settles first: after a restart it cancels the background work in flight
+            # instead of waiting on a peer that may be gone.
             result = self._local.load(state, min_step=newest)
             if result is not None:
                 self.last_restore = Restore(

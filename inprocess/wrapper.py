@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from inprocess import store as keys
-from inprocess.abort import abort_process_groups, lingering
+from inprocess.abort import GroupReaper, abort_process_groups
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.environment import bind_to_launcher, read_env
@@ -134,7 +134,9 @@ class _Job:
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
         self.closed = False
-        self.doomed: list[Any] = []  # weak references to destroyed process groups
+        # Destroyed process groups, held until train()'s frames are gone (see GroupReaper).
+        self.doomed: list[Any] = []
+        self.reaper = GroupReaper(self._warn_lingering)
         self.warned_lingering = False
 
     # ----- lifecycle -------------------------------------------------------------------------
@@ -151,6 +153,7 @@ class _Job:
             return
         self.closed = True
         abort_process_groups()
+        self.reaper.close(timeout=self.cfg.hard_timeout)
         for owner in (self.interrupter, self.progress, self.watchdog, self.health):
             if owner is not None:
                 try:
@@ -413,17 +416,9 @@ class _Job:
         t0 = time.monotonic()
         self._abort()
         abort_s = monitor.abort_s or time.monotonic() - t0
-        refs, self.doomed = self.doomed, []
-        if lingering(refs) and not self.warned_lingering:
-            self.warned_lingering = True
-            log.warning(
-                "rank %d: a destroyed process group is still referenced after train() unwound "
-                "(e.g. a DDP-wrapped model kept by an object that outlives train()); peers "
-                "blocked on this rank are released only by the group timeout (about "
-                "1.25 x soft_timeout for gloo). Create such objects inside train() "
-                "to restart in milliseconds.",
-                self.me,
-            )
+        groups, self.doomed = self.doomed, []
+        self.reaper.release(groups)
+        del groups
         unwind_s = time.monotonic() - t_unwind if interrupted else 0.0
         if exc is None and not interrupted and not delivered:
             keys.mark_completed(store, iteration, active=len(assignment.active))
@@ -564,8 +559,23 @@ class _Job:
             sys.excepthook = excepthook
 
     def _abort(self) -> None:
-        """Tear down this rank's groups (monitor or main thread); remember them weakly."""
+        """Tear down this rank's groups (monitor or main thread); hold them for the reaper."""
         self.doomed.extend(abort_process_groups())
+
+    def _warn_lingering(self, alive: int) -> None:
+        """Reaper thread: destroyed groups are still referenced after train() unwound."""
+        if self.warned_lingering:
+            return
+        self.warned_lingering = True
+        log.warning(
+            "rank %d: %d destroyed process group(s) still referenced after train() unwound "
+            "(e.g. a DDP-wrapped model kept by an object that outlives train()); peers "
+            "blocked on this rank are released only by the group timeout (about "
+            "1.25 x soft_timeout for gloo). Create such objects inside train() "
+            "to restart in milliseconds.",
+            self.me,
+            alive,
+        )
 
     def _disarm(self) -> bool:
         """Stop the monitor's deliveries; a delivery racing with this call is absorbed."""

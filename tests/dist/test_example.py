@@ -55,6 +55,9 @@ def test_faulty_run_recovers_reports_consistently_and_matches_clean_loss(tmp_pat
     tot = rep["totals"]
     assert tot["final_step"] == STEPS
     assert tot["restarts"] == RESTART_FAULTS, faulty.output
+    # The hang costs one soft timeout: the rank waiting on the hung one is not frozen into a
+    # hard timeout while its DDP group is torn down (it was, in 6 of 10 runs, before the fix).
+    assert "hard_timeout" not in faulty.output, faulty.output
     assert sorted(f["kind"] for f in rep["faults"]) == sorted(["exception", "kill", "hang", "nan"])
     assert all(f["recovered"] for f in rep["faults"]), rep["faults"]
     for f in rep["faults"]:
