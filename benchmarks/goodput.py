@@ -101,7 +101,7 @@ def main() -> int:
             "--nproc-per-node",
             str(args.active),
             "--max-restarts",
-            str(len(plan) + 1),
+            str(3 * len(plan) + 1),
             "benchmarks/goodput_baseline.py",
             *common,
             "--run-dir",

@@ -67,7 +67,24 @@ def main() -> int:
     torch.set_num_threads(1)
 
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.soft_timeout))
+    # Connecting waits for the slowest process to start (seconds here after a relaunch); only
+    # collectives get the short timeout that ends a hang, as generous to this stack as we can be.
+    # Keys under a per-attempt prefix: relaunched workers must never read the addresses that
+    # their dead predecessors published (they did here, and gloo's connect was refused).
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"baseline/attempt{restart_count}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(seconds=120),
+    )
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=args.soft_timeout))
     rank = dist.get_rank()
     events_dir = args.run_dir / "events" / os.environ.get("TORCHELASTIC_RUN_ID", "run")
     events = EventLog(events_dir, rank + 100 * restart_count)
