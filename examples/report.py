@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESTART_KINDS = ("exception", "kill", "hang", "hang_gil")
-
 
 class EventLog:
     """Append-only JSONL event file of one rank (owner of the file handle)."""
@@ -70,12 +68,14 @@ def build_report(
     for fault in faults:
         t_fault = float(fault["time"])
         record: dict[str, Any] = {"fault": fault["fault"], "kind": fault["kind"]}
-        if fault["kind"] in RESTART_KINDS:
+        rerun = _rerun_fault_terms(events, t_fault) if fault["kind"] == "nan" else None
+        if rerun is None or not rerun["recovered"]:
+            # A fault that ended train() (also a NaN on a stack without re-run machinery, the
+            # goodput baseline, where it crashes the step): the next restart recovers from it.
             record.update(_restart_fault_terms(events, t_fault, median_step))
         else:
             # A NaN is re-run in place first; a verdict that rolls back (a transient fault may
             # have corrupted the state: resume from the last checkpoint) then also restarts.
-            rerun = _rerun_fault_terms(events, t_fault)
             t_verdict = rerun.pop("t")
             restart = _restart_fault_terms(
                 events, t_fault, median_step, detection=rerun["lost_work_s"], until=t_verdict

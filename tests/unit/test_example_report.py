@@ -135,3 +135,21 @@ def test_nan_with_rollback_counts_rerun_as_detection(tmp_path: Path) -> None:
     assert nan["detection_s"] == pytest.approx(0.2)
     assert nan["shutdown_restart_s"] == pytest.approx(0.8 - 0.45 - 0.2)
     assert nan["lost_steps"] == 0 and nan["reload_s"] == pytest.approx(0.05)
+
+
+def test_nan_without_rerun_machinery_counts_as_a_restart(tmp_path: Path) -> None:
+    # The goodput baseline: a NaN crashes the step; the other rank still logged a step after
+    # the fault, and the relaunched processes re-enter 2 s later from the step-2 checkpoint.
+    ev: list[dict[str, object]] = [{"ev": "start", "t": 0.0, "initial_rank": 0}]
+    ev.append({"ev": "enter", "t": 0.1, "iteration": 0, "rank": 0})
+    for step in range(3):
+        ev.append({"ev": "step", "t": 0.2 + 0.1 * step, "step": step, "rank": 0, "seconds": 0.1})
+    ev.append({"ev": "step", "t": 0.46, "step": 3, "rank": 1, "seconds": 0.1})
+    ev.append({"ev": "enter", "t": 2.45, "iteration": 1, "rank": 0})
+    ev.append({"ev": "restored", "t": 2.5, "iteration": 1, "rank": 0, "step": 2, "seconds": 0.05})
+    ev.append({"ev": "done", "t": 2.6, "rank": 0, "step": 4, "loss": 1.0})
+    _write(tmp_path, ev)
+    faults = [{"fault": "nan@rank1:step3", "kind": "nan", "time": 0.45}]
+    (nan,) = build_report(tmp_path, faults=faults, wall_end=2.7)["faults"]
+    assert nan["recovered"] and nan["shutdown_restart_s"] == pytest.approx(2.0)
+    assert nan["downtime_s"] > 2.0
