@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from faultplan import PlannedFault, claim, fired_faults, parse_plan
 from gpt import GPTConfig, batch, build_model, corpus
 from report import EventLog, build_report, format_report
+from torchrun_group import attempt_store
 
 
 def fire(fault: PlannedFault) -> None:
@@ -66,20 +67,12 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
 
-    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # Connecting waits for the slowest process to start (seconds here after a relaunch); only
     # collectives get the short timeout that ends a hang, as generous to this stack as we can be.
-    # Keys under a per-attempt prefix: relaunched workers must never read the addresses that
-    # their dead predecessors published (they did here, and gloo's connect was refused).
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    store, restart_count = attempt_store(timeout=120.0)
     dist.init_process_group(
         "gloo",
-        store=dist.PrefixStore(f"baseline/attempt{restart_count}", store),
+        store=store,
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=datetime.timedelta(seconds=120),

@@ -162,26 +162,13 @@ def inprocess_worker(scenario: Scenario, out: Path, trials: int, victim: int) ->
 
 
 def torchrun_worker(scenario: Scenario, out: Path, victim: int) -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
+    from torchrun_group import attempt_store  # benchmarks/ is sys.path[0] under torchrun
 
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # torchrun's agent store keeps the first attempt's keys; a group built on them after the
-    # restart fails in connectFullMesh (stale peer addresses). A namespace per attempt gives
-    # the baseline a fair, working restart.
-    agent = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    store, restart = attempt_store(timeout=60.0)
     dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"baseline/attempt{restart}", agent),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
+        "gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
     )
     t = torch.ones(1)
     dist.all_reduce(t)
