@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 class BackgroundGroup:
     """Owner of a dedicated gloo group that follows the current default process group.
 
-    Background threads (persistent writes, replication) must never issue collectives on the
-    training group: two threads sharing one group deadlock. This object creates one gloo group
-    over the same ranks as the default group and recreates it when the default group changes
-    (after an in-process restart the old default group is destroyed and a new one, perhaps with
-    other ranks, exists).
+    Checkpoint collectives must never run on the training group from another thread (two
+    threads sharing one group deadlock), and loads need a CPU group even when training uses
+    NCCL. This object creates one gloo group over the same ranks as the default group and
+    recreates it when the default group changes (after an in-process restart the old default
+    group is destroyed and a new one, perhaps with other ranks, exists). Users: ``load_latest``
+    on the training thread, and the local tier's replica transfers. The persistent writer never
+    uses it; it only takes ``token`` to name its store keys (see checkpoint.exchange).
 
     ``current()`` is COLLECTIVE whenever it has to (re)create the group: every rank of the
     default group must call it at the same point of the program (save / load entry). Callers
