@@ -287,7 +287,9 @@ class PersistentSaver:
         plans = ex.gather("plan", (error, local_plan))
         metadata = None
         if plans is not None:  # rank 0
-            if job.previous is not None:  # every rank is past the previous save's commit
+            # Every rank posted a plan, so every rank has read "start" and the previous commit.
+            ex.discard("start")
+            if job.previous is not None:
                 job.previous.discard("commit")
             failures = {r: err for r, (err, _) in enumerate(plans) if err is not None}
             central: list[Any] = [None] * world
@@ -315,7 +317,6 @@ class PersistentSaver:
         self._crash("before_commit", rank)
         outcomes = ex.gather("write", (error, sums, results))
         if outcomes is not None:  # rank 0
-            ex.discard("start")
             what = f"save of step {step}"
             failures = {r: err for r, (err, _, _) in enumerate(outcomes) if err is not None}
             if not failures:
