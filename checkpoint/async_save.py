@@ -83,7 +83,6 @@ class _Job:
     stage_error: str | None
     exchange: StoreExchange
     previous: StoreExchange | None  # the save before, in the same group: its keys to delete
-    cancel: threading.Event
     stats: SaveStats
 
 
@@ -134,9 +133,8 @@ class PersistentSaver:
         self.wait()
         self._drain_abandoned()
         t0 = time.perf_counter()
-        cancel = threading.Event()
         group = self._group.current()
-        exchange, previous = self._attempts.next(group, self._group.token, cancel)
+        exchange, previous = self._attempts.next(group, self._group.token)
         stage_error = None
         staged = None
         try:
@@ -145,7 +143,7 @@ class PersistentSaver:
             stage_error = f"staging failed: {type(e).__name__}: {e}"
             staging_exc: Exception = e
         stats = SaveStats(step=step, stall_s=time.perf_counter() - t0)
-        job = _Job(step, staged, stage_error, exchange, previous, cancel, stats)
+        job = _Job(step, staged, stage_error, exchange, previous, stats)
         self._pending_job = job
         self._pending = self._executor.submit(self._run, job)
         if stage_error is not None:
@@ -190,7 +188,7 @@ class PersistentSaver:
             return
         job = self._pending_job
         if job is not None:
-            job.cancel.set()
+            job.exchange.cancel.set()
             log.warning(
                 "checkpoint: process group changed with the save of step %d in flight: "
                 "abandoning it (it never becomes visible unless it had already committed)",
@@ -240,7 +238,7 @@ class PersistentSaver:
         # Failures travel back as plain data, not as exception objects: a traceback would keep
         # the job's frames (and the staged buffers) alive in a reference cycle after an
         # abandoned save.
-        if job.cancel.is_set():
+        if job.exchange.cancel.is_set():
             return _Failed(CheckpointAbandoned, (f"save of step {job.step}: cancelled",))
         try:
             return self._run_job(job)
@@ -274,7 +272,7 @@ class PersistentSaver:
         # writes.
         sums: dict[str, dict[str, int]] = {}
         writer = make_writer(
-            self._layout, dirpath, sums, thread_count=self._cfg.thread_count, cancel=job.cancel
+            self._layout, dirpath, sums, thread_count=self._cfg.thread_count, cancel=ex.cancel
         )
         planner = DefaultSavePlanner()
         error = job.stage_error or (start_error if rank == 0 else None)
@@ -394,7 +392,6 @@ def _lower_priority() -> None:
     """Run the writer thread at a lower CPU priority (Linux: per-thread nice), so that when
     cores are scarce the training thread is scheduled first. Best effort."""
     import contextlib
-    import threading
 
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)

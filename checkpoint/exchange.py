@@ -52,8 +52,8 @@ class StoreExchange:
         self.rank = rank
         self.world = world
         self.namespace = namespace
+        self.cancel = cancel  # set by the training thread when the attempt must be abandoned
         self._store = store
-        self._cancel = cancel
         self._timeout = timeout
         self._solo: dict[str, Any] = {}
 
@@ -103,7 +103,7 @@ class StoreExchange:
         end = start + self._timeout
         pause = _POLL_FIRST_S
         while not self._store.check(keys):
-            if self._cancel.is_set():
+            if self.cancel.is_set():
                 raise CheckpointAbandoned(f"abandoned while waiting for '{name}'")
             if time.monotonic() > end:
                 missing = [from_rank] if from_rank is not None else self._missing(keys)
@@ -112,7 +112,7 @@ class StoreExchange:
                     f"{self._timeout:.0f} s (timeout): a rank stopped or its storage hung"
                 )
             # Wait on the event, not time.sleep: cancel() wakes the worker at once.
-            self._cancel.wait(pause)
+            self.cancel.wait(pause)
             fast = time.monotonic() - start < _FAST_WINDOW_S
             pause = min(pause * 2, _POLL_FAST_MAX_S if fast else _POLL_MAX_S)
 
@@ -136,12 +136,11 @@ class Attempts:
         self._seq = 0
         self._last: StoreExchange | None = None
 
-    def next(
-        self, group: Any, token: str | None, cancel: threading.Event
-    ) -> tuple[StoreExchange, StoreExchange | None]:
-        """The exchange of a new attempt over ``group`` (None: one process), and the previous
-        attempt's in the same group (None after a rebind), whose leftover keys rank 0 deletes
-        once every rank has reached the new one."""
+    def next(self, group: Any, token: str | None) -> tuple[StoreExchange, StoreExchange | None]:
+        """The exchange of a new attempt over ``group`` (None: one process), with a fresh
+        ``cancel`` event, and the previous attempt's in the same group (None after a rebind),
+        whose leftover keys rank 0 deletes once every rank has reached the new one."""
+        cancel = threading.Event()
         if group is None:
             self._token, self._last = None, None
             return StoreExchange(

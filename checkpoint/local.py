@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from checkpoint import local_dir as ldir
 from checkpoint import packing, replication
+from checkpoint.collectives import rank_and_size
 from checkpoint.errors import CheckpointAbandoned, CheckpointConfigError, CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local_restore import RestoreResult, Shard, restore
@@ -53,12 +54,6 @@ class GroupSource(Protocol):
 
     @property
     def token(self) -> str | None: ...
-
-
-def _rank_world(pg: dist.ProcessGroup | None) -> tuple[int, int]:
-    if pg is None:
-        return 0, 1
-    return dist.get_rank(pg), dist.get_world_size(pg)
 
 
 @dataclass
@@ -139,7 +134,7 @@ class LocalTier:
         self._settle()
         t0 = time.perf_counter()
         pg = self._group.current()
-        rank, world = _rank_world(pg)
+        rank, world = rank_and_size(pg)
         self._forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
         leaves = packing.leaves(state, statefuls)
@@ -170,8 +165,8 @@ class LocalTier:
             self._held[(step, rank)] = shard
         stall = time.perf_counter() - t0
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
-        self._cancel = threading.Event()
-        agree = self._attempts.next(pg, self._group.token, self._cancel)
+        agree = self._attempts.next(pg, self._group.token)
+        self._cancel = agree[0].cancel
         self._future = self._pool.submit(self._background, shard, pg, nodes, agree)
 
     def _forget_stale(self, step: int, world: int) -> None:
@@ -386,7 +381,7 @@ class LocalTier:
             raise CheckpointError("LocalTier.load() after close(): create a new manager")
         self._settle()
         pg = self._group.current()
-        rank, world = _rank_world(pg)
+        rank, world = rank_and_size(pg)
         with self._lock:
             held = {k: s for k, s in self._held.items() if s.world == world}
         fp = replicated_owner if self._algo == "fully_parallel" else None

@@ -43,7 +43,7 @@ def test_gather_publish_receive_between_ranks_and_keys_are_cleaned_up() -> None:
 
 def test_cancel_ends_a_wait_on_a_rank_that_never_comes() -> None:
     ex = _exchange(dist.HashStore(), 0, timeout=60.0)
-    threading.Timer(0.2, ex._cancel.set).start()
+    threading.Timer(0.2, ex.cancel.set).start()
     t0 = time.monotonic()
     with pytest.raises(CheckpointAbandoned, match="plan"):
         ex.gather("plan", "mine")  # ranks 1 and 2 never post
@@ -66,15 +66,14 @@ def test_single_process_needs_no_store() -> None:
 
 def test_attempts_count_saves_per_group_token() -> None:
     attempts = Attempts("local", timeout=1.0)
-    cancel = threading.Event()
-    solo, previous = attempts.next(None, None, cancel)
+    solo, previous = attempts.next(None, None)
     assert solo.world == 1 and previous is None
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.group.WORLD
-        first, previous = attempts.next(group, "tokA", cancel)
-        second, previous2 = attempts.next(group, "tokA", cancel)
-        after_restart, previous3 = attempts.next(group, "tokB", cancel)
+        first, previous = attempts.next(group, "tokA")
+        second, previous2 = attempts.next(group, "tokA")
+        after_restart, previous3 = attempts.next(group, "tokB")
     finally:
         dist.destroy_process_group()
     assert first.namespace.endswith("/local/tokA/1") and previous is None
