@@ -201,12 +201,16 @@ def worker(args: argparse.Namespace) -> None:
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rest = runs[1:] or runs
     slow = [r["slowdown"] for r in runs if r["slowdown"] is not None]
-    return {
+    out: dict[str, Any] = {
         "first_blocking_s": round(runs[0]["blocking_s"], 4),
         "blocking_s": round(statistics.median(r["blocking_s"] for r in rest), 4),
         "durable_s": round(statistics.median(r["durable_s"] for r in rest), 3),
         "slowdown": round(statistics.median(slow), 3) if slow else None,
     }
+    busy = [r["durable_busy_s"] for r in runs if "durable_busy_s" in r]
+    if busy:  # time to durable while the training steps run: what the write's priority costs
+        out["durable_while_training_s"] = round(statistics.median(busy), 3)
+    return out
 
 
 def run_world(world: int, args: argparse.Namespace, base: Path) -> dict[str, Any]:

@@ -20,8 +20,15 @@ then runs the DCP save protocol, coordinating the ranks through the job's store
 A failure anywhere becomes one ``CheckpointRankError`` naming the ranks, on every rank, raised
 from the next ``wait()`` / ``save()``. After an in-process restart the save in flight is
 cancelled: its worker stops at its next wait or file write (milliseconds), never commits, and
-the restart never waits for it. Why a thread, not a process: the bulk of the work (file writes,
-fsync, ``zlib.crc32`` on large buffers) releases the GIL; see the benchmark.
+the restart never waits for it.
+
+Why a thread, not a process: what is left of the worker's work once it is arranged this way
+releases the GIL (file writes, fsync, ``zlib.crc32`` on large buffers). Two things did not, and
+made training steps 1.3-1.5x slower during a write in ``benchmarks/checkpoint_stall.py``:
+``torch.save`` per tensor (now framed from templates, ``tensor_bytes``) and re-planning plus
+unpickling every rank's plans and results at every save (now reused while unchanged,
+``plan_memo``). The thread runs at a low CPU priority (``WRITER_NICE``), so when cores are
+scarce the training thread gets most of them.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import pickle
 import secrets
 import signal
 import threading
@@ -47,13 +55,19 @@ from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.group import BackgroundGroup
 from checkpoint.integrity import file_checksum
 from checkpoint.layout import Layout, dir_name
+from checkpoint.plan_memo import PlanMemo, structure
 from checkpoint.staging import StagingPool
-from checkpoint.writer import make_writer
+from checkpoint.tensor_bytes import ArchiveTemplates
+from checkpoint.writer import make_writer, write_files
 
 log = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ours)
-WRITER_NICE = 5  # niceness added to the writer thread (Linux); see _lower_priority
+# The writer thread's niceness (Linux). A trade-off measured with every core busy training
+# (benchmarks/checkpoint_stall.py, 2 ranks on 2 cores, 1 GiB each): nice 19 starved the write
+# (durable after 135 s of training, steps 1.03x slower), nice 10 gave steps 1.15x slower and
+# durable after 24-28 s; with a core to spare (or a GPU-bound loop) the write runs at full speed.
+WRITER_NICE = 10
 CRASH_POINTS = ("agree", "write", "before_commit", "commit", "retention")
 
 
@@ -110,6 +124,8 @@ class PersistentSaver:
         # staging buffers it may still read are reused (next save) and at close().
         self._abandoned: concurrent.futures.Future[SaveStats | _Failed] | None = None
         self._attempts = Attempts("persistent", timeout=config.timeout)
+        self._memo = PlanMemo()  # the worker thread's only
+        self._templates = ArchiveTemplates()
         self._closed = False
         self.last: SaveStats | None = None
 
@@ -226,6 +242,7 @@ class PersistentSaver:
             self._drain_abandoned()
             self._executor.shutdown(wait=True)
             self._pool.release()
+            self._memo.clear()
 
     # -- background ----------------------------------------------------------------------------
 
@@ -276,13 +293,15 @@ class PersistentSaver:
         )
         planner = DefaultSavePlanner()
         error = job.stage_error or (start_error if rank == 0 else None)
-        local_plan = None
+        # Plans and results travel pickled so that rank 0 can tell unchanged ones from their
+        # bytes and skip unpickling and re-planning them (see plan_memo).
+        plan_blob = None
         if error is None and start_error is None:
             try:
-                local_plan = _local_plan(planner, writer, job.staged, rank)
+                plan_blob = self._local_plan(planner, writer, job.staged, rank, world)
             except BaseException as e:
                 error = _describe(e)
-        plans = ex.gather("plan", (error, local_plan))
+        plans = ex.gather("plan", (error, plan_blob))
         metadata = None
         if plans is not None:  # rank 0
             # Every rank posted a plan, so every rank has read "start" and the previous commit.
@@ -290,30 +309,33 @@ class PersistentSaver:
             if job.previous is not None:
                 job.previous.discard("commit")
             failures = {r: err for r, (err, _) in enumerate(plans) if err is not None}
-            central: list[Any] = [None] * world
+            central: list[bytes | None] = [None] * world
             if not failures:
                 try:
-                    central, metadata = planner.create_global_plan([p for _, p in plans])
-                    central = writer.prepare_global_plan(central)
+                    central, metadata = self._memo.derive(
+                        "global",
+                        tuple(b for _, b in plans),
+                        lambda: _global_plan(planner, writer, plans),
+                    )
                 except BaseException as e:
                     failures = {0: _describe(e)}
             for r in range(world):
                 ex.publish("global", (failures, central[r]), to=r)
-        failures, my_plan = ex.receive("global", mine=True)
+        failures, my_blob = ex.receive("global", mine=True)
         if failures:
             raise CheckpointRankError(f"save of step {step}", failures)
+        my_plan = self._memo.load("central", my_blob)
 
         self._crash("write", rank)
         error, results = None, None
         try:
-            pending = writer.write_data(planner.finish_plan(my_plan), planner)
-            pending.wait()
-            results = pending.value()
+            results = write_files(writer, planner.finish_plan(my_plan), planner, self._templates)
         except BaseException as e:
             error = _describe(e)
         job.staged = None  # the pool's views; nothing else may keep them alive
         self._crash("before_commit", rank)
-        outcomes = ex.gather("write", (error, sums, results))
+        results_blob = None if results is None else pickle.dumps(results)
+        outcomes = ex.gather("write", (error, sums, results_blob))
         if outcomes is not None:  # rank 0
             what = f"save of step {step}"
             failures = {r: err for r, (err, _, _) in enumerate(outcomes) if err is not None}
@@ -344,6 +366,24 @@ class PersistentSaver:
             self._retention(dirpath)
         return stats
 
+    def _local_plan(
+        self, planner: SavePlanner, writer: StorageWriter, staged: Any, rank: int, world: int
+    ) -> bytes:
+        """This rank's DCP save plan, pickled (what ``torch.distributed.checkpoint.save`` does
+        first). Planning again is skipped while the staged tree's structure is unchanged."""
+        planner.set_up_planner(
+            state_dict=staged, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+        )
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+
+        def plan() -> tuple[Any, bytes]:
+            local = planner.create_local_plan()
+            return local, pickle.dumps(local)
+
+        local, blob = self._memo.derive("local", (rank, world, structure(staged)), plan)
+        writer.prepare_local_plan(local)  # creates the directory on this rank's view of storage
+        return blob
+
     def _commit(
         self,
         writer: StorageWriter,
@@ -354,7 +394,8 @@ class PersistentSaver:
         outcomes: list[Any],
     ) -> None:
         """Rank 0, every rank's data durable: DCP's .metadata, then our commit marker LAST."""
-        writer.finish(metadata=metadata, results=[res for _, _, res in outcomes])
+        results = [self._memo.load(("results", r), blob) for r, (_, _, blob) in enumerate(outcomes)]
+        writer.finish(metadata=metadata, results=results)
         files: dict[str, dict[str, int]] = {}
         for _, rank_sums, _ in outcomes:
             files.update(rank_sums)
@@ -379,13 +420,13 @@ class PersistentSaver:
             log.warning("checkpoint: retention failed (will retry after the next save): %s", str(e))
 
 
-def _local_plan(planner: SavePlanner, writer: StorageWriter, staged: Any, rank: int) -> Any:
-    """This rank's DCP save plan (what ``torch.distributed.checkpoint.save`` does first)."""
-    planner.set_up_planner(
-        state_dict=staged, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
-    )
-    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-    return writer.prepare_local_plan(planner.create_local_plan())
+def _global_plan(
+    planner: SavePlanner, writer: StorageWriter, plans: list[tuple[Any, bytes]]
+) -> tuple[list[bytes], Any]:
+    """Rank 0: DCP's global plan from every rank's pickled local plan: each rank's part,
+    pickled, and the checkpoint metadata (``writer.finish`` fills in its storage data)."""
+    central, metadata = planner.create_global_plan([pickle.loads(b) for _, b in plans])
+    return [pickle.dumps(p) for p in writer.prepare_global_plan(central)], metadata
 
 
 def _lower_priority() -> None:

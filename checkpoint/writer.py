@@ -1,23 +1,31 @@
 """DCP storage writers/readers for our step directories, with per-file checksums on write.
 
-We reuse DCP's own ``FileSystemWriter`` / ``FsspecWriter`` (so the on-disk format is exactly
-DCP's and plain ``torch.distributed.checkpoint.load`` reads it) and only wrap their
-``create_stream`` so each data file's CRC32 and size are recorded as it is written.
+We reuse DCP's own ``FileSystemWriter`` / ``FsspecWriter`` (planning, file naming, metadata, so
+plain ``torch.distributed.checkpoint.load`` reads what we write) and wrap their
+``create_stream`` so each data file's CRC32 and size are recorded as it is written. The data
+files themselves are written by ``write_files``: the same files DCP writes, but each tensor's
+``torch.save`` archive is framed from a template so the data goes out without the GIL
+(``tensor_bytes``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import io
 import os
 import threading
 from collections.abc import Generator
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from checkpoint.integrity import CrcStream
 from checkpoint.layout import Layout
+from checkpoint.tensor_bytes import ArchiveTemplates
 
 DATA_SUFFIX = ".distcp"
 
@@ -86,6 +94,52 @@ def make_writer(
         )
     writer.fs = _ChecksummingFs(writer.fs, sink, cancel)
     return writer
+
+
+def write_files(
+    writer: Any, plan: SavePlan, planner: SavePlanner, templates: ArchiveTemplates
+) -> list[WriteResult]:
+    """This rank's data files for its final ``plan``: what ``writer.write_data`` writes, file for
+    file (same names, same split over ``thread_count`` files, byte items first), fsynced when the
+    writer syncs files. Called by the background worker; blocks until every file is closed."""
+    buckets = (
+        _split_by_size_and_type(writer.thread_count, plan.items)
+        if writer.single_file_per_rank
+        else [[item] for item in plan.items]
+    )
+    files = [(f"{plan.storage_data.prefix}{i}{DATA_SUFFIX}", b) for i, b in enumerate(buckets)]
+
+    def one(name: str, items: list[Any]) -> list[WriteResult]:
+        return _write_file(writer, name, items, planner, templates)
+
+    if len(files) == 1:
+        return one(*files[0])
+    with concurrent.futures.ThreadPoolExecutor(writer.thread_count) as pool:
+        return [r for rs in pool.map(lambda f: one(*f), files) for r in rs]
+
+
+def _write_file(
+    writer: Any, name: str, items: list[Any], planner: SavePlanner, templates: ArchiveTemplates
+) -> list[WriteResult]:
+    results = []
+    ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
+    with writer.fs.create_stream(writer.fs.concat_path(writer.path, name), "wb") as stream:
+        for item in ordered:
+            data = planner.resolve_data(item)
+            offset = stream.tell()
+            if isinstance(data, io.BytesIO):
+                stream.write(data.getbuffer())
+            elif data.device.type == "cpu":
+                templates.write(data, stream)
+            else:
+                raise TypeError(f"{item.index.fqn}: expected a staged CPU tensor")
+            length = stream.tell() - offset
+            results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
+        if writer.sync_files:
+            stream.flush()
+            os.fsync(stream.fileno())
+    return results
 
 
 def make_reader(layout: Layout, dirpath: str) -> StorageReader:

@@ -225,3 +225,31 @@ def test_staging_failure_raises_and_leaves_nothing_visible(tmp_path: Path) -> No
         with pytest.raises(CheckpointError, match="rank"):
             mgr.wait()
         assert [c.step for c in mgr.committed()] == [1]
+
+
+def test_every_save_loads_with_dcp_when_the_layout_changes_between_saves(tmp_path: Path) -> None:
+    # Plans are reused while the layout is unchanged: a change (new key, new shape, new dtype,
+    # a scalar turned into a tensor) must be planned afresh, and an unchanged save after it too.
+    states = [
+        {"w": torch.rand(4, 4), "step": 1},
+        {"w": torch.rand(4, 4), "step": 2},
+        {"w": torch.rand(4, 4), "b": torch.rand(3), "step": 3},
+        {"w": torch.rand(8, 2), "b": torch.rand(3), "step": 4},
+        {"w": torch.rand(8, 2).double(), "b": torch.rand(3), "step": 5},
+        {"w": torch.rand(8, 2).double(), "b": torch.rand(3), "step": torch.tensor(6)},
+        {"w": torch.rand(8, 2).double(), "b": torch.rand(3), "step": torch.tensor(7)},
+    ]
+    with CheckpointManager(str(tmp_path), persistent_every=1, keep=len(states)) as mgr:
+        paths = []
+        for i, state in enumerate(states, start=1):
+            mgr.save(i, state)
+            mgr.wait()
+            paths.append(mgr.committed()[-1].path)
+    for state, path in zip(states, paths, strict=True):
+        target = {k: torch.zeros_like(v) if torch.is_tensor(v) else 0 for k, v in state.items()}
+        dcp.load(target, checkpoint_id=path)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(target[k], v)
+            else:
+                assert target[k] == v
