@@ -12,7 +12,7 @@ import json
 import pickle
 import struct
 import zlib
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence
+from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +158,7 @@ class Layout:
 
     entries: tuple[TensorEntry, ...]
     data_nbytes: int
+    tensors_json: str  # the header's tensor table, encoded once
 
     @staticmethod
     def of(tensors: list[Leaf]) -> Layout:
@@ -174,17 +175,22 @@ class Layout:
                 )
             entries.append(TensorEntry(leaf.key, dtype, tuple(t.shape), off, nbytes))
             off = _align(off + nbytes)
-        return Layout(tuple(entries), off)
+        table = [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]
+        return Layout(tuple(entries), off, _compact(table))
 
 
 def header_bytes(layout: Layout, objects: dict[str, Any], extra: dict[str, Any]) -> bytes:
     """The JSON header that makes a packed buffer self-describing (for files and peers)."""
-    doc = {
-        "tensors": [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in layout.entries],
-        "objects": objects,
-        "extra": extra,
-    }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    # Same document as json.dumps({"tensors": ..., "objects": ..., "extra": ...}); the tensor
+    # table is encoded once per layout.
+    return (
+        f'{{"tensors":{layout.tensors_json},"objects":{_compact(objects)},'
+        f'"extra":{_compact(extra)}}}'
+    ).encode()
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 def packed_size(layout: Layout, header: bytes) -> int:
@@ -194,45 +200,62 @@ def packed_size(layout: Layout, header: bytes) -> int:
 def pack_into(buf: torch.Tensor, layout: Layout, header: bytes, tensors: list[Leaf]) -> int:
     """Copy header and tensors into `buf` (uint8, CPU, large enough); returns the bytes used.
 
-    This is the whole stall of a local save: one copy per tensor into a reused buffer.
+    This is the whole stall of a local save: one copy per tensor into a reused buffer, issued
+    as one ``torch._foreach_copy_`` (a per-tensor Python loop cost more than the copies for a
+    small model's ~100 tensors). GPU sources copy asynchronously into the (pinned) buffer; the
+    caller synchronizes once.
     """
     data_start = _align(_PREFIX.size + len(header))
     prefix = _PREFIX.pack(MAGIC, len(header)) + header
     buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    for entry, leaf in zip(layout.entries, tensors, strict=True):
-        if entry.nbytes:
-            start = data_start + entry.offset
-            _store(buf, start, entry, leaf.value)
+    _copy(buf, data_start, layout.entries, tensors, into_buf=True)
     return data_start + layout.data_nbytes
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
-    """A contiguous CPU tensor's bytes as a flat uint8 view (a plain memcpy); else None."""
-    if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        return t.reshape(-1).view(torch.uint8)
-    return None
+def _copy(
+    buf: torch.Tensor,
+    data_start: int,
+    entries: Sequence[TensorEntry],
+    tensors: Sequence[Leaf],
+    *,
+    into_buf: bool,
+) -> None:
+    """Copy every tensor to (``into_buf``) or from its entry's bytes at ``data_start`` of
+    ``buf``, as one ``torch._foreach_copy_``: a per-tensor Python loop cost more than the copies
+    for a small model's ~100 tensors. The copies are dtype-aware, so strided, lazily conjugated
+    and GPU tensors are handled; GPU copies are asynchronous (the caller synchronizes once).
+    """
+    views, others = [], []
+    typed: dict[str, torch.Tensor] = {}  # the data region as each dtype (offsets are aligned)
+    end = data_start + max((_align(e.offset + e.nbytes) for e in entries), default=0)
+    for entry, leaf in zip(entries, tensors, strict=True):
+        if entry.nbytes:
+            region = typed.get(entry.dtype)
+            if region is None:
+                region = buf[data_start:end].view(_DTYPES[entry.dtype])
+                typed[entry.dtype] = region
+            views.append(_typed_view(region, entry))
+            others.append(leaf.value)
+    if not views:
+        return
+    dsts, srcs = (views, others) if into_buf else (others, views)
+    with torch.no_grad():
+        torch._foreach_copy_(dsts, srcs, non_blocking=any(t.is_cuda for t in others))
 
 
-def _store(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) -> None:
-    raw = _bytes_of(t)
-    if raw is not None:
-        buf[start : start + entry.nbytes].copy_(raw)
-    else:  # strided, GPU or lazy-conjugate tensors: the dtype-aware copy handles them
-        # GPU: asynchronous D2H into the (pinned) buffer; the caller synchronizes once.
-        _view(buf, start, entry).copy_(t, non_blocking=t.is_cuda)
+def _typed_view(region: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """`entry` in `region`, the data part of a buffer viewed as the entry's dtype: one call."""
+    n = region.element_size()
+    start = region.storage_offset() + entry.offset // n  # as_strided counts from the storage
+    return region.as_strided(entry.shape, _contiguous_strides(entry.shape), start)
 
 
-def _load(buf: torch.Tensor, start: int, entry: TensorEntry, t: torch.Tensor) -> None:
-    raw = _bytes_of(t)
-    if raw is not None:
-        raw.copy_(buf[start : start + entry.nbytes])
-    else:
-        t.copy_(_view(buf, start, entry), non_blocking=t.is_cuda)
-
-
-def _view(buf: torch.Tensor, start: int, entry: TensorEntry) -> torch.Tensor:
-    raw = buf[start : start + entry.nbytes]
-    return raw.view(_DTYPES[entry.dtype]).view(entry.shape)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)
@@ -304,11 +327,18 @@ def fill_leaves(
             "local checkpoint does not match the state (same structure needed): " + ", ".join(bad),
             keys=bad_keys,
         )
+    tensor_todo = [(leaf, src) for leaf, src in todo if isinstance(src, TensorEntry)]
+    _copy(
+        buf,
+        parsed.data_start,
+        [e for _, e in tensor_todo],
+        [leaf for leaf, _ in tensor_todo],
+        into_buf=False,
+    )
     for leaf, src in todo:
         if isinstance(src, TensorEntry):
-            if src.nbytes:
-                _load(buf, parsed.data_start + src.offset, src, leaf.value)
-        elif isinstance(leaf.container, (MutableMapping, MutableSequence)):
+            continue
+        if isinstance(leaf.container, (MutableMapping, MutableSequence)):
             # A copy: the source may be a cached header that later restores read again.
             value = tuple(src) if isinstance(leaf.value, tuple) else _decode_object(src)
             leaf.container[leaf.index] = value
@@ -318,16 +348,12 @@ def fill_leaves(
 
 def copy_in(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
     """Copy tensors into a header-less buffer laid out by `layout` (fully_parallel exchange)."""
-    for entry, leaf in zip(layout.entries, tensors, strict=True):
-        if entry.nbytes:
-            _store(buf, entry.offset, entry, leaf.value)
+    _copy(buf, 0, layout.entries, tensors, into_buf=True)
 
 
 def copy_out(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
     """The inverse of copy_in: fill the tensors from the buffer."""
-    for entry, leaf in zip(layout.entries, tensors, strict=True):
-        if entry.nbytes:
-            _load(buf, entry.offset, entry, leaf.value)
+    _copy(buf, 0, layout.entries, tensors, into_buf=False)
 
 
 def crc32(buf: torch.Tensor, nbytes: int) -> int:
