@@ -78,13 +78,17 @@ def _steps_while(busy: Any, a: Any, b: Any, limit_s: float) -> list[float]:
 
 def _floors(state: dict[str, Any], workdir: Path, rank: int) -> dict[str, float]:
     import torch
+    import torch.distributed as dist
 
     tensors = list(state["model"].values())
     dst = [torch.empty_like(t) for t in tensors]
     for d, s in zip(dst, tensors, strict=True):
         d.copy_(s)  # pre-fault
+    # Every rank copies (and then writes) at the same moment, as every rank stages (and writes)
+    # at once in the measurements these are the floor of: they share memory and disk bandwidth.
     copies = []
     for _ in range(3):
+        dist.barrier()
         t0 = time.perf_counter()
         for d, s in zip(dst, tensors, strict=True):
             d.copy_(s)
@@ -93,6 +97,7 @@ def _floors(state: dict[str, Any], workdir: Path, rank: int) -> dict[str, float]
     nbytes = _nbytes(state)
     buf = memoryview(bytearray(64 << 20))
     path = workdir / f"disk_floor.{rank}"
+    dist.barrier()
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes

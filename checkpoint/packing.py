@@ -111,6 +111,9 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+_SCALARS = (bool, int, float, str)  # exact types: subclasses (e.g. enums) take the long path
+
+
 def _is_json_scalar_tree(obj: Any) -> bool:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return True
@@ -129,17 +132,24 @@ def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]
     """
     out: list[Leaf] = []
 
+    # Runs at every local save (a small model's state has a few hundred nodes): the common
+    # cases are tested first.
     def walk(obj: Any, prefix: str, container: Any, index: Any, rep: bool) -> None:
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, torch.Tensor) or obj is None or type(obj) in _SCALARS:
             out.append(Leaf(prefix, obj, container, index, rep))
-        elif is_stateful(obj) and not isinstance(obj, Mapping):
+        elif isinstance(obj, Mapping):
+            rep = rep or isinstance(obj, ReplicatedState)
+            keys = list(obj)
+            if all(type(k) is str for k in keys):
+                keys.sort()  # the same order as key=str, without a call per key
+            else:
+                keys.sort(key=str)
+            for k in keys:
+                walk(obj[k], f"{prefix}/{k}" if prefix else str(k), obj, k, rep)
+        elif is_stateful(obj):
             sd = obj.state_dict()
             statefuls.append((obj, sd))
             walk(sd, prefix, None, None, rep)
-        elif isinstance(obj, Mapping):
-            rep = rep or isinstance(obj, ReplicatedState)
-            for k in sorted(obj, key=str):
-                walk(obj[k], f"{prefix}/{k}" if prefix else str(k), obj, k, rep)
         elif isinstance(obj, (list, tuple)) and not _is_json_scalar_tree(obj):
             for i, v in enumerate(obj):
                 walk(v, f"{prefix}/{i}", obj, i, rep)

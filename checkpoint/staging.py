@@ -71,11 +71,16 @@ class StagingPool:
         leaves: list[tuple[_Path, torch.Tensor]] = []
         _collect(expanded, (), leaves)
         self._ensure_layout(leaves)
-        any_cuda = False
-        for path, src in leaves:
-            dst = self._views[path]
-            any_cuda = any_cuda or src.is_cuda
-            dst.copy_(src.detach(), non_blocking=src.is_cuda)
+        any_cuda = any(src.is_cuda for _, src in leaves)
+        if leaves:
+            # One call for every copy: a Python loop over thousands of small tensors costs
+            # more than their bytes.
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [self._views[path] for path, _ in leaves],
+                    [src for _, src in leaves],
+                    non_blocking=any_cuda,
+                )
         if any_cuda:
             # non_blocking device->host copies must land before the writer (or the caller,
             # mutating the source) runs.
