@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ours)
 # The writer thread's niceness (Linux). A trade-off measured with every core busy training
 # (benchmarks/checkpoint_stall.py, 2 ranks on 2 cores, 1 GiB each): nice 19 starved the write
-# (durable after 135 s of training, steps 1.03x slower), nice 10 gave steps 1.15x slower and
-# durable after 24-28 s; with a core to spare (or a GPU-bound loop) the write runs at full speed.
+# (durable after 135 s of training, steps 1.03x slower); nice 10 gave steps 0.99-1.16x slower
+# and durable after 14-28 s. With a core to spare the write is not held back (1 rank: ~3 s).
 WRITER_NICE = 10
 CRASH_POINTS = ("agree", "write", "before_commit", "commit", "retention")
 

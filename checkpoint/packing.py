@@ -210,10 +210,9 @@ def packed_size(layout: Layout, header: bytes) -> int:
 def pack_into(buf: torch.Tensor, layout: Layout, header: bytes, tensors: list[Leaf]) -> int:
     """Copy header and tensors into `buf` (uint8, CPU, large enough); returns the bytes used.
 
-    This is the whole stall of a local save: one copy per tensor into a reused buffer, issued
-    as one ``torch._foreach_copy_`` (a per-tensor Python loop cost more than the copies for a
-    small model's ~100 tensors). GPU sources copy asynchronously into the (pinned) buffer; the
-    caller synchronizes once.
+    This is the whole stall of a local save: one copy per tensor into a reused buffer (see
+    ``_copy``). GPU sources copy asynchronously into the (pinned) buffer; the caller
+    synchronizes once.
     """
     data_start = _align(_PREFIX.size + len(header))
     prefix = _PREFIX.pack(MAGIC, len(header)) + header
