@@ -111,11 +111,12 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
-_SCALARS = (bool, int, float, str)  # exact types: subclasses (e.g. enums) take the long path
+# JSON scalars. walk() tests the exact types, so subclasses (enums) take the long path.
+_SCALARS = (bool, int, float, str)
 
 
 def _is_json_scalar_tree(obj: Any) -> bool:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    if obj is None or isinstance(obj, _SCALARS):
         return True
     if isinstance(obj, (list, tuple)):
         return all(_is_json_scalar_tree(x) for x in obj)

@@ -5,9 +5,11 @@ global plan and every rank's write results are identical. Unpickling them again 
 4000 objects per rank for a 4000-tensor state) is GIL-bound work in the background thread, and
 it allocates enough tracked objects to trigger full garbage collections, which hold the GIL for
 as long as the heap takes to scan: profiling the writer thread showed this costing more of the
-training loop's time than writing the data. The memo keys every object by its pickled bytes, so
-reuse is correct by construction: equal bytes unpickle to equal objects, and DCP's global
-planning is a function of the local plans alone.
+training loop's time than writing the data. Unpickled objects are keyed by their pickled bytes
+(``load``), so that reuse is correct by construction: equal bytes unpickle to equal objects, and
+DCP's global planning is a function of the local plans alone (``derive`` keyed by the plans'
+bytes). A rank's own local plan is keyed by ``structure`` of the staged tree instead, which
+spares computing the plan to compare it.
 
 Owned by one ``PersistentSaver`` and used only by its background worker thread.
 """
