@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from checkpoint import checksum, packing, replication
 from checkpoint import local_dir as ldir
-from checkpoint import packing, replication
 from checkpoint.collectives import rank_and_size
 from checkpoint.errors import CheckpointAbandoned, CheckpointConfigError, CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
@@ -241,7 +241,7 @@ class LocalTier:
         """Checksum, directory write, replication, then agreement that the step is complete."""
         t0 = time.perf_counter()
         ok = True
-        shard.crc = packing.crc32(shard.buf, shard.nbytes)
+        shard.checksum = checksum.of(shard.buf, shard.nbytes)
         if self._dir is not None:
             try:
                 ldir.write(self._dir, shard.meta(), shard.buf)
@@ -305,17 +305,17 @@ class LocalTier:
         _, plan, inverse = self._placement
         m = shard.meta()
         sends = [
-            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.crc, shard.buf)
+            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.checksum, shard.buf)
             for dst in plan[shard.owner]
         ]
         srcs = inverse[shard.owner]
         ok = True
         for inc in exchange(pg, sends, srcs, self._take):
-            if inc.buf is None or inc.received_crc != inc.crc:
+            if inc.buf is None or inc.received != inc.checksum:
                 log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
                 ok = False
                 continue
-            rep = Shard(inc.step, inc.owner, inc.world, inc.nbytes, inc.crc, inc.buf)
+            rep = Shard(inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum, inc.buf)
             with self._lock:
                 self._held[(rep.step, rep.owner)] = rep
             if self._dir is not None:

@@ -1,9 +1,10 @@
 """Node-local directory of the local tier: one plain file per shard, fsynced, with a checksum.
 
 Layout: ``<local_dir>/step_<9-digit step>/owner_<owner rank>.bin`` (the packed buffer) and
-``owner_<owner>.json`` (step, owner, world size, bytes, crc32), written after the data is durable,
-so a shard without its .json is incomplete and ignored. Plain files won over tensorstore by
-measurement (README, "Local tier"): a shard is one contiguous buffer, so one write is all it takes.
+``owner_<owner>.json`` (step, owner, world size, bytes, checksum and its algorithm), written after
+the data is durable, so a shard without its .json is incomplete and ignored. Plain files won over
+tensorstore by measurement (README, "Local tier"): a shard is one contiguous buffer, so one write
+is all it takes.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import json
 import os
 import re
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from checkpoint import checksum
 from checkpoint.errors import CheckpointStorageError
-from checkpoint.packing import crc32_update
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _META = re.compile(r"^owner_(\d+)\.json$")
@@ -37,7 +37,7 @@ class ShardMeta:
     owner: int
     world: int
     nbytes: int
-    crc: int
+    checksum: int  # checkpoint.checksum of the packed bytes
 
 
 def validate(local_dir: str) -> Path:
@@ -96,7 +96,7 @@ def write(root: Path, meta: ShardMeta, buf: torch.Tensor) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(str(data) + tag, data)
-    doc = json.dumps(meta.__dict__).encode()
+    doc = json.dumps({**meta.__dict__, "checksum_algo": checksum.ALGORITHM}).encode()
     js = step_dir / f"owner_{meta.owner}.json"
     with open(str(js) + tag, "wb") as f:
         f.write(doc)
@@ -107,7 +107,7 @@ def write(root: Path, meta: ShardMeta, buf: torch.Tensor) -> None:
 
 
 def scan(root: Path) -> list[ShardMeta]:
-    """Every complete shard in the directory (unverified: read() checks the crc)."""
+    """Every complete shard in the directory (unverified: read() checks the checksum)."""
     out = []
     for step_dir in root.iterdir() if root.is_dir() else ():
         m = _STEP_DIR.match(step_dir.name)
@@ -118,6 +118,8 @@ def scan(root: Path) -> list[ShardMeta]:
                 continue
             try:
                 doc = json.loads(js.read_text())
+                if doc.pop("checksum_algo", None) != checksum.ALGORITHM:
+                    continue  # written with another checksum: it cannot be verified
                 out.append(ShardMeta(**doc))
             except (OSError, ValueError, TypeError):
                 continue  # torn or foreign file: not a shard we can use
@@ -125,31 +127,28 @@ def scan(root: Path) -> list[ShardMeta]:
 
 
 def read(root: Path, meta: ShardMeta, into: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Read a shard into a uint8 tensor; None when it is missing, truncated or fails its crc.
+    """Read a shard into a uint8 tensor; None when it is missing, truncated or fails its checksum.
 
-    Reads in chunks and checksums chunk i on a helper thread while chunk i+1 is read (both
-    release the GIL), so with a spare core the checksum overlaps the read.
+    Reads in chunks and checksums each one as it arrives (the checksum costs about a tenth of
+    the read: see checkpoint.checksum).
     """
     data = root / f"step_{meta.step:09d}" / f"owner_{meta.owner}.bin"
     n = meta.nbytes
     buf = into if into is not None and into.numel() >= n else torch.empty(n, dtype=torch.uint8)
     view = buf[:n].numpy().data
-    crc = 0
+    check = checksum.Checksum()
     try:
-        with open(data, "rb", buffering=0) as f, ThreadPoolExecutor(1, "local-ckpt-crc") as pool:
-            pending: Future[int] | None = None
+        with open(data, "rb", buffering=0) as f:
             for a in range(0, n, _READ_CHUNK):
                 b = min(a + _READ_CHUNK, n)
                 if f.readinto(view[a:b]) != b - a:
                     return None  # truncated
-                crc = pending.result() if pending is not None else crc
-                pending = pool.submit(crc32_update, buf[a:b], crc)
-            crc = pending.result() if pending is not None else crc
+                check.update(buf[a:b])
             if f.read(1):
                 return None  # longer than recorded
     except OSError:
         return None
-    return buf if crc == meta.crc else None
+    return buf if check.value == meta.checksum else None
 
 
 def remove_steps_older_than(root: Path, step: int) -> None:

@@ -3,7 +3,7 @@
 Called by LocalTier.load() on every rank of the current world, on the tier's gloo group. Sources
 in order of preference: own memory (a memcpy, no file read, trusted: this process wrote it),
 own node-local directory, a peer (memory or directory). Every copy read from a file or received
-from a peer is checked against its crc32; a bad copy is excluded and the plan recomputed, so a
+from a peer is checked against its checksum; a bad copy is excluded and the plan recomputed, so a
 corrupt replica is never loaded (the step falls back to another copy, an older step, or None).
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpoint import checksum, packing, replication
 from checkpoint import local_dir as ldir
-from checkpoint import packing, replication
 from checkpoint.replication_transport import Outgoing, exchange
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,15 @@ class Shard:
     owner: int
     world: int
     nbytes: int
-    crc: int | None  # None until the background worker has computed it
+    checksum: int | None  # None until the background worker has computed it
     buf: torch.Tensor
     parsed: packing.Parsed | None = None  # header, known without parsing for shards packed here
 
     def meta(self) -> ldir.ShardMeta:
-        crc = self.crc if self.crc is not None else packing.crc32(self.buf, self.nbytes)
-        return ldir.ShardMeta(self.step, self.owner, self.world, self.nbytes, crc)
+        check = self.checksum
+        if check is None:
+            check = checksum.of(self.buf, self.nbytes)
+        return ldir.ShardMeta(self.step, self.owner, self.world, self.nbytes, check)
 
 
 def _gather(pg: dist.ProcessGroup | None, obj: Any, world: int) -> list[Any]:
@@ -145,13 +147,12 @@ def _fetch(
     def obtain(owner: int) -> tuple[torch.Tensor, int, int, str] | None:
         sh = held.get((step, owner))
         if sh is not None:
-            crc = sh.crc if sh.crc is not None else packing.crc32(sh.buf, sh.nbytes)
-            return sh.buf, sh.nbytes, crc, "memory"
+            return sh.buf, sh.nbytes, sh.meta().checksum, "memory"
         m = on_disk.get((step, owner))
         if m is not None and local_dir is not None:
             b = ldir.read(local_dir, m)
             if b is not None:
-                return b, m.nbytes, m.crc, "local_dir"
+                return b, m.nbytes, m.checksum, "local_dir"
         return None
 
     bad: list[tuple[int, int, int]] = []
@@ -181,7 +182,7 @@ def _fetch(
             ok = (
                 inc.buf is not None
                 and (inc.step, inc.owner, inc.world) == (step, rank, world)
-                and inc.received_crc == inc.crc
+                and inc.received == inc.checksum
             )
             if ok and inc.buf is not None:
                 mine = (inc.buf, "peer", None)

@@ -11,7 +11,6 @@ import copy
 import json
 import pickle
 import struct
-import zlib
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,6 @@ from checkpoint.errors import CheckpointError, CheckpointMismatchError
 MAGIC = b"RSTLOCAL"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
 ALIGN = 64  # every tensor starts on a 64-byte boundary so a uint8 slice can be viewed as any dtype
-_CRC_CHUNK = 64 << 20  # zlib releases the GIL per call; chunks keep each call bounded
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -364,16 +362,3 @@ def copy_in(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
 def copy_out(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
     """The inverse of copy_in: fill the tensors from the buffer."""
     _copy(buf, 0, layout.entries, tensors, into_buf=False)
-
-
-def crc32(buf: torch.Tensor, nbytes: int) -> int:
-    """CRC32 of the first `nbytes` of a uint8 CPU tensor (zlib; releases the GIL per chunk)."""
-    return crc32_update(buf[:nbytes], 0)
-
-
-def crc32_update(part: torch.Tensor, crc: int) -> int:
-    """Continue a CRC32 over the bytes of a uint8 CPU tensor."""
-    arr = part.numpy()
-    for start in range(0, arr.size, _CRC_CHUNK):
-        crc = zlib.crc32(arr[start : start + _CRC_CHUNK].data, crc)
-    return crc

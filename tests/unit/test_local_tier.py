@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,20 @@ def test_corrupt_directory_copy_is_not_loaded(tmp_path: Path) -> None:
         res = fresh.load(state, min_step=None)
         assert res is not None and res.step == 1 and state["step"] == 1
         assert fresh.load(state, min_step=2) is None
+
+
+def test_shard_with_another_checksum_algorithm_is_ignored(tmp_path: Path) -> None:
+    """Metadata from a version that used another checksum cannot verify its shard: skipped."""
+    with _tier(tmp_path) as tier:
+        tier.save(1, _state(1.0))
+        tier.save(2, _state(2.0))
+    meta = tmp_path / "step_000000002" / "owner_0.json"
+    doc = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**doc, "checksum_algo": "crc32"}))
+    with _tier(tmp_path) as fresh:
+        state = _state(0.0)
+        res = fresh.load(state, min_step=None)
+        assert res is not None and res.step == 1 and state["step"] == 1
 
 
 def test_buffers_are_reused(tmp_path: Path) -> None:
