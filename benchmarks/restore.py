@@ -9,7 +9,9 @@ with the same state size (default 1 GiB: a few large tensors plus ~1000 small on
 * local tier: save stall (best and median of --repeat saves from the third on, when buffers
   are reused; both ranks save at once, as in the copy floor) and background time;
   restore from memory (after a save, as after an in-process restart), from the node-local
-  directory (a new tier, as a new process), from a peer replica (rank 1 with nothing of its own);
+  directory (a new tier, as a new process), from a peer replica (rank 1 with nothing of its own;
+  best and median of --repeat, received into the state's tensors as when a persistent checkpoint
+  exists, and into a buffer of its own as before the first persistent save);
 * persistent tier: CheckpointManager torch_dist save, then load_latest in a new manager;
 * the node-local writer choice: plain file + fsync vs tensorstore (zarr3, one array), same bytes.
 
@@ -144,14 +146,23 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
             for _ in range(repeat):
                 restore_memory()
             # Peer: rank 1 as a new process without a directory; rank 0 serves from memory.
-            if rank == 1:
-                with LocalTier(local_dir=None, **kw) as fresh:
-                    _zero(state)
-                    res = fresh.load(state, min_step=None)
-                    assert res is not None and res.tier == "peer", res
-                    out["peer_s"] = res.seconds
-            else:
-                tier.load(state, min_step=None)
+            # min_step=1: a persistent checkpoint exists (as after the first persistent save),
+            # so the shard lands in the state's tensors; None: into a buffer of its own.
+            for name, min_step in (("peer", 1), ("peer_into_buffer", None)):
+                times = []
+                for _ in range(repeat):
+                    dist.barrier()
+                    if rank == 1:
+                        with LocalTier(local_dir=None, **kw) as fresh:
+                            _zero(state)
+                            res = fresh.load(state, min_step=min_step)
+                            assert res is not None and res.tier == "peer", res
+                            times.append(res.seconds)
+                    else:
+                        tier.load(state, min_step=min_step)
+                if rank == 1:
+                    out[f"{name}_s"] = min(times)
+                    out[f"{name}_median_s"] = statistics.median(times)
         dist.barrier()
         with LocalTier(local_dir=local_dir, **kw) as fresh:  # a new process: directory only
             _zero(state)
@@ -277,6 +288,9 @@ def _summary(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]
             "memory": worst("memory_s"),
             "local_dir": worst("local_dir_s"),
             "peer": r1["peer_s"],
+            "peer_median": r1["peer_median_s"],
+            "peer_into_buffer": r1["peer_into_buffer_s"],
+            "peer_into_buffer_median": r1["peer_into_buffer_median_s"],
             "persistent": worst("persistent_s"),
         },
         "save": {
@@ -289,6 +303,10 @@ def _summary(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]
             "memory_vs_memcpy_bandwidth": min(r["memory_gib_s"] / r["memcpy_gib_s"] for r in ranks),
             # target >= 0.5 (rank 1 receives; its own loopback measurement is the floor)
             "peer_vs_gloo_bandwidth": n / r1["peer_s"] / 2**30 / r1["gloo_gib_s"],
+            # no persistent checkpoint yet: received and verified in a buffer, then copied
+            "peer_into_buffer_vs_gloo_bandwidth": (
+                n / r1["peer_into_buffer_s"] / 2**30 / r1["gloo_gib_s"]
+            ),
             # target >= 10
             "persistent_vs_memory_time": min(r["persistent_s"] / r["memory_s"] for r in ranks),
             # target <= 1.5

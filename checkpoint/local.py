@@ -305,7 +305,7 @@ class LocalTier:
         _, plan, inverse = self._placement
         m = shard.meta()
         sends = [
-            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.checksum, shard.buf)
+            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.checksum, shard.buf, shard.parsed)
             for dst in plan[shard.owner]
         ]
         srcs = inverse[shard.owner]

@@ -298,17 +298,14 @@ def unpack_into(buf: torch.Tensor, state: Mapping[str, Any]) -> None:
         obj.load_state_dict(sd)
 
 
-def fill_leaves(
-    buf: torch.Tensor,
-    state_leaves: list[Leaf],
-    keep: Callable[[str], bool] = lambda k: True,
-    parsed: Parsed | None = None,
-) -> None:
-    """unpack_into for the leaves for which keep(key) is true; Stateful objects not finished.
+def match(
+    parsed: Parsed, state_leaves: list[Leaf], keep: Callable[[str], bool] = lambda k: True
+) -> list[tuple[Leaf, Any]]:
+    """Pair every kept leaf with its source in the shard (a TensorEntry or a header value).
 
-    `parsed`: the buffer's header when the caller already has it (a shard this process packed).
+    Raises CheckpointMismatchError listing every key that is missing or differs in dtype or
+    shape; nothing has been written then.
     """
-    parsed = parsed if parsed is not None else parse(buf)
     bad: list[str] = []
     todo: list[tuple[Leaf, Any]] = []
     for leaf in state_leaves:
@@ -335,6 +332,21 @@ def fill_leaves(
             "local checkpoint does not match the state (same structure needed): " + ", ".join(bad),
             keys=bad_keys,
         )
+    return todo
+
+
+def fill_leaves(
+    buf: torch.Tensor,
+    state_leaves: list[Leaf],
+    keep: Callable[[str], bool] = lambda k: True,
+    parsed: Parsed | None = None,
+) -> None:
+    """unpack_into for the leaves for which keep(key) is true; Stateful objects not finished.
+
+    `parsed`: the buffer's header when the caller already has it (a shard this process packed).
+    """
+    parsed = parsed if parsed is not None else parse(buf)
+    todo = match(parsed, state_leaves, keep)
     tensor_todo = [(leaf, src) for leaf, src in todo if isinstance(src, TensorEntry)]
     _copy(
         buf,

@@ -1,13 +1,18 @@
 """Point-to-point transfer of packed shards on the local tier's gloo group.
 
-One small header message and one flat buffer per (sender, receiver) pair, all posted at once
-(isend / irecv), so no pair waits for another and no collective runs per tensor. Measured on
-gloo loopback: one flat buffer moves at twice the rate of per-tensor messages, and all_gather of
-large buffers is 8x slower than send/recv (research/anchor-checkpoint.md 6.5).
+Per (sender, receiver) pair: a small header, the part boundaries, then the shard in parts, all
+posted at once (isend / irecv), so no pair waits for another and no collective runs per tensor.
+Measured on gloo loopback: one flat buffer moves at twice the rate of per-tensor messages, and
+all_gather of large buffers is 8x slower than send/recv (research/anchor-checkpoint.md 6.5).
+
+Parts: the packed header alone first, then every tensor of at least DIRECT_MIN bytes in parts of
+its own, the bytes between them in parts of at most 32 MiB. A receiver that restores into a
+state can then take the large tensors straight into the state's own memory (see `Place`).
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,16 +21,26 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.checksum import Checksum
+from checkpoint.packing import Parsed
 
-_CHUNK = 32 << 20  # data moves in chunks so the receiver checksums one while the next arrives
-# [step, owner, world, nbytes, checksum]; nbytes = -1 tells the receiver the sender has nothing
-# (its copy failed verification), so the receiver skips the data message instead of hanging.
-_HEADER_LEN = 5
+_CHUNK = 32 << 20  # parts of at most this size: the receiver checksums one while the next arrives
+DIRECT_MIN = 1 << 20  # a tensor this large travels in parts of its own
+# [step, owner, world, nbytes, checksum, number of parts]; nbytes = -1 tells the receiver the
+# sender has nothing (its copy failed verification): nothing else follows from that sender.
+_HEADER_LEN = 6
+
+# place(buf, bounds): called by the receiver once part 0 (the packed header) is in buf[:bounds[1]];
+# returns {part index (>= 1): a uint8 tensor of exactly that part's size} for the parts that
+# should land somewhere else than buf. Those parts are checksummed where they land.
+Place = Callable[[torch.Tensor, list[int]], dict[int, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    """A shard to send: `buf[:nbytes]` goes to `dst`; buf None means "I cannot provide it"."""
+    """A shard to send: `buf[:nbytes]` goes to `dst`; buf None means "I cannot provide it".
+
+    parsed: the shard's header; None sends it in plain 32 MiB parts (nothing lands directly).
+    """
 
     dst: int
     step: int
@@ -34,6 +49,7 @@ class Outgoing:
     nbytes: int
     checksum: int
     buf: torch.Tensor | None
+    parsed: Parsed | None = None
 
 
 @dataclass
@@ -50,63 +66,94 @@ class Incoming:
     received: int | None = None  # checksum of what arrived: equal to `checksum` when intact
 
 
+def bounds(nbytes: int, parsed: Parsed | None) -> list[int]:
+    """Part boundaries 0 = b[0] < b[1] < ... < b[n] = nbytes of a shard (see the module doc)."""
+    cuts = [0]
+    if parsed is not None and parsed.data_start <= nbytes:
+        cuts.append(parsed.data_start)
+        for e in sorted(parsed.entries.values(), key=lambda e: e.offset):
+            base = parsed.data_start + e.offset
+            # Entries outside the shard or overlapping can only come from a corrupt header: they
+            # travel with the bytes around them, and the receiver's checksum rejects the copy.
+            if e.nbytes >= DIRECT_MIN and base >= cuts[-1] and base + e.nbytes <= nbytes:
+                cuts += [base, base + e.nbytes]
+    cuts.append(nbytes)
+    out = [0]
+    for a, b in itertools.pairwise(cuts):
+        out += range(a + _CHUNK, b, _CHUNK)
+        if b > out[-1]:
+            out.append(b)
+    return out
+
+
 def exchange(
     pg: dist.ProcessGroup,
     sends: Sequence[Outgoing],
     srcs: Sequence[int],
     alloc: Callable[[int], torch.Tensor],
+    place: Place | None = None,
 ) -> list[Incoming]:
     """Send every `sends` entry and receive one shard from every rank in `srcs`.
 
     Collective over the ranks named on both sides: each receiver must list each sender exactly
     as often as that sender lists it (pairs are matched in order). `alloc(nbytes)` returns a
     uint8 CPU tensor of at least nbytes for each received shard (its pages need not be touched
-    yet: each chunk is faulted in just before its receive is posted). Blocks until all transfers
-    end or the group's timeout fires (then raises).
+    yet: each part is faulted in just before its receive is posted). `place`: see `Place`.
+    Blocks until all transfers end or the group's timeout fires (then raises).
     """
-    heads: list[torch.Tensor] = []
-    works = []
+    works: list[dist.Work | None] = []
+    keep: list[torch.Tensor] = []  # tensors of posted sends stay alive until they complete
     for s in sends:
+        cuts = bounds(s.nbytes, s.parsed) if s.buf is not None else []
         n = s.nbytes if s.buf is not None else -1
-        h = torch.tensor([s.step, s.owner, s.world, n, s.checksum], dtype=torch.int64)
-        heads.append(h)
-        works.append(dist.isend(h, group=pg, group_dst=s.dst))
-    incoming = [Incoming(src) for src in srcs]
-    rheads = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in srcs]
-    rworks = [dist.irecv(h, group=pg, group_src=src) for h, src in zip(rheads, srcs, strict=True)]
-    for w in rworks:
-        _wait(w)
-    for s in sends:
+        head = torch.tensor([s.step, s.owner, s.world, n, s.checksum, len(cuts) - 1])
+        keep.append(head)
+        works.append(dist.isend(head, group=pg, group_dst=s.dst))
         if s.buf is not None:
-            for a, b in _chunks(s.nbytes):
-                works.append(dist.isend(s.buf[a:b], group=pg, group_dst=s.dst))
-    pending: list[tuple[Incoming, list[tuple[int, int, dist.Work | None]]]] = []
-    for inc, h in zip(incoming, rheads, strict=True):
-        step, owner, world, nbytes, check = (int(x) for x in h.tolist())
-        inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum = step, owner, world, nbytes, check
-        if nbytes < 0:
-            continue
-        buf = alloc(nbytes)
-        chunks = []
-        for a, b in _chunks(nbytes):
-            _fault_in(buf[a:b])
-            chunks.append((a, b, dist.irecv(buf[a:b], group=pg, group_src=inc.src)))
-        inc.buf = buf
-        pending.append((inc, chunks))
-    for inc, chunks in pending:
+            keep.append(torch.tensor(cuts))
+            works.append(dist.isend(keep[-1], group=pg, group_dst=s.dst))
+            for a, z in itertools.pairwise(cuts):
+                works.append(dist.isend(s.buf[a:z], group=pg, group_dst=s.dst))
+    incoming = [Incoming(src) for src in srcs]
+    heads = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in srcs]
+    _wait_all([dist.irecv(h, group=pg, group_src=src) for h, src in zip(heads, srcs, strict=True)])
+    active: list[tuple[Incoming, torch.Tensor]] = []
+    for inc, h in zip(incoming, heads, strict=True):
+        inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum, nparts = h.tolist()
+        if inc.nbytes >= 0:
+            active.append((inc, torch.empty(nparts + 1, dtype=torch.int64)))
+    _wait_all([dist.irecv(b, group=pg, group_src=inc.src) for inc, b in active])
+    # Part 0 (the header) of every shard first: `place` needs it to decide where the rest lands.
+    firsts = []
+    for inc, b in active:
+        inc.buf = alloc(inc.nbytes)
+        first = inc.buf[: int(b[1])]
+        _fault_in(first)
+        firsts.append(dist.irecv(first, group=pg, group_src=inc.src))
+    _wait_all(firsts)
+    pending: list[tuple[Incoming, list[torch.Tensor], list[dist.Work | None]]] = []
+    for inc, b in active:
         assert inc.buf is not None
+        cuts = b.tolist()
+        dests = place(inc.buf, cuts) if place is not None else {}
+        parts: list[torch.Tensor] = [inc.buf[: cuts[1]]]
+        posted: list[dist.Work | None] = [None]  # part 0 is in already
+        for k in range(1, len(cuts) - 1):
+            part = dests.get(k)
+            if part is None:  # into buf: its pages are new
+                part = inc.buf[cuts[k] : cuts[k + 1]]
+                _fault_in(part)
+            parts.append(part)
+            posted.append(dist.irecv(part, group=pg, group_src=inc.src))
+        pending.append((inc, parts, posted))
+    for inc, parts, posted in pending:
         received = Checksum()
-        for a, b, w in chunks:
-            _wait(w)
-            received.update(inc.buf[a:b])
+        for part, work in zip(parts, posted, strict=True):
+            _wait(work)
+            received.update(part)
         inc.received = received.value
-    for w in works:
-        _wait(w)
+    _wait_all(works)
     return incoming
-
-
-def _chunks(nbytes: int) -> list[tuple[int, int]]:
-    return [(a, min(a + _CHUNK, nbytes)) for a in range(0, nbytes, _CHUNK)]
 
 
 def _fault_in(part: torch.Tensor) -> None:
@@ -114,10 +161,15 @@ def _fault_in(part: torch.Tensor) -> None:
 
     Receiving 1 GiB on gloo loopback into a new buffer took 0.64-3.3 s on this project's machine,
     against 0.49-0.52 s when each chunk was touched just before its receive was posted (the
-    faults are then taken by this thread, between receives, not inside the socket copy). On a
-    buffer already faulted in it costs one store per page.
+    faults are then taken by this thread, between receives, not inside the socket copy). On
+    memory already faulted in it costs one store per page.
     """
     part[:: mmap.PAGESIZE].zero_()
+
+
+def _wait_all(works: Sequence[dist.Work | None]) -> None:
+    for w in works:
+        _wait(w)
 
 
 def _wait(work: dist.Work | None) -> None:

@@ -40,18 +40,22 @@ def _init(iteration: int) -> None:
     )
 
 
-def _state(rank: int, world: int, step: int) -> dict[str, Any]:
-    """Deterministic state at `step`: a data-parallel replicated model part and per-rank parts."""
+def _state(rank: int, world: int, step: int, big: int = 0) -> dict[str, Any]:
+    """Deterministic state at `step`: a data-parallel replicated model part and per-rank parts
+    (plus, with `big`, a per-rank tensor of that many float32s)."""
     from checkpoint.local import ReplicatedState
 
     g = torch.Generator().manual_seed(1000 * step)
     shared = {f"layer{i}.weight": torch.randn(64, 16 + i, generator=g) for i in range(6)}
     shared["layer0.bias"] = torch.randn(64, generator=g).to(torch.bfloat16)
     g.manual_seed(1000 * step + 1 + rank)
+    opt = {"exp_avg": torch.randn(100, generator=g), "count": torch.tensor(step + rank)}
+    if big:
+        opt["big"] = torch.full((big,), float(step + 1000 * rank))
     return {
         "model": ReplicatedState(shared),
         "rng": torch.randint(0, 255, (32,), dtype=torch.uint8, generator=g),
-        "opt": {"exp_avg": torch.randn(100, generator=g), "count": torch.tensor(step + rank)},
+        "opt": opt,
         "meta": {"step": step, "world": world, "name": f"rank{rank}"},
     }
 
@@ -65,7 +69,7 @@ def _zero(state: dict[str, Any]) -> None:
 
 
 def _matches(state: dict[str, Any], rank: int, world: int, step: int) -> bool:
-    want = _state(rank, world, step)
+    want = _state(rank, world, step, big=state["opt"]["big"].numel() if "big" in state["opt"] else 0)
     ok = state["meta"] == want["meta"] and torch.equal(state["rng"], want["rng"])
     for part in ("model", "opt"):
         ok = ok and all(torch.equal(state[part][k], v) for k, v in want[part].items())
@@ -74,7 +78,7 @@ def _matches(state: dict[str, Any], rank: int, world: int, step: int) -> bool:
 
 def _save_steps(tier: Any, rank: int, world: int, steps: list[int], state: dict[str, Any]) -> None:
     for step in steps:
-        fresh = _state(rank, world, step)
+        fresh = _state(rank, world, step, big=state["opt"]["big"].numel() if "big" in state["opt"] else 0)
         for part in ("model", "opt"):
             for k, v in fresh[part].items():
                 state[part][k].copy_(v)
@@ -139,30 +143,48 @@ def memory_after_restart(base: str) -> dict[str, Any]:
     return out
 
 
-def save_steps(base: str, algo: str, steps: list[int]) -> dict[str, Any]:
+def save_steps(base: str, algo: str, steps: list[int], big: int = 0) -> dict[str, Any]:
     """Phase 1 of the node-loss and corruption tests: save, then exit (memory gone)."""
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(_node_dir(base), algo)
-    _save_steps(tier, rank, world, steps, _state(rank, world, 0))
+    _save_steps(tier, rank, world, steps, _state(rank, world, 0, big))
     tier.close()
     group.close()
     dist.destroy_process_group()
     return {"saved": steps}
 
 
-def restore_fresh(base: str, algo: str) -> dict[str, Any]:
-    """Phase 2: a fresh process per rank restores from its node directory or from peers."""
+def restore_fresh(
+    base: str, algo: str, min_step: int | None = None, big: int = 0, small_parts: bool = True
+) -> dict[str, Any]:
+    """Phase 2: a fresh process per rank restores from its node directory or from peers.
+
+    min_step set (a persistent checkpoint exists): a peer's copy is received into the state's
+    tensors. small_parts: tiny parts and in-place tensors, so the test's small tensors take the
+    paths that large ones take in production. Reports the growth of the peak RSS during load.
+    """
+    import resource
+
     import checkpoint.replication_transport as transport
 
-    transport._CHUNK = 4096  # many chunks per shard: exercises the pipelined checksum
+    if small_parts:
+        transport._CHUNK = 4096  # many parts per shard: exercises the pipelined checksum
+        transport.DIRECT_MIN = 256  # most tensors travel in parts of their own
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(_node_dir(base), algo)
-    state = _state(rank, world, 0)
+    state = _state(rank, world, 0, big)
     _zero(state)
-    res = tier.load(state, min_step=None)
-    out = {"step": res.step, "tier": res.tier, "ok": _matches(state, rank, world, res.step)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    res = tier.load(state, min_step=min_step)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak  # KiB on Linux
+    out = {
+        "step": res.step,
+        "tier": res.tier,
+        "ok": _matches(state, rank, world, res.step),
+        "peak_rss_growth_mib": grown / 1024,
+    }
     tier.close()
     group.close()
     dist.destroy_process_group()
@@ -207,6 +229,36 @@ def restore_corrupt(base: str) -> dict[str, Any]:
     group.close()
     dist.destroy_process_group()
     return {"results": results}
+
+
+def corrupt_replica_in_place(base: str) -> dict[str, Any]:
+    """A replica corrupted in its holder's memory (memory copies are sent unverified) arrives in
+    place, into the receiver's state tensors; the receiver's checksum rejects it and the next
+    source (step 1) must overwrite every tensor the bad copy wrote."""
+    import checkpoint.replication_transport as transport
+
+    transport.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    _init(0)
+    tier, group = _tier(None, "atomic")
+    state = _state(rank, world, 0)
+    _save_steps(tier, rank, world, [1, 2], state)
+    if rank == 0:  # holds rank 2's replicas (node 0 backs up node 1)
+        shard = tier._held[(2, 2)]
+        shard.buf[shard.nbytes - 1] ^= 0xFF  # inside the last tensor
+    dist.barrier()
+    if rank in (2, 3):  # node 1 lost its memory: fresh tiers (on the same dedicated group)
+        from checkpoint.local import LocalTier
+
+        tier.close()
+        tier = LocalTier(local_dir=None, replication_factor=2, algo="atomic", keep=2, group=group)
+    _zero(state)
+    res = tier.load(state, min_step=1)
+    out = {"step": res.step, "tier": res.tier, "ok": _matches(state, rank, world, res.step)}
+    tier.close()
+    group.close()
+    dist.destroy_process_group()
+    return out
 
 
 def with_manager(base: str, algo: str) -> dict[str, Any]:
