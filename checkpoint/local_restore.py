@@ -206,7 +206,7 @@ def _fetch(
     step = plan.step
 
     def obtain(owner: int) -> tuple[torch.Tensor, int, int, str, packing.Parsed | None] | None:
-        """A verified copy of (step, owner) from this rank's memory or directory, or None."""
+        """(step, owner) from this rank's memory (trusted) or directory (verified), or None."""
         sh = held.get((step, owner))
         if sh is not None:
             return sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed
@@ -222,7 +222,7 @@ def _fetch(
     for r in range(world):
         if r != rank and plan.sources[r] == rank:
             got = obtain(r)
-            parsed = _header(got)
+            parsed = None if got is None else _header(got[0], got[1], got[4])
             if got is None or parsed is None:
                 bad.append((step, r, rank))
                 sends.append(Outgoing(r, step, r, world, 0, 0, None))
@@ -259,14 +259,12 @@ def _fetch(
     return mine, bad
 
 
-def _header(
-    got: tuple[torch.Tensor, int, int, str, packing.Parsed | None] | None,
-) -> packing.Parsed | None:
-    """The header of a copy about to be sent (None: it does not parse, so the copy is bad)."""
-    if got is None or got[4] is not None:
-        return got[4] if got is not None else None
+def _header(buf: torch.Tensor, nbytes: int, parsed: packing.Parsed | None) -> packing.Parsed | None:
+    """The header of a copy about to be sent; None when it does not decode (a bad copy)."""
+    if parsed is not None:
+        return parsed
     try:
-        return packing.parse(got[0][: got[1]])
+        return packing.parse(buf[:nbytes])
     except CheckpointError:
         return None
 

@@ -282,9 +282,12 @@ def parse(buf: torch.Tensor) -> Parsed:
     magic, hlen = _PREFIX.unpack(raw)
     if magic != MAGIC or hlen > buf.numel():
         raise CheckpointError("not a local-tier shard (bad magic or header length)")
-    doc = json.loads(bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy()))
-    entries = {k: TensorEntry(k, d, tuple(s), off, n) for k, d, s, off, n in doc["tensors"]}
-    return Parsed(entries, doc["objects"], doc["extra"], _align(_PREFIX.size + hlen))
+    try:
+        doc = json.loads(bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy()))
+        entries = {k: TensorEntry(k, d, tuple(s), off, n) for k, d, s, off, n in doc["tensors"]}
+        return Parsed(entries, doc["objects"], doc["extra"], _align(_PREFIX.size + hlen))
+    except (ValueError, KeyError, TypeError) as e:  # a corrupt copy (its checksum fails too)
+        raise CheckpointError(f"not a local-tier shard (header does not decode: {e})") from e
 
 
 def unpack_into(buf: torch.Tensor, state: Mapping[str, Any]) -> None:

@@ -86,6 +86,16 @@ def test_not_a_shard() -> None:
         packing.parse(torch.zeros(64, dtype=torch.uint8))
 
 
+def test_corrupt_header_is_a_checkpoint_error() -> None:
+    """A peer sending a replica parses its header first: garbage there must not escape as a
+    JSON or unpacking error."""
+    buf = _pack({"w": torch.randn(10)})
+    start = packing._PREFIX.size
+    buf[start : start + 4] = torch.tensor(list(b"@@@@"), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="header does not decode"):
+        packing.parse(buf)
+
+
 def test_replicated_marker_reaches_the_leaves() -> None:
     state = {"m": packing.ReplicatedState({"w": torch.ones(2)}), "r": torch.ones(1)}
     flags = {x.key: x.replicated for x in packing.leaves(state, [])}
