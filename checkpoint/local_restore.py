@@ -119,6 +119,51 @@ class _IntoState:
         return out
 
 
+class _Target:
+    """The state being restored, walked once a step to restore exists: the walk calls the
+    Stateful objects' state_dict(), which may change them (torch's get_state_dict gives an
+    empty optimizer its state by taking a step), so a load that finds nothing must not walk."""
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        rank: int,
+        world: int,
+        replicated_owner: ReplicatedOwner | None,
+        *,
+        in_place: bool,
+    ) -> None:
+        self._rank, self._world = rank, world
+        self._statefuls: list[tuple[Any, dict[str, Any]]] = []
+        self._leaves = packing.leaves(state, self._statefuls)
+        tensors = [x for x in self._leaves if isinstance(x.value, torch.Tensor)]
+        self._fully_parallel = replicated_owner is not None
+        self._owner = replicated_owner(tensors, world) if replicated_owner is not None else {}
+        self.into_state = _IntoState(self._leaves, self.keep) if in_place else None
+
+    def keep(self, key: str) -> bool:
+        """Whether this rank's own shard holds `key` (fully_parallel splits replicated ones)."""
+        return self._owner.get(key, self._rank) == self._rank
+
+    def fill(
+        self,
+        buf: torch.Tensor,
+        parsed: packing.Parsed | None,
+        tier: str,
+        pg: dist.ProcessGroup | None,
+    ) -> None:
+        """Fill the state from this rank's shard (skipping tensors that arrived in place);
+        fully_parallel then exchanges the replicated parts; Stateful objects load last."""
+        into = self.into_state
+        done = into.keys if into is not None and tier == "peer" else set()
+        keep = lambda k: self.keep(k) and k not in done  # noqa: E731
+        packing.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
+        if self._fully_parallel:
+            _exchange_replicated(self._leaves, self._owner, pg, self._rank, self._world)
+        for obj, sd in self._statefuls:
+            obj.load_state_dict(sd)
+
+
 def restore(
     state: dict[str, Any],
     *,
@@ -139,25 +184,19 @@ def restore(
         on_disk = {(m.step, m.owner): m for m in ldir.scan(local_dir) if m.world == world}
     mine = sorted(set(held) | set(on_disk))
     inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
-    statefuls: list[tuple[Any, dict[str, Any]]] = []
-    leaves = packing.leaves(state, statefuls)
-    owner: dict[str, int] = {}
-    if replicated_owner is not None:
-        owner = replicated_owner([x for x in leaves if isinstance(x.value, torch.Tensor)], world)
-
-    def keep(key: str) -> bool:  # the leaves this rank's own shard holds
-        return owner.get(key, rank) == rank
-
-    into_state = _IntoState(leaves, keep) if min_step is not None else None
     bad: set[tuple[int, int, int]] = set()
     fetched: tuple[torch.Tensor, str, packing.Parsed | None] | None = None
     plan = None
+    target: _Target | None = None
     # Each failed round excludes at least one copy, so the loop ends within the copy count.
     for _ in range(1 + sum(len(inv) for inv in inventories)):
         plan = replication.plan_restore(world, inventories, min_step=min_step, bad=bad)
         if plan is None:
             break
-        fetched, newly_bad = _fetch(plan, pg, rank, world, held, local_dir, on_disk, into_state)
+        if target is None:
+            target = _Target(state, rank, world, replicated_owner, in_place=min_step is not None)
+        into = target.into_state
+        fetched, newly_bad = _fetch(plan, pg, rank, world, held, local_dir, on_disk, into)
         if not _any_rank(pg, bool(newly_bad)):
             break
         all_bad = _gather(pg, newly_bad, world)
@@ -170,7 +209,7 @@ def restore(
             sorted(bad),
         )
         plan, fetched = None, None
-    if plan is None or fetched is None:
+    if plan is None or fetched is None or target is None:
         level = logging.WARNING if any(inventories) else logging.INFO
         log.log(
             level,
@@ -181,12 +220,7 @@ def restore(
         )
         return None
     buf, tier, parsed = fetched
-    done = into_state.keys if into_state is not None and tier == "peer" else set()
-    packing.fill_leaves(buf, leaves, keep=lambda k: keep(k) and k not in done, parsed=parsed)
-    if replicated_owner is not None:
-        _exchange_replicated(leaves, owner, pg, rank, world)
-    for obj, sd in statefuls:
-        obj.load_state_dict(sd)
+    target.fill(buf, parsed, tier, pg)
     seconds = time.perf_counter() - t0
     log.info("restored local step %d on rank %d from %s in %.3f s", plan.step, rank, tier, seconds)
     return RestoreResult(plan.step, tier, seconds)

@@ -78,6 +78,39 @@ def test_empty_root_loads_nothing(tmp_path: Path) -> None:
         assert mgr.last_restore is not None and mgr.last_restore.tier is None
 
 
+class ModelAndOptim:
+    """Stateful through torch's get_state_dict, as in examples/train.py: on an optimizer without
+    state, get_state_dict creates that state by taking a (zero learning rate) step."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["persistent", "local_and_persistent"])
+def test_nothing_to_load_leaves_a_fresh_optimizer_untouched(tmp_path: Path, local: bool) -> None:
+    """A first run's load_latest finds nothing: the state must come out as it went in. A walk
+    of the state would give Adam a step count of 1 and change the whole training trajectory."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    kw: dict[str, Any] = {"local_every": 1, "local_dir": None} if local else {}
+    with CheckpointManager(str(tmp_path), **kw) as mgr:
+        assert mgr.load_latest({"train": ModelAndOptim(model, opt)}) is None
+    assert opt.state == {}
+
+
 def test_mutation_after_save_returns_is_not_saved(tmp_path: Path) -> None:
     big = torch.zeros(1 << 20)
     small = [torch.zeros(3) for _ in range(50)]
