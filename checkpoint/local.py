@@ -183,8 +183,9 @@ class LocalTier:
             self._complete = [c for c in self._complete if c < step]
 
     def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
+        # dtype and torch.Size compare and hash as they are: no str() / tuple() per tensor.
         sig = tuple(
-            (x.key, str(x.value.dtype), tuple(x.value.shape), x.replicated)
+            (x.key, x.value.dtype, x.value.shape, x.replicated)
             for x in leaves
             if isinstance(x.value, torch.Tensor)
         )

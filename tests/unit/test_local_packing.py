@@ -100,3 +100,20 @@ def test_replicated_marker_reaches_the_leaves() -> None:
     state = {"m": packing.ReplicatedState({"w": torch.ones(2)}), "r": torch.ones(1)}
     flags = {x.key: x.replicated for x in packing.leaves(state, [])}
     assert flags == {"m/w": True, "r": False}
+
+
+def test_reused_buffer_with_a_longer_header_packs_correctly() -> None:
+    """A local save reuses its buffer and layout from step to step while the header (scalars,
+    pickled objects) changes length: the data must move with it."""
+    state = {"w": torch.randn(1000), "b": torch.arange(5, dtype=torch.int64)}
+    lv = packing.leaves(state, [])
+    tensors = [x for x in lv if isinstance(x.value, torch.Tensor)]
+    layout = packing.Layout.of(tensors)
+    buf = torch.empty(1 << 16, dtype=torch.uint8)
+    for note in ("short", "a much longer note " * 20, "short again"):
+        state["w"].add_(1.0)
+        header = packing.header_bytes(layout, {"note": note}, {"step": 1})
+        packing.pack_into(buf, layout, header, tensors)
+        target = {"w": torch.zeros(1000), "b": torch.zeros(5, dtype=torch.int64)}
+        packing.fill_leaves(buf, packing.leaves(target, []), keep=lambda k: k != "note")
+        assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
