@@ -1,0 +1,118 @@
+"""Blocking time of a per-step local save for the example's tiny GPT, against its floors.
+
+Run: ``python benchmarks/local_save.py [--saves 300] [--gap-ms 20] [--local-dir DIR]``. Prints
+one JSON document. The state is the one ``examples/train.py`` saves at every step (GPT-like
+model, AdamW with its state, the re-run machine, the step; 116 tensors, 1.6 MB), saved through
+``CheckpointManager(local_every=1)`` with a pause before each save, as training has. Reported:
+the median and 90th percentile of ``save()``, and the medians of its floors, measured in the same
+rounds (each after the same pause) on the same state:
+
+* ``copy_floor_s``: one ``torch._foreach_copy_`` of the state's tensors into reused tensors
+  (the copy a save cannot avoid);
+* ``walk_floor_s``: the example's ``state_dict()`` (torch's ``get_state_dict``, cached) plus the
+  tier's walk of the state into leaves (what any save must look at).
+
+The difference between the save and the two floors is the tier's own work per save (plan,
+header, buffer choice, handing off to the background thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def example_state() -> dict[str, Any]:
+    """examples/train.py's checkpointed state after one optimizer step."""
+    from gpt import GPTConfig, build_model
+    from train import TrainState
+
+    from rerun import RerunStateMachine
+
+    model = build_model(GPTConfig(), seed=1234)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    rsm = RerunStateMachine(
+        mode="validate_results",
+        check_for_nan_in_loss=True,
+        check_for_spiky_loss=True,
+        hardware_id="cpu-rank0",
+    )
+    return {"train": TrainState(model, opt, rsm, 0)}
+
+
+def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) -> dict[str, Any]:
+    """n rounds of (copy floor, walk floor, save), each after `gap` of sleep: a save follows a
+    training step, so caches are cold for all three alike (a hot timeit loop of the floors ran
+    2.5-4x faster than the same work inside saves here)."""
+    from checkpoint import packing
+    from checkpoint.manager import CheckpointManager
+
+    tensors = [x.value for x in packing.leaves(state, []) if isinstance(x.value, torch.Tensor)]
+    views = [torch.empty_like(t) for t in tensors]
+    times: dict[str, list[float]] = {"copy": [], "walk": [], "save": []}
+
+    def timed(key: str, fn: Any) -> None:
+        time.sleep(gap)
+        t0 = time.perf_counter()
+        fn()
+        times[key].append(time.perf_counter() - t0)
+
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-local-save-") as tmp,
+        CheckpointManager(
+            f"{tmp}/ckpt",
+            persistent_every=10**9,
+            local_every=1,
+            local_dir=local_dir,
+            replication_factor=1,
+        ) as mgr,
+    ):
+        for step in range(1, n + 1):
+            timed("copy", lambda: torch._foreach_copy_(views, tensors))
+            timed("walk", lambda: packing.leaves(state, []))
+            timed("save", lambda: mgr.save(step, state))  # noqa: B023 (called at once)
+    skip = min(10, n // 10)  # warm-up: buffers allocated and faulted in the first saves
+    med = {k: statistics.median(v[skip:]) for k, v in times.items()}
+    return {
+        "tensors": len(tensors),
+        "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "saves": n - skip,
+        "copy_floor_s": med["copy"],
+        "walk_floor_s": med["walk"],
+        "save_median_s": med["save"],
+        "save_p90_s": statistics.quantiles(times["save"][skip:], n=10)[-1],
+        "tier_own_work_s": med["save"] - med["copy"] - med["walk"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--saves", type=int, default=300)
+    p.add_argument("--gap-ms", type=float, default=20.0, help="pause between saves (a step)")
+    p.add_argument("--local-dir", default=None, help="node-local directory (default: memory)")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # as in examples/train.py
+    state = example_state()
+    result = {"benchmark": "local_save", **measure(state, args.saves, args.gap_ms / 1000,
+                                                   args.local_dir)}  # fmt: skip
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
