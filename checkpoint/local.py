@@ -407,6 +407,7 @@ class LocalTier:
         with self._lock:
             self._held.clear()
             self._free.clear()
+        self._cache = None  # its layout's cached views would keep the buffers alive
 
     def __enter__(self) -> LocalTier:
         return self
