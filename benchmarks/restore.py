@@ -10,8 +10,9 @@ with the same state size (default 1 GiB: a few large tensors plus ~1000 small on
   are reused; both ranks save at once, as in the copy floor) and background time;
   restore from memory (after a save, as after an in-process restart), from the node-local
   directory (a new tier, as a new process), from a peer replica (rank 1 with nothing of its own;
-  best and median of --repeat, received into the state's tensors as when a persistent checkpoint
-  exists, and into a buffer of its own as before the first persistent save);
+  best and median of --repeat); directory and peer copies both ways: into the state's tensors,
+  as when a persistent checkpoint exists, and into a buffer of their own, as before the first
+  persistent save;
 * persistent tier: CheckpointManager torch_dist save, then load_latest in a new manager;
 * the node-local writer choice: plain file + fsync vs tensorstore (zarr3, one array), same bytes.
 
@@ -163,12 +164,15 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
                 if rank == 1:
                     out[f"{name}_s"] = min(times)
                     out[f"{name}_median_s"] = statistics.median(times)
-        dist.barrier()
-        with LocalTier(local_dir=local_dir, **kw) as fresh:  # a new process: directory only
-            _zero(state)
-            res = fresh.load(state, min_step=None)
-            assert res is not None and res.tier == "local_dir", res
-            out["local_dir_s"] = res.seconds
+        # A new process: directory only; into the state's tensors (a persistent checkpoint
+        # exists) and into a buffer of its own (none yet), as for the peer.
+        for name, min_step in (("local_dir", 1), ("local_dir_into_buffer", None)):
+            dist.barrier()
+            with LocalTier(local_dir=local_dir, **kw) as fresh:
+                _zero(state)
+                res = fresh.load(state, min_step=min_step)
+                assert res is not None and res.tier == "local_dir", res
+                out[f"{name}_s"] = res.seconds
     out["memory_gib_s"] = n / out["memory_s"] / 2**30
     return out
 
@@ -287,6 +291,7 @@ def _summary(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]
         "restore_s": {
             "memory": worst("memory_s"),
             "local_dir": worst("local_dir_s"),
+            "local_dir_into_buffer": worst("local_dir_into_buffer_s"),
             "peer": r1["peer_s"],
             "peer_median": r1["peer_median_s"],
             "peer_into_buffer": r1["peer_into_buffer_s"],

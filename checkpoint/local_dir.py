@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import checksum
-from checkpoint.errors import CheckpointStorageError
+from checkpoint import checksum, packing
+from checkpoint.errors import CheckpointError, CheckpointStorageError
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _META = re.compile(r"^owner_(\d+)\.json$")
 _PROBE = ".restartable-probe"
-_READ_CHUNK = 32 << 20
 _MIN_FREE = 16 << 20  # a directory with less free space than this cannot hold any useful shard
 
 
@@ -126,27 +125,43 @@ def scan(root: Path) -> list[ShardMeta]:
     return out
 
 
-def read(root: Path, meta: ShardMeta, into: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Read a shard into a uint8 tensor; None when it is missing, truncated or fails its checksum.
+def read(root: Path, meta: ShardMeta, place: packing.Place | None = None) -> torch.Tensor | None:
+    """Read a shard into a new uint8 tensor; None when it is missing, truncated, not a shard or
+    fails its checksum.
 
-    Reads in chunks and checksums each one as it arrives (the checksum costs about a tenth of
-    the read: see checkpoint.checksum).
+    Reads in parts (packing.part_bounds) and checksums each as it arrives (the checksum costs
+    about a tenth of the read: see checkpoint.checksum). `place`: once the header is read, the
+    parts it maps are read straight into the tensors it gives instead of the returned buffer.
     """
     data = root / f"step_{meta.step:09d}" / f"owner_{meta.owner}.bin"
     n = meta.nbytes
-    buf = into if into is not None and into.numel() >= n else torch.empty(n, dtype=torch.uint8)
-    view = buf[:n].numpy().data
+    buf = torch.empty(n, dtype=torch.uint8)
     check = checksum.Checksum()
     try:
         with open(data, "rb", buffering=0) as f:
-            for a in range(0, n, _READ_CHUNK):
-                b = min(a + _READ_CHUNK, n)
-                if f.readinto(view[a:b]) != b - a:
+
+            def read_into(part: torch.Tensor) -> bool:
+                return f.readinto(part.numpy().data) == part.numel()
+
+            cuts, dests = packing.part_bounds(n, None), {}
+            if place is not None:
+                end = min(n, packing.PREFIX_SIZE)
+                if not read_into(buf[:end]):
+                    return None
+                end = min(n, packing.header_end(bytes(buf[:end].numpy())))
+                if not read_into(buf[packing.PREFIX_SIZE : end]):
+                    return None
+                cuts = packing.part_bounds(n, packing.parse(buf[:end]))
+                dests = place(buf, cuts)
+                check.update(buf[: cuts[1]])
+            for k in range(1 if place is not None else 0, len(cuts) - 1):
+                part = dests.get(k, buf[cuts[k] : cuts[k + 1]])
+                if not read_into(part):
                     return None  # truncated
-                check.update(buf[a:b])
+                check.update(part)
             if f.read(1):
                 return None  # longer than recorded
-    except OSError:
+    except (OSError, CheckpointError):
         return None
     return buf if check.value == meta.checksum else None
 

@@ -76,10 +76,10 @@ ReplicatedOwner = Callable[[list[packing.Leaf], int], dict[str, int]]
 
 
 class _IntoState:
-    """Where a peer's shard lands (replication_transport.Place): its large tensors straight into
-    the state's own tensors, which are already in memory, instead of a new buffer that must be
-    faulted in and copied out again (on this project's machine, faulting 1 GiB in took 0.4-2.9 s
-    during a transfer, and the copy out 0.14 s).
+    """Where a shard from a peer or the node-local directory lands (packing.Place): its large
+    tensors straight into the state's own tensors, which are already in memory, instead of a new
+    buffer that must be faulted in and copied out again (on this project's machine, faulting
+    1 GiB in took 0.4-2.9 s during a transfer, and the copy out 0.14 s).
 
     Only used when a persistent checkpoint exists (restore(), min_step set): if the copy then
     fails its checksum, every tensor it wrote is overwritten by the next source or by the
@@ -155,7 +155,7 @@ class _Target:
         """Fill the state from this rank's shard (skipping tensors that arrived in place);
         fully_parallel then exchanges the replicated parts; Stateful objects load last."""
         into = self.into_state
-        done = into.keys if into is not None and tier == "peer" else set()
+        done = into.keys if into is not None and tier in ("peer", "local_dir") else set()
         keep = lambda k: self.keep(k) and k not in done  # noqa: E731
         packing.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
         if self._fully_parallel:
@@ -239,16 +239,19 @@ def _fetch(
     """Run one plan: serve the shards assigned to this rank, obtain this rank's own."""
     step = plan.step
 
-    def obtain(owner: int) -> tuple[torch.Tensor, int, int, str, packing.Parsed | None] | None:
-        """(step, owner) from this rank's memory (trusted) or directory (verified), or None."""
+    def obtain(
+        owner: int, place: _IntoState | None = None
+    ) -> tuple[torch.Tensor, int, int, str, packing.Parsed | None] | None:
+        """(step, owner) from this rank's memory (trusted) or directory (verified), or None.
+        place: a directory copy's large tensors are read straight into the state."""
         sh = held.get((step, owner))
         if sh is not None:
             return sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed
         m = on_disk.get((step, owner))
         if m is not None and local_dir is not None:
-            b = ldir.read(local_dir, m)
+            b = ldir.read(local_dir, m, place)
             if b is not None:
-                return b, m.nbytes, m.checksum, "local_dir", None
+                return b, m.nbytes, m.checksum, "local_dir", place.parsed if place else None
         return None
 
     bad: list[tuple[int, int, int]] = []
@@ -265,7 +268,7 @@ def _fetch(
     mine: tuple[torch.Tensor, str, packing.Parsed | None] | None = None
     srcs: list[int] = []
     if plan.sources[rank] == rank:
-        got = obtain(rank)
+        got = obtain(rank, into_state)
         if got is None:
             bad.append((step, rank, rank))
         else:

@@ -1,13 +1,11 @@
 """Point-to-point transfer of packed shards on the local tier's gloo group.
 
-Per (sender, receiver) pair: a small header, the part boundaries, then the shard in parts, all
-posted at once (isend / irecv), so no pair waits for another and no collective runs per tensor.
-Measured on gloo loopback: one flat buffer moves at twice the rate of per-tensor messages, and
-all_gather of large buffers is 8x slower than send/recv (research/anchor-checkpoint.md 6.5).
-
-Parts: the packed header alone first, then every tensor of at least DIRECT_MIN bytes in parts of
-its own, the bytes between them in parts of at most 32 MiB. A receiver that restores into a
-state can then take the large tensors straight into the state's own memory (see `Place`).
+Per (sender, receiver) pair: a small header, the part boundaries, then the shard in parts
+(packing.part_bounds), all posted at once (isend / irecv), so no pair waits for another and no
+collective runs per tensor. Measured on gloo loopback: one flat buffer moves at twice the rate of
+per-tensor messages, and all_gather of large buffers is 8x slower than send/recv
+(research/anchor-checkpoint.md 6.5). A receiver that restores into a state can take the large
+tensors straight into the state's own memory (packing.Place).
 """
 
 from __future__ import annotations
@@ -21,25 +19,18 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.checksum import Checksum
-from checkpoint.packing import Parsed
+from checkpoint.packing import Parsed, Place, part_bounds
 
-_CHUNK = 32 << 20  # parts of at most this size: the receiver checksums one while the next arrives
-DIRECT_MIN = 1 << 20  # a tensor this large travels in parts of its own
 # [step, owner, world, nbytes, checksum, number of parts]; nbytes = -1 tells the receiver the
 # sender has nothing (its copy failed verification): nothing else follows from that sender.
 _HEADER_LEN = 6
-
-# place(buf, bounds): called by the receiver once part 0 (the packed header) is in buf[:bounds[1]];
-# returns {part index (>= 1): a uint8 tensor of exactly that part's size} for the parts that
-# should land somewhere else than buf. Those parts are checksummed where they land.
-Place = Callable[[torch.Tensor, list[int]], dict[int, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Outgoing:
     """A shard to send: `buf[:nbytes]` goes to `dst`; buf None means "I cannot provide it".
 
-    parsed: the shard's header; None sends it in plain 32 MiB parts (nothing lands directly).
+    parsed: the shard's header; None sends it in plain parts (nothing lands directly).
     """
 
     dst: int
@@ -66,26 +57,6 @@ class Incoming:
     received: int | None = None  # checksum of what arrived: equal to `checksum` when intact
 
 
-def bounds(nbytes: int, parsed: Parsed | None) -> list[int]:
-    """Part boundaries 0 = b[0] < b[1] < ... < b[n] = nbytes of a shard (see the module doc)."""
-    cuts = [0]
-    if parsed is not None and parsed.data_start <= nbytes:
-        cuts.append(parsed.data_start)
-        for e in sorted(parsed.entries.values(), key=lambda e: e.offset):
-            base = parsed.data_start + e.offset
-            # Entries outside the shard or overlapping can only come from a corrupt header: they
-            # travel with the bytes around them, and the receiver's checksum rejects the copy.
-            if e.nbytes >= DIRECT_MIN and base >= cuts[-1] and base + e.nbytes <= nbytes:
-                cuts += [base, base + e.nbytes]
-    cuts.append(nbytes)
-    out = [0]
-    for a, b in itertools.pairwise(cuts):
-        out += range(a + _CHUNK, b, _CHUNK)
-        if b > out[-1]:
-            out.append(b)
-    return out
-
-
 def exchange(
     pg: dist.ProcessGroup,
     sends: Sequence[Outgoing],
@@ -98,13 +69,13 @@ def exchange(
     Collective over the ranks named on both sides: each receiver must list each sender exactly
     as often as that sender lists it (pairs are matched in order). `alloc(nbytes)` returns a
     uint8 CPU tensor of at least nbytes for each received shard (its pages need not be touched
-    yet: each part is faulted in just before its receive is posted). `place`: see `Place`.
+    yet: each part is faulted in just before its receive is posted). `place`: see packing.Place.
     Blocks until all transfers end or the group's timeout fires (then raises).
     """
     works: list[dist.Work | None] = []
     keep: list[torch.Tensor] = []  # tensors of posted sends stay alive until they complete
     for s in sends:
-        cuts = bounds(s.nbytes, s.parsed) if s.buf is not None else []
+        cuts = part_bounds(s.nbytes, s.parsed) if s.buf is not None else []
         n = s.nbytes if s.buf is not None else -1
         head = torch.tensor([s.step, s.owner, s.world, n, s.checksum, len(cuts) - 1])
         keep.append(head)

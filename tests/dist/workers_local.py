@@ -166,11 +166,11 @@ def restore_fresh(
     """
     import resource
 
-    import checkpoint.replication_transport as transport
+    from checkpoint import packing
 
     if small_parts:
-        transport._CHUNK = 4096  # many parts per shard: exercises the pipelined checksum
-        transport.DIRECT_MIN = 256  # most tensors travel in parts of their own
+        packing.PART_MAX = 4096  # many parts per shard: exercises the pipelined checksum
+        packing.DIRECT_MIN = 256  # most tensors travel in parts of their own
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(_node_dir(base), algo)
@@ -235,9 +235,9 @@ def corrupt_replica_in_place(base: str) -> dict[str, Any]:
     """A replica corrupted in its holder's memory (memory copies are sent unverified) arrives in
     place, into the receiver's state tensors; the receiver's checksum rejects it and the next
     source (step 1) must overwrite every tensor the bad copy wrote."""
-    import checkpoint.replication_transport as transport
+    from checkpoint import packing
 
-    transport.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
+    packing.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(None, "atomic")

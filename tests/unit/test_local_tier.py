@@ -142,6 +142,61 @@ def test_corrupt_directory_copy_is_not_loaded(tmp_path: Path) -> None:
         assert fresh.load(state, min_step=2) is None
 
 
+def test_corrupt_directory_copy_read_in_place_is_overwritten(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """With a persistent checkpoint to fall back on (min_step set), a directory copy is read
+    straight into the state's tensors; one that then fails its checksum must leave nothing of
+    itself behind once the older step is restored."""
+    from checkpoint import packing
+
+    monkeypatch.setattr(packing, "DIRECT_MIN", 256)  # "w" (1 KiB) is read in place
+    with _tier(tmp_path) as tier:
+        tier.save(1, _state(1.0))
+        tier.save(2, _state(2.0))
+    shard = tmp_path / "step_000000002" / "owner_0.bin"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # inside "w", the last tensor
+    shard.write_bytes(bytes(data))
+    with _tier(tmp_path) as fresh:
+        state = _state(0.0)
+        res = fresh.load(state, min_step=1)
+        assert res is not None and (res.step, res.tier) == (1, "local_dir")
+        assert torch.equal(state["w"], torch.full((256,), 1.0)) and state["step"] == 1
+
+
+def _peak_rss_since_reset() -> int:
+    """VmHWM in bytes: the peak resident memory since the last write of 5 to clear_refs."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_directory_restore_into_state_needs_no_second_copy(tmp_path: Path) -> None:
+    """A 64 MiB shard read from the directory lands in the state's own tensor when a persistent
+    checkpoint exists: the peak memory grows by far less than the shard; without one, the shard
+    is read and verified in a buffer of its own first."""
+    import gc
+
+    n = 16 << 20  # float32s
+    with _tier(tmp_path) as tier:
+        tier.save(1, {"w": torch.full((n,), 3.0), "step": 1})
+    growth = {}
+    for min_step in (None, 1):
+        with _tier(tmp_path) as fresh:
+            state = {"w": torch.zeros(n), "step": 0}  # in memory already, as a model is
+            gc.collect()
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current size
+            before = _peak_rss_since_reset()
+            res = fresh.load(state, min_step=min_step)
+            growth[min_step] = (_peak_rss_since_reset() - before) / 2**20
+            assert res is not None and res.tier == "local_dir" and bool((state["w"] == 3).all())
+    assert growth[None] > 60, growth  # the shard's own buffer
+    assert growth[1] < 16, growth
+
+
 def test_shard_with_another_checksum_algorithm_is_ignored(tmp_path: Path) -> None:
     """Metadata from a version that used another checksum cannot verify its shard: skipped."""
     with _tier(tmp_path) as tier:
