@@ -4,10 +4,10 @@ Two ranks on gloo (two simulated nodes, so each rank's shard is replicated to th
 with the same state size (default 1 GiB: a few large tensors plus ~1000 small ones). Measures:
 
 * floors: memcpy bandwidth (copy into a pre-faulted buffer) and gloo loopback bandwidth (one flat
-  buffer each way at once, the replication pattern); the copy floor of a save (the state's
-  tensors copied into a pre-faulted buffer);
+  buffer each way at once, the replication pattern);
 * local tier: save stall (best and median of --repeat saves from the third on, when buffers
-  are reused; both ranks save at once, as in the copy floor) and background time;
+  are reused; both ranks save at once) against the copy floor of a save (the state's tensors
+  copied into a pre-faulted buffer, measured in alternation with the saves), background time;
   restore from memory (after a save, as after an in-process restart), from the node-local
   directory (a new tier, as a new process), from a peer replica (rank 1 with nothing of its own;
   best and median of --repeat); directory and peer copies both ways: into the state's tensors,
@@ -82,16 +82,6 @@ def _floors(state: dict[str, Any], repeat: int) -> dict[str, float]:
     src = torch.empty(n, dtype=torch.uint8).fill_(1)
     dst = torch.empty(n, dtype=torch.uint8).zero_()  # pre-faulted
     memcpy = _best(lambda: dst.copy_(src), repeat, sync=dist.barrier)
-    tensors = list(state["model"].values())
-
-    def copy_state() -> None:
-        off = 0
-        for t in tensors:
-            k = t.numel() * t.element_size()
-            dst[off : off + k].view(t.dtype).copy_(t.reshape(-1))
-            off += k
-
-    copy_floor = _best(copy_state, repeat, sync=dist.barrier)
     src.resize_(0)  # give the memory back before the next phase
     recv = torch.empty(n, dtype=torch.uint8).zero_()
     peer = 1 - dist.get_rank()
@@ -103,14 +93,20 @@ def _floors(state: dict[str, Any], repeat: int) -> dict[str, float]:
 
     dist.barrier()
     gloo = _best(pingpong, repeat)
-    return {
-        "memcpy_gib_s": n / memcpy / 2**30,
-        "gloo_gib_s": n / gloo / 2**30,
-        "copy_floor_s": copy_floor,
-    }
+    return {"memcpy_gib_s": n / memcpy / 2**30, "gloo_gib_s": n / gloo / 2**30}
+
+
+def _copy_state(state: dict[str, Any], dst: Any) -> None:
+    """The copy floor of a save: the state's tensors copied into a faulted-in flat buffer."""
+    off = 0
+    for t in state["model"].values():
+        k = t.numel() * t.element_size()
+        dst[off : off + k].view(t.dtype).copy_(t.reshape(-1))
+        off += k
 
 
 def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, float]:
+    import torch
     import torch.distributed as dist
 
     from checkpoint.group import BackgroundGroup
@@ -124,16 +120,26 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
             for step in (1, 2):  # allocate and fault the buffers; from step 3 on they are reused
                 tier.save(step, state)
                 tier.wait()
-            # Both ranks save at once (a barrier first), like the copy floor; fastest of repeat,
-            # the floor's estimator too. The median is reported alongside.
-            stalls, background = [], []
+            # The copy floor and the save alternate, both ranks at once (a barrier before each),
+            # so that both see the same machine (on this shared 2-core VM a floor measured a
+            # minute apart from the saves differed 2x between runs). Fastest of repeat for both;
+            # medians alongside.
+            dst = torch.empty(n, dtype=torch.uint8).zero_()
+            floors, stalls, background = [], [], []
             for step in range(3, 3 + repeat):
+                dist.barrier()
+                t0 = time.perf_counter()
+                _copy_state(state, dst)
+                floors.append(time.perf_counter() - t0)
                 dist.barrier()
                 t0 = time.perf_counter()
                 tier.save(step, state)
                 stalls.append(time.perf_counter() - t0)
                 tier.wait()
                 background.append(time.perf_counter() - t0 - stalls[-1])
+            del dst
+            out["copy_floor_s"] = min(floors)
+            out["copy_floor_median_s"] = statistics.median(floors)
             out["save_stall_s"] = min(stalls)
             out["save_stall_median_s"] = statistics.median(stalls)
             out["save_background_s"] = statistics.median(background)
@@ -287,6 +293,7 @@ def _summary(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]
             "memcpy_gib_s": [r["memcpy_gib_s"] for r in ranks],
             "gloo_loopback_gib_s": [r["gloo_gib_s"] for r in ranks],
             "save_copy_s": [r["copy_floor_s"] for r in ranks],
+            "save_copy_median_s": [r["copy_floor_median_s"] for r in ranks],
         },
         "restore_s": {
             "memory": worst("memory_s"),
