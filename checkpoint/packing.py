@@ -330,6 +330,8 @@ def parse(buf: torch.Tensor) -> Parsed:
 def header_end(prefix: bytes) -> int:
     """Where the header ends and the data part starts, from the first PREFIX_SIZE bytes of a
     packed buffer."""
+    if len(prefix) < _PREFIX.size:
+        raise CheckpointError("not a local-tier shard (shorter than its prefix)")
     magic, hlen = _PREFIX.unpack(prefix[: _PREFIX.size])
     if magic != MAGIC:
         raise CheckpointError("not a local-tier shard (bad magic)")

@@ -165,6 +165,20 @@ def test_corrupt_directory_copy_read_in_place_is_overwritten(
         assert torch.equal(state["w"], torch.full((256,), 1.0)) and state["step"] == 1
 
 
+@pytest.mark.parametrize("size", [0, 10, 200], ids=["empty", "shorter_than_prefix", "garbage"])
+def test_directory_copy_that_is_not_a_shard_is_skipped(tmp_path: Path, size: int) -> None:
+    """A .bin replaced by something else (truncated to nothing, a few bytes, garbage) with a
+    persistent checkpoint present (the in-place path reads the header first): older step."""
+    with _tier(tmp_path) as tier:
+        tier.save(1, _state(1.0))
+        tier.save(2, _state(2.0))
+    (tmp_path / "step_000000002" / "owner_0.bin").write_bytes(b"\x07" * size)
+    with _tier(tmp_path) as fresh:
+        state = _state(0.0)
+        res = fresh.load(state, min_step=1)
+        assert res is not None and res.step == 1 and state["step"] == 1
+
+
 def _peak_rss_since_reset() -> int:
     """VmHWM in bytes: the peak resident memory since the last write of 5 to clear_refs."""
     for line in Path("/proc/self/status").read_text().splitlines():
