@@ -125,13 +125,16 @@ def scan(root: Path) -> list[ShardMeta]:
     return out
 
 
-def read(root: Path, meta: ShardMeta, place: packing.Place | None = None) -> torch.Tensor | None:
-    """Read a shard into a new uint8 tensor; None when it is missing, truncated, not a shard or
-    fails its checksum.
+def read(
+    root: Path, meta: ShardMeta, place: packing.Place | None = None
+) -> tuple[torch.Tensor, packing.Parsed] | None:
+    """Read a shard into a new uint8 tensor, with its decoded header; None when it is missing,
+    truncated, not a shard or fails its checksum.
 
-    Reads in parts (packing.part_bounds) and checksums each as it arrives (the checksum costs
-    about a tenth of the read: see checkpoint.checksum). `place`: once the header is read, the
-    parts it maps are read straight into the tensors it gives instead of the returned buffer.
+    Reads the header first, then the rest in parts (packing.part_bounds), checksumming each as
+    it arrives (the checksum costs about a tenth of the read: see checkpoint.checksum).
+    `place`: the parts it maps are read straight into the tensors it gives instead of the
+    returned buffer.
     """
     data = root / f"step_{meta.step:09d}" / f"owner_{meta.owner}.bin"
     n = meta.nbytes
@@ -143,18 +146,17 @@ def read(root: Path, meta: ShardMeta, place: packing.Place | None = None) -> tor
             def read_into(part: torch.Tensor) -> bool:
                 return f.readinto(part.numpy().data) == part.numel()
 
-            cuts, dests = packing.part_bounds(n, None), {}
-            if place is not None:
-                end = min(n, packing.PREFIX_SIZE)
-                if not read_into(buf[:end]):
-                    return None
-                end = min(n, packing.header_end(bytes(buf[:end].numpy())))
-                if not read_into(buf[packing.PREFIX_SIZE : end]):
-                    return None
-                cuts = packing.part_bounds(n, packing.parse(buf[:end]))
-                dests = place(buf, cuts)
-                check.update(buf[: cuts[1]])
-            for k in range(1 if place is not None else 0, len(cuts) - 1):
+            end = min(n, packing.PREFIX_SIZE)
+            if not read_into(buf[:end]):
+                return None
+            end = min(n, packing.header_end(bytes(buf[:end].numpy())))
+            if not read_into(buf[packing.PREFIX_SIZE : end]):
+                return None
+            parsed = packing.parse(buf[:end])
+            cuts = packing.part_bounds(n, parsed)  # cuts[1] == end: the header is part 0
+            dests = place(buf, cuts) if place is not None else {}
+            check.update(buf[: cuts[1]])
+            for k in range(1, len(cuts) - 1):
                 part = dests.get(k, buf[cuts[k] : cuts[k + 1]])
                 if not read_into(part):
                     return None  # truncated
@@ -163,7 +165,7 @@ def read(root: Path, meta: ShardMeta, place: packing.Place | None = None) -> tor
                 return None  # longer than recorded
     except (OSError, CheckpointError):
         return None
-    return buf if check.value == meta.checksum else None
+    return (buf, parsed) if check.value == meta.checksum else None
 
 
 def remove_steps_older_than(root: Path, step: int) -> None:

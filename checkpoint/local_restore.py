@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -90,10 +90,13 @@ class _IntoState:
         self._leaves = leaves
         self._keep = keep
         self.keys: set[str] = set()  # tensors that arrived in place (the fill skips them)
-        self.parsed: packing.Parsed | None = None
+        self.parsed: packing.Parsed | None = None  # the header of the copy that arrived
+
+    def clear(self) -> None:
+        """Before each attempt: what an earlier, rejected copy placed is not this one's."""
+        self.keys, self.parsed = set(), None
 
     def __call__(self, buf: torch.Tensor, cuts: list[int]) -> dict[int, torch.Tensor]:
-        self.keys, self.parsed = set(), None
         try:
             parsed = packing.parse(buf[: cuts[1]])
             todo = packing.match(parsed, self._leaves, self._keep)
@@ -146,16 +149,11 @@ class _Target:
         return self._owner.get(key, self._rank) == self._rank
 
     def fill(
-        self,
-        buf: torch.Tensor,
-        parsed: packing.Parsed | None,
-        tier: str,
-        pg: dist.ProcessGroup | None,
+        self, buf: torch.Tensor, parsed: packing.Parsed | None, pg: dist.ProcessGroup | None
     ) -> None:
         """Fill the state from this rank's shard (skipping tensors that arrived in place);
         fully_parallel then exchanges the replicated parts; Stateful objects load last."""
-        into = self.into_state
-        done = into.keys if into is not None and tier in ("peer", "local_dir") else set()
+        done = self.into_state.keys if self.into_state is not None else set()
         keep = lambda k: self.keep(k) and k not in done  # noqa: E731
         packing.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
         if self._fully_parallel:
@@ -185,7 +183,7 @@ def restore(
     mine = sorted(set(held) | set(on_disk))
     inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
     bad: set[tuple[int, int, int]] = set()
-    fetched: tuple[torch.Tensor, str, packing.Parsed | None] | None = None
+    fetched: _Copy | None = None
     plan = None
     target: _Target | None = None
     # Each failed round excludes at least one copy, so the loop ends within the copy count.
@@ -219,11 +217,26 @@ def restore(
             world,
         )
         return None
-    buf, tier, parsed = fetched
-    target.fill(buf, parsed, tier, pg)
+    target.fill(fetched.buf, fetched.parsed, pg)
     seconds = time.perf_counter() - t0
-    log.info("restored local step %d on rank %d from %s in %.3f s", plan.step, rank, tier, seconds)
-    return RestoreResult(plan.step, tier, seconds)
+    log.info(
+        "restored local step %d on rank %d from %s in %.3f s",
+        plan.step,
+        rank,
+        fetched.tier,
+        seconds,
+    )
+    return RestoreResult(plan.step, fetched.tier, seconds)
+
+
+class _Copy(NamedTuple):
+    """A copy of one shard that this rank holds or has just received."""
+
+    buf: torch.Tensor
+    nbytes: int
+    checksum: int
+    tier: str  # "memory" | "local_dir" | "peer"
+    parsed: packing.Parsed | None  # its header when known without parsing buf
 
 
 def _fetch(
@@ -235,44 +248,44 @@ def _fetch(
     local_dir: Path | None,
     on_disk: dict[tuple[int, int], ldir.ShardMeta],
     into_state: _IntoState | None,
-) -> tuple[tuple[torch.Tensor, str, packing.Parsed | None] | None, list[tuple[int, int, int]]]:
+) -> tuple[_Copy | None, list[tuple[int, int, int]]]:
     """Run one plan: serve the shards assigned to this rank, obtain this rank's own."""
     step = plan.step
+    if into_state is not None:
+        into_state.clear()  # only this round's copy may have landed in place
 
-    def obtain(
-        owner: int, place: _IntoState | None = None
-    ) -> tuple[torch.Tensor, int, int, str, packing.Parsed | None] | None:
+    def obtain(owner: int, place: _IntoState | None = None) -> _Copy | None:
         """(step, owner) from this rank's memory (trusted) or directory (verified), or None.
         place: a directory copy's large tensors are read straight into the state."""
         sh = held.get((step, owner))
         if sh is not None:
-            return sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed
+            return _Copy(sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed)
         m = on_disk.get((step, owner))
         if m is not None and local_dir is not None:
-            b = ldir.read(local_dir, m, place)
-            if b is not None:
-                return b, m.nbytes, m.checksum, "local_dir", place.parsed if place else None
+            got = ldir.read(local_dir, m, place)
+            if got is not None:
+                return _Copy(got[0], m.nbytes, m.checksum, "local_dir", got[1])
         return None
 
     bad: list[tuple[int, int, int]] = []
     sends = []
     for r in range(world):
         if r != rank and plan.sources[r] == rank:
-            got = obtain(r)
-            parsed = None if got is None else _header(got[0], got[1], got[4])
-            if got is None or parsed is None:
+            copy = obtain(r)
+            parsed = _header(copy) if copy is not None else None
+            if copy is None or parsed is None:
                 bad.append((step, r, rank))
                 sends.append(Outgoing(r, step, r, world, 0, 0, None))
             else:
-                sends.append(Outgoing(r, step, r, world, got[1], got[2], got[0], parsed))
-    mine: tuple[torch.Tensor, str, packing.Parsed | None] | None = None
+                sends.append(
+                    Outgoing(r, step, r, world, copy.nbytes, copy.checksum, copy.buf, parsed)
+                )
+    mine: _Copy | None = None
     srcs: list[int] = []
     if plan.sources[rank] == rank:
-        got = obtain(rank, into_state)
-        if got is None:
+        mine = obtain(rank, into_state)
+        if mine is None:
             bad.append((step, rank, rank))
-        else:
-            mine = (got[0], got[3], got[4])
     else:
         srcs = [plan.sources[rank]]
     if pg is not None and (sends or srcs):
@@ -284,7 +297,8 @@ def _fetch(
                 and inc.received == inc.checksum
             )
             if ok and inc.buf is not None:
-                mine = (inc.buf, "peer", into_state.parsed if into_state is not None else None)
+                parsed = into_state.parsed if into_state is not None else None
+                mine = _Copy(inc.buf, inc.nbytes, inc.checksum, "peer", parsed)
             else:
                 log.warning(
                     "replica of rank %d step %d from rank %d failed verification",
@@ -296,12 +310,12 @@ def _fetch(
     return mine, bad
 
 
-def _header(buf: torch.Tensor, nbytes: int, parsed: packing.Parsed | None) -> packing.Parsed | None:
+def _header(copy: _Copy) -> packing.Parsed | None:
     """The header of a copy about to be sent; None when it does not decode (a bad copy)."""
-    if parsed is not None:
-        return parsed
+    if copy.parsed is not None:
+        return copy.parsed
     try:
-        return packing.parse(buf[:nbytes])
+        return packing.parse(copy.buf[: copy.nbytes])
     except CheckpointError:
         return None
 
