@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import peak_memory
 from tests.multiproc import describe, run_ranks
 
 W = "tests.dist.workers_local"
@@ -106,6 +107,7 @@ def test_corrupt_replica_received_in_place_is_overwritten(tmp_path: Path) -> Non
         assert got[r] == {"step": 1, "tier": tier, "ok": True}, (r, got[r])
 
 
+@pytest.mark.skipif(not peak_memory.AVAILABLE, reason="needs Linux /proc")
 def test_peer_restore_into_state_needs_no_second_copy(tmp_path: Path) -> None:
     """With a persistent checkpoint to fall back on, a 64 MiB shard from a peer lands in the
     state's own tensors: the receiver's peak memory grows by far less than the shard; without

@@ -164,9 +164,8 @@ def restore_fresh(
     tensors. small_parts: tiny parts and in-place tensors, so the test's small tensors take the
     paths that large ones take in production. Reports the growth of the peak RSS during load.
     """
-    import resource
-
     from checkpoint import packing
+    from tests import peak_memory
 
     if small_parts:
         packing.PART_MAX = 4096  # many parts per shard: exercises the pipelined checksum
@@ -176,14 +175,12 @@ def restore_fresh(
     tier, group = _tier(_node_dir(base), algo)
     state = _state(rank, world, 0, big)
     _zero(state)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    res = tier.load(state, min_step=min_step)
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak  # KiB on Linux
+    res, grown = peak_memory.growth_mib(lambda: tier.load(state, min_step=min_step))
     out = {
         "step": res.step,
         "tier": res.tier,
         "ok": _matches(state, rank, world, res.step),
-        "peak_rss_growth_mib": grown / 1024,
+        "peak_rss_growth_mib": grown,
     }
     tier.close()
     group.close()

@@ -12,6 +12,7 @@ import torch
 
 from checkpoint.errors import CheckpointConfigError, CheckpointStorageError
 from checkpoint.local import LocalTier
+from tests import peak_memory
 
 
 class NoGroup:
@@ -179,15 +180,7 @@ def test_directory_copy_that_is_not_a_shard_is_skipped(tmp_path: Path, size: int
         assert res is not None and res.step == 1 and state["step"] == 1
 
 
-def _peak_rss_since_reset() -> int:
-    """VmHWM in bytes: the peak resident memory since the last write of 5 to clear_refs."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
-
-
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.skipif(not peak_memory.AVAILABLE, reason="needs Linux /proc")
 def test_directory_restore_into_state_needs_no_second_copy(tmp_path: Path) -> None:
     """A 64 MiB shard read from the directory lands in the state's own tensor when a persistent
     checkpoint exists: the peak memory grows by far less than the shard; without one, the shard
@@ -202,10 +195,9 @@ def test_directory_restore_into_state_needs_no_second_copy(tmp_path: Path) -> No
         with _tier(tmp_path) as fresh:
             state = {"w": torch.zeros(n), "step": 0}  # in memory already, as a model is
             gc.collect()
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current size
-            before = _peak_rss_since_reset()
-            res = fresh.load(state, min_step=min_step)
-            growth[min_step] = (_peak_rss_since_reset() - before) / 2**20
+            res, growth[min_step] = peak_memory.growth_mib(
+                lambda: fresh.load(state, min_step=min_step)  # noqa: B023 (called at once)
+            )
             assert res is not None and res.tier == "local_dir" and bool((state["w"] == 3).all())
     assert growth[None] > 60, growth  # the shard's own buffer
     assert growth[1] < 16, growth
