@@ -315,10 +315,9 @@ class Parsed:
 
 def parse(buf: torch.Tensor) -> Parsed:
     """Decode the header of a packed buffer; CheckpointError when it is not one."""
-    raw = bytes(buf[: _PREFIX.size].numpy())
-    magic, hlen = _PREFIX.unpack(raw)
-    if magic != MAGIC or hlen > buf.numel():
-        raise CheckpointError("not a local-tier shard (bad magic or header length)")
+    hlen = _header_len(bytes(buf[: _PREFIX.size].numpy()))
+    if _PREFIX.size + hlen > buf.numel():
+        raise CheckpointError("not a local-tier shard (header longer than the buffer)")
     try:
         doc = json.loads(bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy()))
         entries = {k: TensorEntry(k, d, tuple(s), off, n) for k, d, s, off, n in doc["tensors"]}
@@ -330,12 +329,17 @@ def parse(buf: torch.Tensor) -> Parsed:
 def header_end(prefix: bytes) -> int:
     """Where the header ends and the data part starts, from the first PREFIX_SIZE bytes of a
     packed buffer."""
+    return _align(_PREFIX.size + _header_len(prefix))
+
+
+def _header_len(prefix: bytes) -> int:
+    """The header length recorded in a packed buffer's prefix; CheckpointError if it has none."""
     if len(prefix) < _PREFIX.size:
         raise CheckpointError("not a local-tier shard (shorter than its prefix)")
     magic, hlen = _PREFIX.unpack(prefix[: _PREFIX.size])
     if magic != MAGIC:
         raise CheckpointError("not a local-tier shard (bad magic)")
-    return _align(_PREFIX.size + hlen)
+    return int(hlen)
 
 
 # place(buf, bounds): called once part 0 (the header) of a shard is in buf[:bounds[1]]; returns
