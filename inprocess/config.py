@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from inprocess.errors import ConfigError
 
 GRANULARITIES = ("rank", "node")
+# NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
+_HEARTBEAT_INTERVAL_CAP = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,9 +23,14 @@ class RestartConfig:
 
     * ``soft_timeout``: no progress of the main thread for this long -> a fault of this rank.
     * ``hard_timeout``: no heartbeat for this long -> the watchdog kills the rank (> soft).
-    * ``heartbeat_interval``: how often the rank's heartbeat thread beats its watchdog.
-    * ``heartbeat_timeout``: accepted for compatibility; a lost rank is detected by its
-      watchdog (process death) or by ``hard_timeout``, so it only has to exceed the interval.
+    * ``heartbeat_interval``: how often the rank's heartbeat thread beats its watchdog. Unset
+      (None): ``min(30, hard_timeout / 3)``, so setting only the two
+      timeouts (e.g. ``soft_timeout=10, hard_timeout=20``) gives a working config
+      (``effective_heartbeat_interval`` is the value in use).
+    * ``heartbeat_timeout``: accepted for compatibility with NVIDIA's ``InProcessRestartConfig``
+      and ignored (a warning says so when it is set): a lost rank is detected by its watchdog
+      (process death, in milliseconds) or by ``hard_timeout``. Set together with
+      ``heartbeat_interval``, it must exceed it (NVIDIA's rule).
     * ``barrier_timeout``: bound of every barrier between iterations.
     * ``completion_timeout``: bound of the wait for the other active ranks after ``train()``
       returned on this one.
@@ -44,8 +52,8 @@ class RestartConfig:
 
     soft_timeout: float = 60.0
     hard_timeout: float = 90.0
-    heartbeat_interval: float = 30.0
-    heartbeat_timeout: float = 60.0
+    heartbeat_interval: float | None = None
+    heartbeat_timeout: float | None = None
     barrier_timeout: float = 120.0
     completion_timeout: float = 120.0
     max_iterations: int | None = None
@@ -71,7 +79,9 @@ class RestartConfig:
             "barrier_timeout",
             "completion_timeout",
         ):
-            _positive(name, getattr(self, name))
+            value = getattr(self, name)
+            if value is not None or not name.startswith("heartbeat"):
+                _positive(name, value)
         if self.termination_grace_time < 0 or math.isnan(self.termination_grace_time):
             raise ConfigError(
                 f"termination_grace_time ({self.termination_grace_time}) must be >= 0 seconds: "
@@ -82,16 +92,7 @@ class RestartConfig:
                 f"hard_timeout ({self.hard_timeout}) must be greater than soft_timeout "
                 f"({self.soft_timeout}): raise hard_timeout"
             )
-        if self.heartbeat_interval >= self.hard_timeout:
-            raise ConfigError(
-                f"heartbeat_interval ({self.heartbeat_interval}) must be less than hard_timeout "
-                f"({self.hard_timeout}): lower heartbeat_interval"
-            )
-        if self.heartbeat_timeout <= self.heartbeat_interval:
-            raise ConfigError(
-                f"heartbeat_timeout ({self.heartbeat_timeout}) must be greater than "
-                f"heartbeat_interval ({self.heartbeat_interval}): raise heartbeat_timeout"
-            )
+        self._check_heartbeat()
         for name in ("max_iterations", "active_world_size", "max_rank_faults"):
             value = getattr(self, name)
             if value is not None:
@@ -128,6 +129,38 @@ class RestartConfig:
                     "raise when the rank is unhealthy"
                 )
         object.__setattr__(self, "health_checks", checks)
+
+    @property
+    def effective_heartbeat_interval(self) -> float:
+        """``heartbeat_interval``, or the value derived from ``hard_timeout`` when unset.
+
+        Derived here rather than stored, so ``dataclasses.replace(cfg, hard_timeout=...)``
+        derives it again instead of keeping a value the user never set.
+        """
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        return min(_HEARTBEAT_INTERVAL_CAP, self.hard_timeout / 3)
+
+    def _check_heartbeat(self) -> None:
+        interval, timeout = self.effective_heartbeat_interval, self.heartbeat_timeout
+        if interval >= self.hard_timeout:  # only a value the user set can fail this
+            raise ConfigError(
+                f"heartbeat_interval ({interval}) must be less than hard_timeout "
+                f"({self.hard_timeout}): lower heartbeat_interval"
+            )
+        if timeout is None:
+            return
+        if self.heartbeat_interval is not None and timeout <= interval:  # both set
+            raise ConfigError(
+                f"heartbeat_timeout ({timeout}) must be greater than "
+                f"heartbeat_interval ({interval}): raise heartbeat_timeout"
+            )
+        warnings.warn(
+            f"heartbeat_timeout ({timeout}) is ignored: a lost rank is detected by its "
+            "watchdog (process death) or by hard_timeout; drop the option",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def validate_world(self, world_size: int) -> None:
         """Check the values that depend on the job's size (called once the world is known)."""

@@ -14,6 +14,9 @@ class FaultRecord:
     may be added). ``exc_type``/``where``/``step``/``action`` are filled in for exceptions raised
     out of ``train()``: the exception class, the ``file:line`` of the raise, the last step the
     user reported (``ctx.step``) and a rank action ("demote"/"retire") the exception asked for.
+    ``in_collective``: the exception was raised by a collective (a peer's fault breaks those);
+    ``after_fault``: the iteration had already faulted when it was recorded. The restart policy
+    uses both to tell a rank's own fault from the consequence of another rank's.
     """
 
     iteration: int
@@ -25,6 +28,8 @@ class FaultRecord:
     step: int | None = None
     action: str = ""
     time: float = 0.0  # time.time() when the fault was recorded (same-host latency accounting)
+    in_collective: bool = False
+    after_fault: bool = False
 
     def summary(self) -> str:
         """One line for logs and error messages."""

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+import torch.distributed
+
 from inprocess import store as keys
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.progress import ProgressTracker
@@ -46,6 +48,22 @@ def _waiting_on_peers(thread_id: int) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def raised_in_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective: a torch.distributed error type, or raised in
+    the code where a rank waits on its peers (its traceback's innermost frame).
+
+    Only the innermost frame counts: a user's error in a model's forward passes through DDP's
+    ``forward`` too, but is raised in the model. Used to tell a peer's fault breaking this
+    rank's collective from this rank's own fault (``inprocess.policy``).
+    """
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and any(p in tb.tb_frame.f_code.co_filename for p in _PEER_WAIT_PATHS)
 
 
 def _where(thread_id: int, depth: int = 6) -> str:

@@ -7,53 +7,31 @@ unwind -> abort -> health check -> restart barrier (one decision wins) -> next i
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import logging
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
-import torch
-import torch.distributed as dist
-
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
+from inprocess.active import Outcome, RankServices, run_active
 from inprocess.config import RestartConfig
-from inprocess.context import RestartContext, RestartRecord, activated
+from inprocess.context import RestartRecord
 from inprocess.environment import bind_to_launcher, read_env
-from inprocess.errors import ConfigError, FaultRecord, RestartAbortedError, RestartInterrupt
+from inprocess.errors import ConfigError, FaultRecord, RestartAbortedError
 from inprocess.health import HealthChecker
-from inprocess.monitor import Interrupter, Monitor
+from inprocess.monitor import Interrupter
+from inprocess.policy import Decision, Observed, decide
 from inprocess.progress import ProgressTracker
-from inprocess.ranks import (
-    Assignment,
-    NotEnoughRanksError,
-    initial_assignment,
-    node_of_ranks,
-    reassign,
-)
+from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
 from inprocess.store_server import client, connect, mark_left
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-# Kinds that remove a rank for good (besides the process being gone).
-_RETIRING_KINDS = frozenset({"unhealthy"})
-# Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop.
-_OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout"})
-# How collectives fail when a peer went away (gloo, NCCL, the store).
-_PEER_LOST_MESSAGES = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "DistNetworkError",
-)
 
 
 @overload
@@ -99,19 +77,35 @@ def restartable(
     return decorate(fn) if fn is not None else decorate
 
 
-@dataclass
-class _Outcome:
-    """How one iteration ended for this rank."""
+@dataclass(frozen=True)
+class _PendingRestart:
+    """A restart decided but not yet logged: logged once the next iteration's group exists."""
 
-    done: bool
-    value: Any = None
-    noticed: float = 0.0  # time.time() this rank learnt of the fault
-    abort_s: float = 0.0
-    unwind_s: float = 0.0
+    decision: Decision
+    before: Assignment
+    after: Assignment
+    phases: dict[str, float]  # detect, abort, unwind, barrier (seconds)
+
+    def record(self, *, reinit_s: float) -> RestartRecord:
+        d = self.decision
+        return RestartRecord(
+            iteration=d.iteration + 1,
+            cause=d.cause(),
+            faulting_ranks=d.faulting_ranks,
+            phases={**self.phases, "reinit": reinit_s},
+            active_before=self.before.active,
+            active_after=self.after.active,
+            reserve_after=self.after.reserve,
+        )
 
 
 class _Job:
-    """One call of a ``@restartable`` function on one rank: owns every resource of the loop."""
+    """One call of a ``@restartable`` function on one rank: owns every resource of the loop.
+
+    ``run()`` is the loop; each iteration is a sequence of named phases (``_active_phase`` or
+    ``_reserve_phase``, then on a fault ``_health_phase`` and ``_restart_phase``). ``close()``
+    releases everything, whatever state the loop stopped in.
+    """
 
     def __init__(self, cfg: RestartConfig, fn: Callable[..., Any]) -> None:
         self.cfg, self.fn = cfg, fn
@@ -124,13 +118,11 @@ class _Job:
             world_size=self.env.world_size, local_world_size=self.env.local_world_size
         )
         self.store: Any = None
-        self.report_store: Any = None
         self.watchdog: Any = None  # inprocess.watchdog.Watchdog
         self.health: HealthChecker | None = None
-        self.interrupter: Interrupter | None = None
-        self.progress: ProgressTracker | None = None
-        self.history: list[FaultRecord] = []
-        self.signatures: list[tuple[Any, ...]] = []
+        self.svc: RankServices | None = None
+        self.history: list[FaultRecord] = []  # every fault of every restart, for the stop error
+        self.counted: list[tuple[FaultRecord, ...]] = []  # what each restart blamed (the policy)
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
         self.closed = False
@@ -154,7 +146,9 @@ class _Job:
         self.closed = True
         abort_process_groups()
         self.reaper.close(timeout=self.cfg.hard_timeout)
-        for owner in (self.interrupter, self.progress, self.watchdog, self.health):
+        svc = self.svc
+        owners = (svc.interrupter, svc.progress) if svc is not None else ()
+        for owner in (*owners, self.watchdog, self.health):
             if owner is not None:
                 try:
                     owner.close()
@@ -166,17 +160,25 @@ class _Job:
             except Exception as exc:
                 log.debug("could not mark this rank as left: %r", exc)
 
-    # ----- the loop --------------------------------------------------------------------------
-
-    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        cfg = self.cfg
-        self.store = connect(self.env, timeout=cfg.barrier_timeout)
-        # Monitors record soft timeouts on their own client: the main thread's may be busy.
-        self.report_store = client(
-            self.env.master_addr, self.env.master_port, timeout=cfg.barrier_timeout
+    def _start(self) -> RankServices:
+        """Connect, start the watchdog and meet every rank once (the initial barrier)."""
+        cfg, env = self.cfg, self.env
+        self.store = connect(env, timeout=cfg.barrier_timeout)
+        svc = self.svc = RankServices(
+            config=cfg,
+            me=self.me,
+            local_rank=env.local_rank,
+            store=self.store,
+            # Monitors record soft timeouts on their own client: the main thread's may be busy.
+            report_store=client(env.master_addr, env.master_port, timeout=cfg.barrier_timeout),
+            new_client=functools.partial(
+                client, env.master_addr, env.master_port, timeout=cfg.barrier_timeout
+            ),
+            progress=ProgressTracker(),
+            interrupter=Interrupter(),
+            abort=self._abort,
+            release=self._release,
         )
-        self.interrupter = Interrupter()
-        self.progress = ProgressTracker()
         self.health = HealthChecker(
             user_checks=cfg.health_checks, empty_cuda_cache=cfg.empty_cuda_cache
         )
@@ -185,31 +187,38 @@ class _Job:
         from inprocess.watchdog import Watchdog
 
         self.watchdog = Watchdog(
-            store_host=self.env.master_addr,
-            store_port=self.env.master_port,
+            store_host=env.master_addr,
+            store_port=env.master_port,
             initial_rank=self.me,
             hard_timeout=cfg.hard_timeout,
             termination_grace_time=cfg.termination_grace_time,
-            heartbeat_interval=cfg.heartbeat_interval,
+            heartbeat_interval=cfg.effective_heartbeat_interval,
             logdir=cfg.monitor_process_logdir,
         )
         self.watchdog.start()
-        with self.progress.paused():
+        with svc.progress.paused():
             keys.initial_barrier(
                 self.store,
-                world_size=self.env.world_size,
+                world_size=env.world_size,
                 timeout=cfg.barrier_timeout,
                 clock=time.monotonic,
             )
+        return svc
+
+    # ----- the loop --------------------------------------------------------------------------
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The restart loop: returns ``train()``'s value (None on a reserve or retired rank)."""
+        self._start()
         assignment = initial_assignment(
             world_size=self.env.world_size,
             node_of=self.node_of,
-            active_world_size=cfg.active_world_size,
-            granularity=cfg.granularity,
+            active_world_size=self.cfg.active_world_size,
+            granularity=self.cfg.granularity,
         )
         target = len(assignment.active)
         iteration = 0
-        pending: dict[str, Any] | None = None  # the restart being completed, logged once
+        pending: _PendingRestart | None = None  # the restart being completed, logged once
         while True:
             self.watchdog.set_iteration(iteration)
             keys.set_participants(
@@ -224,7 +233,6 @@ class _Job:
                 if pending is not None:
                     self._log_restart(pending, reinit_s=0.0)
                 out = self._reserve_phase(iteration)
-            pending = None
             if out.done:
                 return out.value
             # Checked now, before the barrier, so an unhealthy rank is retired by this restart's
@@ -232,39 +240,30 @@ class _Job:
             self._health_phase(iteration)
             t_barrier = time.monotonic()
             decision = self._restart_phase(iteration, assignment, target)
-            barrier_s = time.monotonic() - t_barrier
-            faults = [FaultRecord(**f) for f in decision["faults"]]
-            if decision["stop"]:
-                raise RestartAbortedError(decision["stop"], self.history)
-            new = Assignment(
-                active=tuple(decision["active"]),
-                reserve=tuple(decision["reserve"]),
-                retired=frozenset(decision["retired"]),
-            )
-            first = min((f.time for f in faults if f.time), default=out.noticed)
-            pending = {
-                "iteration": iteration + 1,
-                "cause": "; ".join(f"{f.kind} on rank {f.initial_rank}" for f in faults[:4]),
-                "faulting_ranks": sorted({f.initial_rank for f in faults}),
-                "phases": {
+            if decision.stop is not None or decision.assignment is None:
+                raise RestartAbortedError(decision.stop or "no assignment", self.history)
+            first = min((f.time for f in decision.faults if f.time), default=out.noticed)
+            pending = _PendingRestart(
+                decision=decision,
+                before=assignment,
+                after=decision.assignment,
+                phases={
                     "detect": max(0.0, out.noticed - first),
                     "abort": out.abort_s,
                     "unwind": out.unwind_s,
-                    "barrier": barrier_s,
+                    "barrier": time.monotonic() - t_barrier,
                 },
-                "before": assignment,
-                "after": new,
-            }
-            if self.me in new.retired:
+            )
+            if self.me in decision.assignment.retired:
                 self._log_restart(pending, reinit_s=0.0)
                 log.warning(
                     "rank %d retired after iteration %d (%s); it leaves the job",
                     self.me,
                     iteration,
-                    pending["cause"],
+                    decision.cause(),
                 )
                 return None
-            assignment = new
+            assignment = decision.assignment
             iteration += 1
 
     # ----- phases ----------------------------------------------------------------------------
@@ -272,8 +271,8 @@ class _Job:
     def _health_phase(self, iteration: int) -> None:
         """Before the first iteration and after every fault (before the restart barrier): an
         unhealthy rank records a fault of ``iteration``, and the restart decision retires it."""
-        assert self.health is not None and self.progress is not None
-        with self.progress.paused():
+        assert self.health is not None and self.svc is not None
+        with self.svc.progress.paused():
             try:
                 reason = self.health.check()
             except Exception as exc:  # a broken check is an unhealthy rank, not a dead job
@@ -288,9 +287,9 @@ class _Job:
                 detail=reason,
             )
 
-    def _reserve_phase(self, iteration: int) -> _Outcome:
+    def _reserve_phase(self, iteration: int) -> Outcome:
         """A reserve prewarms once, then waits until the iteration ends."""
-        assert self.progress is not None
+        assert self.svc is not None
         if self.cfg.prewarm is not None and not self.prewarmed:
             self.prewarmed = True
             try:
@@ -304,149 +303,43 @@ class _Job:
                     kind="unhealthy",
                     detail=f"prewarm raised {exc!r}",
                 )
-        with self.progress.paused():
+        with self.svc.progress.paused():
             result = keys.wait_outcome(self.store, iteration, timeout=None, clock=time.monotonic)
         if result == keys.OUTCOME_DONE:
-            return _Outcome(done=True)
-        return _Outcome(done=False, noticed=time.time())
+            return Outcome(done=True)
+        return Outcome(done=False, noticed=time.time())
 
     def _active_phase(
         self,
         iteration: int,
         assignment: Assignment,
         rank: int,
-        pending: dict[str, Any] | None,
+        pending: _PendingRestart | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> _Outcome:
-        """Join, create the process group, run ``train()`` under the monitor, then complete."""
-        assert self.progress is not None and self.interrupter is not None
-        cfg, store = self.cfg, self.store
-        t_reinit = time.monotonic()
-        with self.progress.paused():
-            joined = keys.join_barrier(
-                store,
-                iteration,
-                expected=len(assignment.active),
-                timeout=cfg.barrier_timeout,
-                clock=time.monotonic,
-                recheck=functools.partial(self._break_if_gone, iteration, assignment.active),
-            )
-        if not joined:
-            return _Outcome(done=False, noticed=time.time())
-        monitor = Monitor(
-            store=client(self.env.master_addr, self.env.master_port, timeout=cfg.barrier_timeout),
-            report_store=self.report_store,
-            iteration=iteration,
-            initial_rank=self.me,
-            soft_timeout=cfg.soft_timeout,
-            progress=self.progress,
-            interrupter=self.interrupter,
-            abort=self._abort,
-            step=lambda: ctx.step,
-            check_interval=min(1.0, cfg.soft_timeout / 10),
-            redeliver_interval=max(0.5, min(5.0, cfg.soft_timeout / 2)),
-        )
-        ctx = RestartContext(
-            iteration=iteration,
-            rank=rank,
-            world_size=len(assignment.active),
-            initial_rank=self.me,
-            active_ranks=assignment.active,
-            store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", store),
-            last_restart=None,
-            _progress=self.progress,
-            _interrupter=self.interrupter,
-        )
-        value: Any = None
-        exc: BaseException | None = None
-        where = ""
-        interrupted = delivered = False
-        t_unwind = 0.0
-        self.progress.stamp()
-        self.interrupter.arm()
-        monitor.start()
-        try:
-            try:
-                self._init_process_group(iteration, rank, len(assignment.active))
-                if cfg.init_process_group:
-                    with self.progress.paused():
-                        ready = keys.ready_barrier(
-                            store,
-                            iteration,
-                            expected=len(assignment.active),
-                            timeout=cfg.barrier_timeout,
-                            clock=time.monotonic,
-                        )
-                    if not ready:
-                        raise RestartInterrupt("a rank faulted while the group was created")
-                if pending is not None:
-                    ctx.last_restart = self._log_restart(
-                        pending, reinit_s=time.monotonic() - t_reinit
-                    )
-                with activated(ctx):
-                    value = self.fn(*args, **kwargs)
-            except RestartInterrupt as ri:
-                interrupted = True
-                _drop_frames(ri)
-                t_unwind = time.monotonic()
-            except Exception as e:
-                exc = e
-                where = _raise_site(e)
-                _drop_frames(e)
-            finally:
-                delivered = self._disarm()
-        except RestartInterrupt:  # landed in the handlers above, before the disarm
-            interrupted = True
-            t_unwind = t_unwind or time.monotonic()
-            delivered = self._disarm()
-        except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
-            self._disarm()
-            self._report(iteration, "dead", f"left the job: {e!r}", ctx.step)
-            monitor.close()
-            raise
-        noticed = monitor.fired_at or time.time()
-        if exc is not None:
-            if keys.outcome(store, iteration) == keys.OUTCOME_FAULT:
-                # A consequence of another rank's fault (its teardown broke our collective).
-                log.info("rank %d: %r after another rank's fault; not counted", self.me, exc)
-            else:
-                self._report_exception(iteration, exc, ctx.step, where)
-            noticed = time.time()
-        t0 = time.monotonic()
-        self._abort()
-        abort_s = monitor.abort_s or time.monotonic() - t0
-        groups, self.doomed = self.doomed, []
-        self.reaper.release(groups)
-        del groups
-        unwind_s = time.monotonic() - t_unwind if interrupted else 0.0
-        if exc is None and not interrupted and not delivered:
-            keys.mark_completed(store, iteration, active=len(assignment.active))
-            with self.progress.paused():
-                result = keys.wait_outcome(
-                    store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
-                )
-            if result is None:
-                self._report(
-                    iteration,
-                    "completion_timeout",
-                    f"other ranks did not finish within completion_timeout "
-                    f"({cfg.completion_timeout} s)",
-                    ctx.step,
-                )
-            elif result == keys.OUTCOME_DONE:
-                monitor.close()
-                return _Outcome(done=True, value=value)
-            noticed = time.time()
-        monitor.close()
-        if cfg.empty_cuda_cache and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return _Outcome(done=False, noticed=noticed, abort_s=abort_s, unwind_s=unwind_s)
+    ) -> Outcome:
+        """Run ``train()`` as ``rank`` (see ``inprocess.active``); log the restart that led here
+        once the group exists, so its ``reinit`` phase is measured."""
+        assert self.svc is not None
 
-    def _restart_phase(self, iteration: int, assignment: Assignment, target: int) -> Any:
-        """Every live rank meets; one decides the next assignment (or the stop) for all."""
-        assert self.progress is not None
-        with self.progress.paused():
+        def on_started(reinit_s: float) -> RestartRecord | None:
+            return None if pending is None else self._log_restart(pending, reinit_s=reinit_s)
+
+        return run_active(
+            self.svc,
+            self.fn,
+            args,
+            kwargs,
+            iteration=iteration,
+            assignment=assignment,
+            rank=rank,
+            on_started=on_started,
+        )
+
+    def _restart_phase(self, iteration: int, assignment: Assignment, target: int) -> Decision:
+        """Every live rank meets; the first decision published is the one all ranks act on."""
+        assert self.svc is not None
+        with self.svc.progress.paused():
             raw = keys.restart_barrier(
                 self.store,
                 iteration,
@@ -456,111 +349,44 @@ class _Job:
                 timeout=self.cfg.barrier_timeout,
                 clock=time.monotonic,
             )
-        decision = json.loads(raw)
-        faults = [FaultRecord(**f) for f in decision["faults"]]
-        self.history.extend(faults)
-        self.signatures.append(_signature(faults))
+        decision = Decision.from_json(raw)
+        self.history.extend(decision.faults)
+        self.counted.append(decision.counted)
         return decision
 
     def _decide(
         self, iteration: int, assignment: Assignment, target: int, faults: list[FaultRecord]
     ) -> str:
-        """The next assignment, or why the job stops; a pure function of shared state.
+        """Gather the policy's inputs from the store and decide (``inprocess.policy.decide``).
 
-        Runs on the one rank that completes the restart barrier; every rank has the same
-        ``history`` and ``signatures``, so the choice does not depend on which rank it is.
+        Any rank that finds the restart barrier full may run this; the store keeps the first
+        decision published, so every rank acts on the same one. Every rank holds the same
+        ``counted`` history (each appends the published decisions), so the inputs differ
+        between ranks only in what the store held at the moment each read it.
         """
-        cfg = self.cfg
-        history = [*self.history, *faults]
-        participants = set(assignment.active) | set(assignment.reserve)
-        lost = keys.gone_ranks(self.store) & participants
-        lost |= {f.initial_rank for f in faults if f.kind in _RETIRING_KINDS}
-        lost |= {f.initial_rank for f in faults if f.action == "retire"}
-        if cfg.max_rank_faults is not None:
-            per_rank: dict[int, set[int]] = {}
-            for f in history:
-                same_iteration = [g for g in history if g.iteration == f.iteration]
-                if f.kind in _OWN_FAULT_KINDS and not _is_collateral(f, same_iteration):
-                    per_rank.setdefault(f.initial_rank, set()).add(f.iteration)
-            lost |= {r for r, its in per_rank.items() if len(its) > cfg.max_rank_faults}
-        lost &= participants
-        demoted = {f.initial_rank for f in faults if f.action == "demote"} - lost
-        stop = None
-        sigs = [*self.signatures, _signature(faults)]
-        n = cfg.max_same_fault
-        if len(sigs) >= n and sigs[-1] and all(s == sigs[-1] for s in sigs[-n:]):
-            stop = (
-                f"the same fault repeated {n} times in a row (max_same_fault={n}): "
-                f"{faults[0].summary() if faults else ''}; fix the fault (or raise max_same_fault)"
-            )
-        elif cfg.max_iterations is not None and iteration + 1 >= cfg.max_iterations:
-            stop = (
-                f"max_iterations ({cfg.max_iterations}) reached: train() ran "
-                f"{iteration + 1} times and the last run faulted; raise max_iterations or fix "
-                "the fault"
-            )
-        new: Assignment | None = None
-        if stop is None:
-            try:
-                new = reassign(
-                    assignment,
-                    node_of=self.node_of,
-                    lost=sorted(lost),
-                    demoted=sorted(demoted),
-                    granularity=cfg.granularity,
-                    active_world_size=target,
-                    min_active_world_size=min(cfg.min_active_world_size, target),
-                )
-            except NotEnoughRanksError as exc:
-                stop = f"not enough healthy ranks to continue: {exc}"
-        return json.dumps(
-            {
-                "faults": [asdict(f) for f in faults],
-                "stop": stop,
-                "active": list(new.active) if new else [],
-                "reserve": list(new.reserve) if new else [],
-                "retired": sorted(new.retired) if new else [],
-            }
+        observed = Observed(
+            iteration=iteration, faults=tuple(faults), gone=frozenset(keys.gone_ranks(self.store))
         )
+        decision = decide(
+            observed,
+            history=self.counted,
+            assignment=assignment,
+            target=target,
+            node_of=self.node_of,
+            config=self.cfg,
+        )
+        return decision.to_json()
 
     # ----- helpers ---------------------------------------------------------------------------
-
-    def _init_process_group(self, iteration: int, rank: int, world_size: int) -> None:
-        cfg = self.cfg
-        if not cfg.init_process_group:
-            return
-        backend = cfg.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl" and torch.cuda.is_available():
-            torch.cuda.set_device(self.env.local_rank % torch.cuda.device_count())
-        # gloo collectives cannot be aborted: one blocked on a peer ends when that peer's group
-        # is freed, or at this timeout, which is what frees ranks stuck behind a group that
-        # something still holds (keep it short). Order: soft_timeout < this < hard_timeout.
-        # Just above soft_timeout, so a hung rank's own monitor (soft_timeout + one check
-        # interval) reports first and is blamed, not the rank waiting for it; below
-        # hard_timeout, because some waits hold the GIL (seen: a peer's heartbeat stopped) and
-        # the watchdog would kill a healthy rank.
-        timeout = (
-            min(1.25 * cfg.soft_timeout, (cfg.soft_timeout + cfg.hard_timeout) / 2)
-            if backend == "gloo"
-            else cfg.barrier_timeout
-        )
-        # init_process_group wraps sys.excepthook with a "[rankN]:" prefix each time it is
-        # called: once per iteration would stack the prefixes. Keep the process's own hook.
-        excepthook = sys.excepthook
-        try:
-            dist.init_process_group(
-                backend=backend,
-                store=dist.PrefixStore(keys.pg_prefix(iteration), self.store),
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-        finally:
-            sys.excepthook = excepthook
 
     def _abort(self) -> None:
         """Tear down this rank's groups (monitor or main thread); hold them for the reaper."""
         self.doomed.extend(abort_process_groups())
+
+    def _release(self) -> None:
+        """``train()`` has unwound: the reaper drops the held groups on its own thread."""
+        groups, self.doomed = self.doomed, []
+        self.reaper.release(groups)
 
     def _warn_lingering(self, alive: int) -> None:
         """Reaper thread: destroyed groups are still referenced after train() unwound."""
@@ -577,127 +403,14 @@ class _Job:
             alive,
         )
 
-    def _disarm(self) -> bool:
-        """Stop the monitor's deliveries; a delivery racing with this call is absorbed."""
-        assert self.interrupter is not None
-        while True:
-            try:
-                return self.interrupter.disarm()
-            except RestartInterrupt:
-                continue
-
-    def _break_if_gone(self, iteration: int, active: tuple[int, ...]) -> bool:
-        """Join recheck: an active rank that died during the restart breaks the barrier."""
-        dead = keys.gone_ranks(self.store) & set(active)
-        for r in sorted(dead):
-            keys.report_fault(
-                self.store,
-                iteration=iteration,
-                initial_rank=r,
-                kind="dead",
-                detail="lost during the restart",
-            )
-        return bool(dead)
-
-    def _report(self, iteration: int, kind: str, detail: str, step: int | None) -> None:
-        keys.record_fault(
-            self.store,
-            FaultRecord(
-                iteration=iteration,
-                initial_rank=self.me,
-                kind=kind,
-                detail=detail,
-                step=step,
-                time=time.time(),
-            ),
-        )
-
-    def _report_exception(
-        self, iteration: int, exc: BaseException, step: int | None, where: str
-    ) -> None:
-        action = getattr(exc, "restartable_rank_action", "")
-        log.error("rank %d: train() raised in iteration %d", self.me, iteration, exc_info=exc)
-        keys.record_fault(
-            self.store,
-            FaultRecord(
-                iteration=iteration,
-                initial_rank=self.me,
-                kind="exception",
-                detail=f"{type(exc).__name__}: {exc}"[:500],
-                exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                where=where,
-                step=step,
-                action=action if action in ("demote", "retire") else "",
-                time=time.time(),
-            ),
-        )
-
-    def _log_restart(self, pending: dict[str, Any], *, reinit_s: float) -> RestartRecord:
-        before: Assignment = pending["before"]
-        after: Assignment = pending["after"]
-        record = RestartRecord(
-            iteration=pending["iteration"],
-            cause=pending["cause"],
-            faulting_ranks=tuple(pending["faulting_ranks"]),
-            phases={**pending["phases"], "reinit": reinit_s},
-            active_before=before.active,
-            active_after=after.active,
-            reserve_after=after.reserve,
-        )
+    def _log_restart(self, pending: _PendingRestart, *, reinit_s: float) -> RestartRecord:
+        record = pending.record(reinit_s=reinit_s)
         self.last_restart = record
         log.info(
             "restart %s",
             json.dumps({**asdict(record), "rank": self.me}, sort_keys=True),
             extra={"restart": asdict(record), "rank": self.me, "iteration": record.iteration},
         )
+        for c in pending.decision.collateral:
+            log.debug("not counted: rank %d %s: %s", c.fault.initial_rank, c.fault.kind, c.reason)
         return record
-
-
-def _raise_site(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``exc``'s traceback (the raise)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
-
-
-def _drop_frames(exc: BaseException) -> None:
-    """Release the locals of ``train()``'s frames held by ``exc``'s traceback.
-
-    A collective that raised leaves its frame (holding the process group) in the traceback; as
-    long as it lives, destroying the group does not close its sockets, and peers blocked on
-    this rank are not released. Logged tracebacks are formatted before this.
-    """
-    log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
-    traceback.clear_frames(exc.__traceback__)
-    exc.__traceback__ = None
-
-
-def _is_collateral(f: FaultRecord, faults: list[FaultRecord]) -> bool:
-    """An exception that is a consequence of another rank's fault in the same iteration.
-
-    A peer that dies or tears down its group makes collectives on other ranks fail with a
-    connection error, sometimes before the peer's own fault is recorded. Such a rank did nothing
-    wrong: it must not count towards ``max_rank_faults`` or the repeated-fault stop.
-    """
-    if f.kind != "exception" or not any(m in f.detail for m in _PEER_LOST_MESSAGES):
-        return False
-    return any(g.initial_rank != f.initial_rank and g.kind != "exception" for g in faults) or any(
-        g.initial_rank != f.initial_rank
-        and g.kind == "exception"
-        and not any(m in g.detail for m in _PEER_LOST_MESSAGES)
-        for g in faults
-    )
-
-
-def _signature(faults: list[FaultRecord]) -> tuple[Any, ...]:
-    """What must repeat for the repeated-fault stop: who faulted how, where and at which step."""
-    return tuple(
-        sorted(
-            {
-                (f.initial_rank, f.kind, f.exc_type, f.where, -1 if f.step is None else f.step)
-                for f in faults
-                if f.kind in _OWN_FAULT_KINDS and not _is_collateral(f, faults)
-            }
-        )
-    )

@@ -1,0 +1,349 @@
+"""One iteration of an active rank: join, create the group, run ``train()`` under the monitor.
+
+Called by the restart loop (``inprocess.wrapper``) on the main thread, once per iteration in
+which this rank is active. Every wait here is bounded (``barrier_timeout``,
+``completion_timeout``) or ends with the iteration's outcome.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from inprocess import store as keys
+from inprocess.config import RestartConfig
+from inprocess.context import RestartContext, RestartRecord, activated
+from inprocess.errors import FaultRecord, RestartInterrupt
+from inprocess.monitor import Interrupter, Monitor, raised_in_collective
+from inprocess.process_group import init_iteration_group
+from inprocess.progress import ProgressTracker
+from inprocess.ranks import Assignment
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one iteration ended for this rank (active or reserve)."""
+
+    done: bool
+    value: Any = None
+    noticed: float = 0.0  # time.time() this rank learnt of the fault
+    abort_s: float = 0.0
+    unwind_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankServices:
+    """What the loop owns and lends to every iteration of this rank (the loop closes them).
+
+    ``abort`` tears down this rank's groups and keeps them for ``release`` (monitor or main
+    thread); ``release`` hands them to the reaper once ``train()``'s frames are gone;
+    ``new_client`` opens a store client for a monitor's blocking wait.
+    """
+
+    config: RestartConfig
+    me: int
+    local_rank: int
+    store: Any
+    report_store: Any
+    new_client: Callable[[], Any]
+    progress: ProgressTracker
+    interrupter: Interrupter
+    abort: Callable[[], None]
+    release: Callable[[], None]
+
+
+@dataclass
+class _Call:
+    """What happened inside one call of ``train()``."""
+
+    value: Any = None
+    exc: Exception | None = None
+    where: str = ""  # read from the traceback before its frames are dropped
+    in_collective: bool = False  # likewise
+    interrupted: bool = False
+    delivered: bool = False
+    t_unwind: float = 0.0
+
+
+def run_active(
+    svc: RankServices,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    iteration: int,
+    assignment: Assignment,
+    rank: int,
+    on_started: Callable[[float], RestartRecord | None],
+) -> Outcome:
+    """Join, run ``train()`` as ``rank`` of ``assignment``, then complete or report the fault.
+
+    ``on_started(reinit_s)`` runs once the group exists, just before ``train()`` (the loop logs
+    the restart that led here and returns its record for ``ctx.last_restart``).
+    """
+    cfg, store = svc.config, svc.store
+    world = len(assignment.active)
+    t_reinit = time.monotonic()
+    with svc.progress.paused():
+        joined = keys.join_barrier(
+            store,
+            iteration,
+            expected=world,
+            timeout=cfg.barrier_timeout,
+            clock=time.monotonic,
+            recheck=functools.partial(_break_if_gone, store, iteration, assignment.active),
+        )
+    if not joined:
+        return Outcome(done=False, noticed=time.time())
+    ctx = RestartContext(
+        iteration=iteration,
+        rank=rank,
+        world_size=world,
+        initial_rank=svc.me,
+        active_ranks=assignment.active,
+        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", store),
+        last_restart=None,
+        _progress=svc.progress,
+        _interrupter=svc.interrupter,
+    )
+    monitor = Monitor(
+        store=svc.new_client(),
+        report_store=svc.report_store,
+        iteration=iteration,
+        initial_rank=svc.me,
+        soft_timeout=cfg.soft_timeout,
+        progress=svc.progress,
+        interrupter=svc.interrupter,
+        abort=svc.abort,
+        step=lambda: ctx.step,
+        check_interval=min(1.0, cfg.soft_timeout / 10),
+        redeliver_interval=max(0.5, min(5.0, cfg.soft_timeout / 2)),
+    )
+
+    def start() -> None:
+        _create_group(svc, iteration, rank, world)
+        ctx.last_restart = on_started(time.monotonic() - t_reinit)
+
+    svc.progress.stamp()
+    svc.interrupter.arm()
+    monitor.start()
+    try:
+        call = _call_train(svc, ctx, functools.partial(fn, *args, **kwargs), start)
+    except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
+        _record(store, iteration, svc.me, "dead", f"left the job: {e!r}", ctx.step)
+        monitor.close()
+        raise
+    try:
+        return _settle(svc, ctx, monitor, call, world)
+    finally:
+        monitor.close()
+
+
+def _create_group(svc: RankServices, iteration: int, rank: int, world: int) -> None:
+    """The iteration's group, then the ready barrier: nobody trains before every rank joined.
+
+    A rank still inside gloo's connect when a peer faults could not be released until the
+    init timeout.
+    """
+    init_iteration_group(
+        svc.config,
+        svc.store,
+        iteration=iteration,
+        rank=rank,
+        world_size=world,
+        local_rank=svc.local_rank,
+    )
+    if not svc.config.init_process_group:
+        return
+    with svc.progress.paused():
+        ready = keys.ready_barrier(
+            svc.store,
+            iteration,
+            expected=world,
+            timeout=svc.config.barrier_timeout,
+            clock=time.monotonic,
+        )
+    if not ready:
+        raise RestartInterrupt("a rank faulted while the group was created")
+
+
+def _call_train(
+    svc: RankServices, ctx: RestartContext, train: Callable[[], Any], start: Callable[[], None]
+) -> _Call:
+    """Run ``start()`` and ``train()``; every outcome but a ``BaseException`` is returned.
+
+    The restart is a ``RestartInterrupt`` delivered asynchronously by the monitor: it can land
+    in the handlers below as well, before the disarm, hence the outer ``except``.
+    """
+    call = _Call()
+    try:
+        try:
+            start()
+            with activated(ctx):
+                call.value = train()
+        except RestartInterrupt as ri:
+            call.interrupted = True
+            _drop_frames(ri)
+            call.t_unwind = time.monotonic()
+        except Exception as e:
+            call.exc, call.where, call.in_collective = e, _raise_site(e), raised_in_collective(e)
+            _drop_frames(e)
+        finally:
+            call.delivered = _disarm(svc.interrupter)
+    except RestartInterrupt:
+        call.interrupted = True
+        call.t_unwind = call.t_unwind or time.monotonic()
+        call.delivered = _disarm(svc.interrupter)
+    except BaseException:
+        _disarm(svc.interrupter)
+        raise
+    return call
+
+
+def _settle(
+    svc: RankServices, ctx: RestartContext, monitor: Monitor, call: _Call, world: int
+) -> Outcome:
+    """After ``train()``: report its exception, tear the group down, then complete or not."""
+    cfg, store, iteration = svc.config, svc.store, ctx.iteration
+    noticed = monitor.fired_at or time.time()
+    if call.exc is not None:
+        record = exception_record(
+            call.exc,
+            iteration=iteration,
+            initial_rank=svc.me,
+            step=ctx.step,
+            where=call.where,
+            in_collective=call.in_collective,
+            after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
+        )
+        if record.after_fault:  # another rank's fault broke this rank's work: not its own
+            log.info("rank %d: %s after another rank's fault", svc.me, record.detail)
+        else:
+            log.error(
+                "rank %d: train() raised in iteration %d", svc.me, iteration, exc_info=call.exc
+            )
+        keys.record_fault(store, record)
+        noticed = time.time()
+    t0 = time.monotonic()
+    svc.abort()
+    abort_s = monitor.abort_s or time.monotonic() - t0
+    svc.release()
+    unwind_s = time.monotonic() - call.t_unwind if call.interrupted else 0.0
+    if call.exc is None and not call.interrupted and not call.delivered:
+        keys.mark_completed(store, iteration, active=world)
+        with svc.progress.paused():
+            result = keys.wait_outcome(
+                store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
+            )
+        if result == keys.OUTCOME_DONE:
+            return Outcome(done=True, value=call.value)
+        if result is None:
+            _record(
+                store,
+                iteration,
+                svc.me,
+                "completion_timeout",
+                "other ranks did not finish within completion_timeout "
+                f"({cfg.completion_timeout} s)",
+                ctx.step,
+            )
+        noticed = time.time()
+    if cfg.empty_cuda_cache and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return Outcome(done=False, noticed=noticed, abort_s=abort_s, unwind_s=unwind_s)
+
+
+def exception_record(
+    exc: BaseException,
+    *,
+    iteration: int,
+    initial_rank: int,
+    step: int | None,
+    where: str,
+    in_collective: bool,
+    after_fault: bool,
+) -> FaultRecord:
+    """The fault record of an exception raised out of ``train()``, with the evidence the restart
+    policy uses to tell the rank's own fault from a consequence of a peer's."""
+    action = getattr(exc, "restartable_rank_action", "")
+    return FaultRecord(
+        iteration=iteration,
+        initial_rank=initial_rank,
+        kind="exception",
+        detail=f"{type(exc).__name__}: {exc}"[:500],
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        where=where,
+        step=step,
+        action=action if action in ("demote", "retire") else "",
+        time=time.time(),
+        in_collective=in_collective,
+        after_fault=after_fault,
+    )
+
+
+def _record(store: Any, iteration: int, me: int, kind: str, detail: str, step: int | None) -> None:
+    keys.record_fault(
+        store,
+        FaultRecord(
+            iteration=iteration,
+            initial_rank=me,
+            kind=kind,
+            detail=detail,
+            step=step,
+            time=time.time(),
+        ),
+    )
+
+
+def _break_if_gone(store: Any, iteration: int, active: tuple[int, ...]) -> bool:
+    """Join recheck: an active rank that died during the restart breaks the barrier."""
+    dead = keys.gone_ranks(store) & set(active)
+    for r in sorted(dead):
+        keys.report_fault(
+            store,
+            iteration=iteration,
+            initial_rank=r,
+            kind="dead",
+            detail="lost during the restart",
+        )
+    return bool(dead)
+
+
+def _disarm(interrupter: Interrupter) -> bool:
+    """Stop the monitor's deliveries; a delivery racing with this call is absorbed."""
+    while True:
+        try:
+            return interrupter.disarm()
+        except RestartInterrupt:
+            continue
+
+
+def _raise_site(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc``'s traceback (the raise)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Release the locals of ``train()``'s frames held by ``exc``'s traceback.
+
+    A collective that raised leaves its frame (holding the process group) in the traceback; as
+    long as it lives, destroying the group does not close its sockets, and peers blocked on
+    this rank are not released. What the fault record needs from the traceback (the raise site,
+    ``raised_in_collective``) is read before this.
+    """
+    log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
+    traceback.clear_frames(exc.__traceback__)
+    exc.__traceback__ = None

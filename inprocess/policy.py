@@ -1,0 +1,314 @@
+"""The restart decision: a pure function from what happened in an iteration to what happens next.
+
+The wrapper gathers the inputs (the iteration's fault records and the ranks whose process is gone,
+read from the store), keeps the history (the faults earlier decisions counted), calls
+``decide`` and publishes its ``Decision``. Nothing here does I/O, reads a clock or keeps state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from inprocess.config import RestartConfig
+from inprocess.errors import FaultRecord
+from inprocess.ranks import Assignment, NotEnoughRanksError, reassign
+
+# Kinds that remove a rank for good (besides its process being gone).
+RETIRING_KINDS = frozenset({"unhealthy"})
+# Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop. A
+# dead or hard-timed-out rank is retired at once, so it never needs counting.
+OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout"})
+# Last resort only, for an exception that carries no structural evidence (e.g. user code caught
+# a failed collective and raised its own error from it): how collectives fail when a peer went
+# away (gloo, NCCL, the store).
+PEER_LOST_MESSAGES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "DistNetworkError",
+)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the wrapper read from the store for one faulted iteration.
+
+    ``faults``: every record of the iteration, in arrival order. ``gone``: initial ranks whose
+    process is known to be gone (any iteration; the decision only looks at participants).
+    """
+
+    iteration: int
+    faults: tuple[FaultRecord, ...]
+    gone: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Collateral:
+    """A fault the decision did not count: a consequence of another rank's fault."""
+
+    fault: FaultRecord
+    reason: str
+
+
+@dataclass(frozen=True)
+class Retirement:
+    """A rank the decision removed from the job for good, and why."""
+
+    rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one restart barrier; every rank of the job acts on the same one.
+
+    ``counted``: the iteration's faults that are the rank's own (blamed, and kept in the history
+    that ``max_rank_faults`` and ``max_same_fault`` look at). ``collateral``: the ones discarded,
+    with the reason. ``retired``: ranks newly removed for good. ``demoted``: ranks sent to the
+    back of the reserve pool. ``assignment``: the next iteration's roles, or None with ``stop``,
+    the reason the job stops (every surviving rank raises ``RestartAbortedError`` with it).
+    """
+
+    iteration: int
+    counted: tuple[FaultRecord, ...]
+    collateral: tuple[Collateral, ...]
+    retired: tuple[Retirement, ...]
+    demoted: tuple[int, ...]
+    assignment: Assignment | None
+    stop: str | None
+
+    @property
+    def faults(self) -> tuple[FaultRecord, ...]:
+        """Every fault the decision saw, counted first."""
+        return self.counted + tuple(c.fault for c in self.collateral)
+
+    @property
+    def faulting_ranks(self) -> tuple[int, ...]:
+        """The initial ranks blamed for the iteration (collateral faults excluded)."""
+        return tuple(sorted({f.initial_rank for f in self.counted}))
+
+    def cause(self, limit: int = 4) -> str:
+        """One line for logs: the counted faults, then how many were collateral."""
+        text = "; ".join(f"{f.kind} on rank {f.initial_rank}" for f in self.counted[:limit])
+        if len(self.counted) > limit:
+            text += f"; +{len(self.counted) - limit} more"
+        if self.collateral:
+            ranks = sorted({c.fault.initial_rank for c in self.collateral})
+            text += f" (collateral, not counted: rank(s) {', '.join(map(str, ranks))})"
+        return text
+
+    def to_json(self) -> str:
+        """The form published in the store (first writer wins)."""
+        a = self.assignment
+        return json.dumps(
+            {
+                "iteration": self.iteration,
+                "counted": [asdict(f) for f in self.counted],
+                "collateral": [
+                    {"fault": asdict(c.fault), "reason": c.reason} for c in self.collateral
+                ],
+                "retired": [[r.rank, r.reason] for r in self.retired],
+                "demoted": list(self.demoted),
+                "assignment": None
+                if a is None
+                else {"active": a.active, "reserve": a.reserve, "retired": sorted(a.retired)},
+                "stop": self.stop,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        """Inverse of ``to_json``."""
+        d: dict[str, Any] = json.loads(text)
+        a = d["assignment"]
+        return cls(
+            iteration=d["iteration"],
+            counted=tuple(FaultRecord(**f) for f in d["counted"]),
+            collateral=tuple(
+                Collateral(FaultRecord(**c["fault"]), c["reason"]) for c in d["collateral"]
+            ),
+            retired=tuple(Retirement(r, why) for r, why in d["retired"]),
+            demoted=tuple(d["demoted"]),
+            assignment=None
+            if a is None
+            else Assignment(
+                active=tuple(a["active"]),
+                reserve=tuple(a["reserve"]),
+                retired=frozenset(a["retired"]),
+            ),
+            stop=d["stop"],
+        )
+
+
+def decide(
+    observed: Observed,
+    *,
+    history: Sequence[Sequence[FaultRecord]],
+    assignment: Assignment,
+    target: int,
+    node_of: Sequence[int],
+    config: RestartConfig,
+) -> Decision:
+    """The next assignment after ``observed.iteration`` faulted, or why the job stops.
+
+    ``history``: the faults each earlier decision counted, oldest first (one entry per earlier
+    restart). ``assignment``: the roles in the faulted iteration. ``target``: the active world
+    size the job aims for. Stop rules, in order: the same fault ``max_same_fault`` times in a
+    row, ``max_iterations`` reached, fewer healthy ranks than ``min_active_world_size``.
+    A pure function: every rank that computes it from the same inputs gets the same Decision.
+    """
+    participants = set(assignment.active) | set(assignment.reserve)
+    counted, collateral = classify(observed.faults, gone=observed.gone & participants)
+    retired = _retirements(observed, counted, history, participants, config)
+    lost = {r.rank for r in retired}
+    asked = {f.initial_rank for f in counted if f.action == "demote"}
+    demoted = tuple(sorted(asked - lost))
+    stop = _stop_rule(observed.iteration, counted, history, config)
+    new: Assignment | None = None
+    if stop is None:
+        try:
+            new = reassign(
+                assignment,
+                node_of=node_of,
+                lost=sorted(lost),
+                demoted=demoted,
+                granularity=config.granularity,
+                active_world_size=target,
+                min_active_world_size=min(config.min_active_world_size, target),
+            )
+        except NotEnoughRanksError as exc:
+            stop = f"not enough healthy ranks to continue: {exc}"
+    return Decision(
+        iteration=observed.iteration,
+        counted=counted,
+        collateral=collateral,
+        retired=retired,
+        demoted=demoted,
+        assignment=new,
+        stop=stop,
+    )
+
+
+def classify(
+    faults: Sequence[FaultRecord], *, gone: frozenset[int] = frozenset()
+) -> tuple[tuple[FaultRecord, ...], tuple[Collateral, ...]]:
+    """Split one iteration's faults into the counted ones and the collateral ones.
+
+    An exception is collateral when it is a consequence of another rank's fault, judged by what
+    happened, strongest evidence first: it was recorded after the iteration had already faulted;
+    it was raised by a collective (``in_collective``) while another rank has a fault of its own
+    or its process is gone. Only an exception without that evidence is matched by its message
+    (``PEER_LOST_MESSAGES``), the last resort. With no fault of another rank to blame, nothing
+    is collateral: a collective that fails on every rank at once counts on every rank.
+    """
+    roots = [f for f in faults if _root_evidence(f) is None]
+    counted: list[FaultRecord] = []
+    collateral: list[Collateral] = []
+    for f in faults:
+        reason = _collateral_reason(f, roots, gone)
+        if reason is None:
+            counted.append(f)
+        else:
+            collateral.append(Collateral(f, reason))
+    return tuple(counted), tuple(collateral)
+
+
+def signature(counted: Sequence[FaultRecord]) -> tuple[tuple[Any, ...], ...]:
+    """What must repeat for the repeated-fault stop: who faulted how, where and at which step."""
+    return tuple(
+        sorted(
+            {
+                (f.initial_rank, f.kind, f.exc_type, f.where, -1 if f.step is None else f.step)
+                for f in counted
+                if f.kind in OWN_FAULT_KINDS
+            }
+        )
+    )
+
+
+def _root_evidence(f: FaultRecord) -> str | None:
+    """Why ``f`` may be a consequence of someone else's fault; None for a fault of its own."""
+    if f.kind != "exception":
+        return None
+    if f.after_fault:
+        return "recorded after the iteration had already faulted"
+    if f.in_collective:
+        return "raised by a collective"
+    matched = next((m for m in PEER_LOST_MESSAGES if m in f.detail), None)
+    if matched is not None:
+        return f"message contains {matched!r} (last resort: no structural evidence)"
+    return None
+
+
+def _collateral_reason(
+    f: FaultRecord, roots: Sequence[FaultRecord], gone: frozenset[int]
+) -> str | None:
+    evidence = _root_evidence(f)
+    if evidence is None:
+        return None
+    if f.after_fault:
+        return evidence  # someone else ended the iteration before this rank raised
+    others = [g for g in roots if g.initial_rank != f.initial_rank]
+    blame = [f"{g.kind} on rank {g.initial_rank}" for g in others]
+    blame += [f"rank {r} gone" for r in sorted(gone - {f.initial_rank})]
+    if not blame:
+        return None
+    return f"{evidence}, after {', '.join(blame[:3])}"
+
+
+def _retirements(
+    observed: Observed,
+    counted: Sequence[FaultRecord],
+    history: Sequence[Sequence[FaultRecord]],
+    participants: set[int],
+    config: RestartConfig,
+) -> tuple[Retirement, ...]:
+    """Ranks to remove for good: gone, unhealthy, asked to retire, or over ``max_rank_faults``."""
+    why: dict[int, str] = {}
+    for r in sorted(observed.gone & participants):
+        why.setdefault(r, "its process is gone")
+    for f in observed.faults:
+        if f.kind in RETIRING_KINDS:
+            why.setdefault(f.initial_rank, f"{f.kind}: {f.detail}")
+    for f in counted:
+        if f.action == "retire":
+            why.setdefault(f.initial_rank, f"its exception asked to retire it ({f.exc_type})")
+    if config.max_rank_faults is not None:
+        per_rank: dict[int, set[int]] = {}
+        for f in [*(g for faults in history for g in faults), *counted]:
+            if f.kind in OWN_FAULT_KINDS:
+                per_rank.setdefault(f.initial_rank, set()).add(f.iteration)
+        for r, its in sorted(per_rank.items()):
+            if len(its) > config.max_rank_faults:
+                why.setdefault(
+                    r,
+                    f"faulted in {len(its)} iterations (max_rank_faults={config.max_rank_faults})",
+                )
+    return tuple(Retirement(r, reason) for r, reason in sorted(why.items()) if r in participants)
+
+
+def _stop_rule(
+    iteration: int,
+    counted: Sequence[FaultRecord],
+    history: Sequence[Sequence[FaultRecord]],
+    config: RestartConfig,
+) -> str | None:
+    n = config.max_same_fault
+    sigs = [signature(h) for h in history[-(n - 1) :]] if n > 1 else []
+    last = signature(counted)
+    if last and len(sigs) == n - 1 and all(s == last for s in sigs):
+        own = next(f for f in counted if f.kind in OWN_FAULT_KINDS)
+        return (
+            f"the same fault repeated {n} times in a row (max_same_fault={n}): "
+            f"{own.summary()}; fix the fault (or raise max_same_fault)"
+        )
+    if config.max_iterations is not None and iteration + 1 >= config.max_iterations:
+        return (
+            f"max_iterations ({config.max_iterations}) reached: train() ran {iteration + 1} "
+            "times and the last run faulted; raise max_iterations or fix the fault"
+        )
+    return None

@@ -1,0 +1,61 @@
+"""The default process group of one restart iteration, created in that iteration's namespace."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+from inprocess import store as keys
+from inprocess.config import RestartConfig
+
+
+def group_timeout(config: RestartConfig, backend: str) -> float:
+    """Seconds a collective of the iteration's group may block.
+
+    gloo collectives cannot be aborted: one blocked on a peer ends when that peer's group is
+    freed, or at this timeout, which is what frees ranks stuck behind a group that something
+    still holds (keep it short). Order: soft_timeout < this < hard_timeout. Just above
+    soft_timeout, so a hung rank's own monitor (soft_timeout + one check interval) reports first
+    and is blamed, not the rank waiting for it; below hard_timeout, because some waits hold the
+    GIL (seen: a peer's heartbeat stopped) and the watchdog would kill a healthy rank.
+    """
+    if backend != "gloo":
+        return config.barrier_timeout
+    return min(1.25 * config.soft_timeout, (config.soft_timeout + config.hard_timeout) / 2)
+
+
+def init_iteration_group(
+    config: RestartConfig,
+    store: dist.Store,
+    *,
+    iteration: int,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+) -> None:
+    """Create the default group of ``iteration`` for the active ranks (main thread, blocking).
+
+    Every active rank calls it with its new ``rank``; it returns once all have joined (gloo's
+    full-mesh connect). No-op when ``config.init_process_group`` is False.
+    """
+    if not config.init_process_group:
+        return
+    backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    # init_process_group wraps sys.excepthook with a "[rankN]:" prefix each time it is called:
+    # once per iteration would stack the prefixes. Keep the process's own hook.
+    excepthook = sys.excepthook
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=dist.PrefixStore(keys.pg_prefix(iteration), store),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=group_timeout(config, backend)),
+        )
+    finally:
+        sys.excepthook = excepthook
