@@ -18,7 +18,6 @@ same ``--run-dir`` resumes from that step.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -34,12 +33,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from faultplan import LOSES_RANK, PlannedFault, claim, fired_faults, parse_plan
 from gpt import GPTConfig, batch, build_model, corpus
 from report import EventLog, build_report, format_report, write_png
 
 from checkpoint import CheckpointManager
-from inprocess import context, restartable
+from inprocess import context, faults, restartable
 from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from rerun import RerunDataIterator, RerunStateMachine
 
@@ -49,7 +47,7 @@ log = logging.getLogger("train")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    p.add_argument("--faults", default="demo", help="fault plan, 'demo' or 'none'")
+    p.add_argument("--faults", default="demo", help=faults.plan_help() + "\n(default: demo)")
     p.add_argument("--active", type=int, default=None, help="ranks running train(); rest reserve")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
@@ -125,29 +123,20 @@ class TrainState(Stateful):
         self.step = int(sd["step"])
 
 
-def fire(fault: PlannedFault) -> None:
-    """Make the planned fault happen in this rank, now."""
-    log.warning("injecting %s", fault.name)
-    if fault.kind == "exception":
-        raise RuntimeError(f"injected fault {fault.name}")
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault.kind == "hang":
-        time.sleep(3600)  # GIL released: the soft timeout notices
-    if fault.kind == "hang_gil":
-        # A foreign C call that never returns while holding the GIL: only the hard timeout helps.
-        ctypes.PyDLL(None).sleep(3600)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     world = int(os.environ.get("WORLD_SIZE", "1"))
     initial_rank = int(os.environ.get("RANK", "0"))
-    plan = parse_plan(args.faults, steps=args.steps)
-    losing = sum(f.kind in LOSES_RANK for f in plan)
-    active = args.active or max(1, world - losing)
+    # One warm reserve per fault that loses its rank; then the plan is checked against the
+    # ranks that train (a fault on a rank that never trains would silently never fire).
+    try:
+        losing = sum(f.loses_rank for f in faults.parse_plan(args.faults, steps=args.steps))
+        active = args.active or max(1, world - losing)
+        plan = faults.parse_plan(args.faults, steps=args.steps, world_size=active)
+    except ValueError as e:
+        raise SystemExit(f"train.py: error: --faults: {e}") from None
     run_dir = args.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     # One event directory per launch (a resumed run is a new launch with the same run dir).
@@ -215,17 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             tier=getattr(restore, "tier", None),
             seconds=time.monotonic() - t0,
         )
-        my_faults = [f for f in plan if f.rank == ctx.rank]
         loss = torch.tensor(float("nan"))
         tick = time.monotonic()
         for step in range(start, args.steps):
             t_step = time.monotonic()
             ctx.ping(step)  # the step lets the wrapper spot the same fault repeating at a step
-            due = [f for f in my_faults if f.step == step]
-            for fault in due:
-                if fault.kind != "nan" and claim(run_dir, fault):
-                    fire(fault)
-            nan_due = [f for f in due if f.kind == "nan"]
+            # Fires this rank's planned faults once per run, each recorded in the run dir first
+            # (the report times them); a due NaN comes back for the loss of the first attempt.
+            nan_due = faults.fire_planned(plan, step=step, record_dir=run_dir)
             batches = RerunDataIterator(
                 iter(
                     [
@@ -247,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 opt.zero_grad(set_to_none=True)
                 x, y = next(batches)
                 loss = ddp(x, y)
-                if nan_due and claim(run_dir, nan_due[0]):
+                if nan_due is not None and attempts == 1:
                     loss = loss * float("nan")  # a transient numerical fault on this rank
                 loss.backward()
                 t_check = time.monotonic()
@@ -304,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     events.emit("done", rank=result["rank"], step=result["step"], loss=result["loss"])
     if result["rank"] == 0:
-        report = build_report(events_dir, faults=fired_faults(run_dir), wall_end=time.time())
+        fired = [f.as_dict() for f in faults.fired(run_dir)]
+        report = build_report(events_dir, faults=fired, wall_end=time.time())
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))
         print(format_report(report), flush=True)
         print(f"report written to {run_dir / 'report.json'}", flush=True)

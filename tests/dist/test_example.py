@@ -4,14 +4,16 @@ faulty run reaching the same final loss as a clean one."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from inprocess import faults
 from inprocess.preemption import PREEMPTED_EXIT_CODE
-from tests.multiproc import run_job
+from tests.multiproc import REPO_ROOT, run_job
 
 STEPS = 60
 # One fault of each kind the example knows (hang_gil costs a hard timeout: kept to the demo).
@@ -59,6 +61,10 @@ def test_faulty_run_recovers_reports_consistently_and_matches_clean_loss(tmp_pat
     # hard timeout while its DDP group is torn down (it was, in 6 of 10 runs, before the fix).
     assert "hard_timeout" not in faulty.output, faulty.output
     assert sorted(f["kind"] for f in rep["faults"]) == sorted(["exception", "kill", "hang", "nan"])
+    # Each planned fault fired exactly once (steps replay after restarts), on its planned rank.
+    fired = faults.fired(tmp_path / "faulty")
+    assert [f.fault for f in fired] == PLAN.split(","), fired
+    assert all(f.rank == int(f.fault.split("@rank")[1].split(":")[0]) for f in fired), fired
     assert all(f["recovered"] for f in rep["faults"]), rep["faults"]
     for f in rep["faults"]:
         parts = f["detection_s"] + f["shutdown_restart_s"] + f["reload_s"] + f["lost_work_s"]
@@ -97,3 +103,17 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path: Path
     resumed = [e for e in events if e["ev"] == "restored" and e["step"] == stopped]
     assert resumed and all(e["tier"] == "persistent" for e in resumed), resumed
     assert _report(run_dir)["totals"]["final_step"] == 400
+
+
+def test_a_fault_on_a_rank_that_does_not_train_is_refused(tmp_path: Path) -> None:
+    # 4 ranks, one kill -> 3 train: rank 3 never trains, so its fault would never fire.
+    argv = ["examples/train.py", "--run-dir", str(tmp_path), "--faults", "kill@rank1:step5,"
+            "exception@rank3:step10"]  # fmt: skip
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "--faults: fault plan item 'exception@rank3:step10' targets rank 3" in proc.stderr
+    assert "ranks 0..2" in proc.stderr
+    assert "Traceback" not in proc.stderr

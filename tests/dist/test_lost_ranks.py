@@ -1,7 +1,8 @@
 """Issue 3: the job survives losing ranks (rank 0 included) with warm reserves, on CPU/gloo.
 
-Each test asserts the final state (world size, the reserve's ctx.rank), the number of restarts
-and which initial ranks ran ``train()`` as which rank in each iteration.
+Each test asserts the final state (world size, the reserve's ctx.rank), the number of restarts,
+which initial ranks ran ``train()`` as which rank in each iteration, and which faults fired (from
+``inprocess.faults``' record).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import signal
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
+from inprocess import faults as fi
 from tests.multiproc import RankOutput, describe, run_job, run_ranks
 
 TARGET = "tests.dist.workers_lost_ranks:train_with_faults"
@@ -32,11 +34,17 @@ FAST = {
 }
 
 
+class Job(NamedTuple):
+    outs: list[RankOutput]
+    active: dict[int, dict[int, int]]  # {iteration: {ctx.rank: initial rank}}
+    fired: list[tuple[str, int, int, int, int | None]]  # see recorded()
+
+
 def run(
     n: int, *, config: dict[str, Any], faults: list[dict[str, Any]], deadline: float = 60.0,
     **kwargs: Any,
-) -> tuple[list[RankOutput], dict[int, dict[int, int]]]:  # fmt: skip
-    """Run the job; return the outputs and {iteration: {ctx.rank: initial rank}}."""
+) -> Job:  # fmt: skip
+    """Run the job; return the outputs, who ran as which rank, and the faults that fired."""
     local_world_size = kwargs.pop("local_world_size", None)
     calls_dir = Path(tempfile.mkdtemp(prefix="lost-ranks-"))
     outs = run_ranks(
@@ -53,7 +61,7 @@ def run(
         expect_success=False,
         local_world_size=local_world_size,
     )
-    return outs, active_per_iteration(calls_dir)
+    return Job(outs, active_per_iteration(calls_dir), recorded(calls_dir))
 
 
 def active_per_iteration(calls_dir: Path) -> dict[int, dict[int, int]]:
@@ -64,6 +72,12 @@ def active_per_iteration(calls_dir: Path) -> dict[int, dict[int, int]]:
             assert c["rank"] not in calls[c["iteration"]], f"two ranks ran as {c}"
             calls[c["iteration"]][c["rank"]] = c["initial_rank"]
     return dict(calls)
+
+
+def recorded(calls_dir: Path) -> list[tuple[str, int, int, int, int | None]]:
+    """The faults recorded in ``calls_dir``, oldest first: (kind, ctx.rank, initial rank,
+    iteration, step)."""
+    return [(f.kind, f.rank, f.initial_rank, f.iteration, f.step) for f in fi.fired(calls_dir)]
 
 
 def finished(outs: list[RankOutput]) -> dict[int, dict[str, Any]]:
@@ -80,14 +94,16 @@ def check_exit(outs: list[RankOutput], expected: dict[int, int]) -> None:
     assert got == expected, f"exit codes {got} != {expected}\n" + describe(outs)
 
 
-def sigkill(rank: int, *, iteration: int = 0, step: int = 1) -> dict[str, Any]:
-    return {"rank": rank, "iteration": iteration, "step": step, "action": "sigkill"}
+def fault(kind: str, rank: int, *, iteration: int = 0, step: int = 1) -> dict[str, Any]:
+    """Fault ``kind`` on training rank ``rank`` (ctx.rank) at ``step`` of ``iteration``."""
+    return {"kind": kind, "rank": rank, "iteration": iteration, "step": step}
 
 
 def test_sigkill_of_nonzero_rank_reserve_takes_its_place() -> None:
-    outs, active = run(3, config={"active_world_size": 2}, faults=[sigkill(1)])
+    outs, active, fired = run(3, config={"active_world_size": 2}, faults=[fault("kill", 1)])
     check_exit(outs, {0: 0, 1: -signal.SIGKILL, 2: 0})
     assert active == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}  # one restart; reserve 2 runs as rank 1
+    assert fired == [("kill", 1, 1, 0, 1)]  # once: not again when reserve 2 replays step 1
     done = finished(outs)
     assert done[2] == {"iteration": 1, "rank": 1, "world_size": 2, "initial_rank": 2, "sum": 8.0}
     assert done[0]["rank"] == 0
@@ -95,9 +111,10 @@ def test_sigkill_of_nonzero_rank_reserve_takes_its_place() -> None:
 
 
 def test_sigkill_of_rank_zero_is_survived() -> None:
-    outs, active = run(3, config={"active_world_size": 2}, faults=[sigkill(0)])
+    outs, active, fired = run(3, config={"active_world_size": 2}, faults=[fault("kill", 0)])
     check_exit(outs, {0: -signal.SIGKILL, 1: 0, 2: 0})
     assert active == {0: {0: 0, 1: 1}, 1: {0: 2, 1: 1}}  # the reserve becomes rank 0
+    assert fired == [("kill", 0, 0, 0, 1)]
     done = finished(outs)
     assert done[2]["rank"] == 0
     assert done[2]["world_size"] == 2
@@ -106,26 +123,26 @@ def test_sigkill_of_rank_zero_is_survived() -> None:
 
 
 def test_gil_held_hang_is_killed_at_hard_timeout_and_replaced() -> None:
-    gil = {"rank": 1, "iteration": 0, "step": 1, "action": "gil"}
-    outs, active = run(
+    outs, active, fired = run(
         3,
         config={"active_world_size": 2, "soft_timeout": 1.0, "hard_timeout": 3.0},
-        faults=[gil],
+        faults=[fault("hang_gil", 1)],
         deadline=60,
     )
     # SIGTERM's default action ends the process even while its main thread holds the GIL.
     assert outs[1].returncode in (-signal.SIGTERM, -signal.SIGKILL), describe(outs)
     check_exit(outs, {0: 0, 1: outs[1].returncode or 0, 2: 0})
     assert active == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
+    assert fired == [("hang_gil", 1, 1, 0, 1)]  # recorded before the hang that got it killed
     assert finished(outs)[2]["rank"] == 1
 
 
 def test_node_granularity_retires_the_whole_node() -> None:
     # 6 ranks on 3 simulated nodes {0,1} {2,3} {4,5}; 4 active, node 2 waits as the reserve.
-    outs, active = run(
+    outs, active, fired = run(
         6,
         config={"active_world_size": 4, "granularity": "node"},
-        faults=[sigkill(3)],
+        faults=[fault("kill", 3)],
         local_world_size=2,
         deadline=100,
     )
@@ -134,19 +151,24 @@ def test_node_granularity_retires_the_whole_node() -> None:
     # Node 1 leaves whole: its healthy rank 2 steps back, node 2 fills ranks 2 and 3.
     assert active[1] == {0: 0, 1: 1, 2: 4, 3: 5}
     assert set(active) == {0, 1}
+    assert fired == [("kill", 3, 3, 0, 1)]
     done = finished(outs)
     assert {r: done[r]["rank"] for r in (0, 1, 4, 5)} == {0: 0, 1: 1, 4: 2, 5: 3}
     assert all(done[r]["world_size"] == 4 for r in (0, 1, 4, 5))
-    assert 2 not in done or done[2] is None or done[2].get("rank") is None
+    # Healthy rank 2 stayed in the job as a reserve to the end: it exits cleanly, and its
+    # train() returns None (the reserve's result), not a result of the last iteration.
+    assert outs[2].returncode == 0, describe(outs)
+    assert outs[2].result is not None and outs[2].result["result"] is None, describe(outs)
 
 
 def test_reserves_exhausted_stop_with_one_clear_error_and_launcher_fails() -> None:
-    # Rank 1 dies, reserve 2 takes over and dies too: 1 rank left, min_active_world_size 2.
+    # Rank 1 dies, reserve 2 takes over as rank 1 and dies too: 1 rank left,
+    # min_active_world_size 2.
     # Through the project's launcher, which must report the failed job with a non-zero status.
     calls_dir = Path(tempfile.mkdtemp(prefix="lost-ranks-"))
     kwargs = {
         "config": {**FAST, "active_world_size": 2, "min_active_world_size": 2},
-        "faults": [sigkill(1), sigkill(2, iteration=1)],
+        "faults": [fault("kill", 1), fault("kill", 1, iteration=1)],
         "calls_dir": str(calls_dir),
     }
     job = run_job(
@@ -158,6 +180,7 @@ def test_reserves_exhausted_stop_with_one_clear_error_and_launcher_fails() -> No
     )  # fmt: skip
     assert job.returncode != 0, job.output
     assert active_per_iteration(calls_dir) == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
+    assert recorded(calls_dir) == [("kill", 1, 1, 0, 1), ("kill", 1, 2, 1, 1)]
     # The survivor stops with one error naming the counts and the fix, not a hang.
     errors = [line for line in job.output.splitlines() if "RestartAbortedError: not enough" in line]
     assert len(errors) == 1, job.output
@@ -168,14 +191,15 @@ def test_reserves_exhausted_stop_with_one_clear_error_and_launcher_fails() -> No
 
 def test_failing_user_health_check_retires_its_rank() -> None:
     # Rank 0 raises in iteration 0 (it stays); rank 1's health check fails after that iteration.
-    outs, active = run(
+    outs, active, fired = run(
         3,
         config={"active_world_size": 2},
-        faults=[{"rank": 0, "iteration": 0, "step": 1, "action": "raise"}],
+        faults=[fault("exception", 0)],
         unhealthy_after_iteration={"1": 0},
     )
     # One restart: the check runs before the restart decision, not at the next iteration's start.
     assert active == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
+    assert fired == [("exception", 0, 0, 0, 1)]
     done = finished(outs)
     assert done[0]["rank"] == 0
     assert done[2]["rank"] == 1

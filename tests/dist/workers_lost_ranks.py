@@ -1,17 +1,15 @@
 """Rank functions for the lost-ranks tests: a small all_reduce loop under ``@restartable`` that
-loses ranks on cue (SIGKILL, GIL-held hang, failing health check, exception).
+loses ranks on cue (``inprocess.faults``: kill, GIL-held hang, exception; a failing health check).
 
 Every call of ``train()`` appends one JSON line to ``<calls_dir>/calls.<initial rank>.jsonl``
 before its first step, so the test sees which ranks were active in each iteration even for ranks
-that were killed later.
+that were killed later; every fault that fired is recorded in ``calls_dir`` (``faults.fired``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +33,6 @@ def _log_call(ctx: Any, calls_dir: str) -> None:
         f.write(json.dumps(line) + "\n")
 
 
-def _fault(action: str) -> None:
-    if action == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "gil":
-        # A foreign C call that never returns and holds the GIL: only the watchdog can end it.
-        ctypes.PyDLL(None).sleep(3600)
-    elif action == "raise":
-        raise RuntimeError(f"injected fault on initial rank {_initial_rank()}")
-    else:
-        raise ValueError(f"unknown fault action {action!r}")
-
-
 def train_with_faults(
     *,
     config: dict[str, Any],
@@ -56,7 +42,8 @@ def train_with_faults(
 ) -> dict[str, Any]:
     """Run STEPS all_reduce steps under @restartable(**config); inject ``faults``.
 
-    ``faults``: ``{"rank": initial rank, "iteration": i, "step": s, "action": ...}``.
+    ``faults``: ``{"kind": k, "rank": r, "iteration": i, "step": s}``: fault kind ``k`` of
+    ``inprocess.faults`` on training rank ``r`` (``ctx.rank``) at step ``s`` of iteration ``i``.
     ``unhealthy_after_iteration``: ``{initial rank (str): i}`` makes a user health check fail on
     that rank once it ran ``train()`` in iteration ``i`` or later.
     """
@@ -65,6 +52,7 @@ def train_with_faults(
     import torch
     import torch.distributed as dist
 
+    from inprocess import faults as fi
     from inprocess import restartable
     from inprocess.context import context
 
@@ -86,8 +74,7 @@ def train_with_faults(
         total = 0.0
         for step in range(STEPS):
             for f in faults:
-                if (f["rank"], f["iteration"], f["step"]) == (me, ctx.iteration, step):
-                    _fault(f["action"])
+                fi.inject(**f, current_step=step, record_dir=calls_dir)
             t = torch.ones(1)
             dist.all_reduce(t)
             total += t.item()

@@ -1,4 +1,4 @@
-"""The example's fault plan parser and downtime report arithmetic."""
+"""The example's downtime report arithmetic (the fault plan is tested in test_faults.py)."""
 
 from __future__ import annotations
 
@@ -8,37 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from inprocess.faults import FiredFault
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from faultplan import PlannedFault, claim, fired_faults, parse_plan
 from report import build_report, format_report
-
-
-def test_parse_plan_and_demo() -> None:
-    plan = parse_plan("exception@rank1:step30,kill@rank2:step60", steps=100)
-    assert plan == [PlannedFault("exception", 1, 30), PlannedFault("kill", 2, 60)]
-    demo = parse_plan("demo", steps=300)
-    assert {f.kind for f in demo} >= {"exception", "kill", "hang", "nan"}
-    assert parse_plan("none", steps=10) == []
-
-
-@pytest.mark.parametrize(
-    ("text", "match"),
-    [
-        ("boom@rank1:step3", "KIND@rankR:stepS"),
-        ("exception@1:3", "KIND@rankR:stepS"),
-        ("exception@rank1:step300", "only 300 steps"),
-    ],
-)
-def test_parse_plan_rejects_bad_items(text: str, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        parse_plan(text, steps=300)
-
-
-def test_claim_fires_once(tmp_path: Path) -> None:
-    fault = PlannedFault("exception", 0, 5)
-    assert claim(tmp_path, fault)
-    assert not claim(tmp_path, fault)
-    assert [r["fault"] for r in fired_faults(tmp_path)] == [fault.name]
 
 
 def _write(run_dir: Path, events: list[dict[str, object]]) -> None:
@@ -77,9 +50,10 @@ def test_report_terms_add_up(tmp_path: Path) -> None:
     ev.append({"ev": "rerun", "t": 2.0, "step": 8, "rank": 0, "detect_s": 0.001, "rerun_s": 0.2})
     ev.append({"ev": "done", "t": t, "rank": 0, "step": 10, "loss": 1.5})
     _write(tmp_path, ev)
+    # As the example passes them: the records inprocess.faults wrote before each fault fired.
     faults = [
-        {"fault": "exception@rank0:step5", "kind": "exception", "time": 1.05},
-        {"fault": "nan@rank0:step8", "kind": "nan", "time": 1.95},
+        FiredFault("exception@rank0:step5", "exception", 0, 0, 0, 5, time=1.05, pid=1).as_dict(),
+        FiredFault("nan@rank0:step8", "nan", 0, 0, 1, 8, time=1.95, pid=1).as_dict(),
     ]
     report = build_report(tmp_path, faults=faults, wall_end=2.1)
     exc, nan = report["faults"]

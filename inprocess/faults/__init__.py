@@ -1,0 +1,42 @@
+"""Fault injection for tests, examples and drills: make a chosen rank fail in a chosen way, once,
+and record every fault that fired (so a test can count them and a report can time them).
+
+    from inprocess import faults
+    faults.inject("exception", rank=1, step=5, current_step=step, record_dir=tmp)  # in train()
+    nan = faults.fire_planned(plan, step=step, record_dir=run_dir)      # plan: parse_plan(...)
+    faults.fired(tmp)                                                   # -> [FiredFault, ...]
+"""
+
+from inprocess.faults.firing import fire, fire_planned, inject, trigger
+from inprocess.faults.kinds import ALIASES, HANG_S, KINDS, InjectedFault, Kind, kind_of, kinds_help
+from inprocess.faults.plan import (
+    ITEM_SYNTAX,
+    SYNTAX,
+    PlannedFault,
+    demo_plan,
+    parse_plan,
+    plan_help,
+)
+from inprocess.faults.record import FiredFault, fired
+
+__all__ = [
+    "ALIASES",
+    "HANG_S",
+    "ITEM_SYNTAX",
+    "KINDS",
+    "SYNTAX",
+    "FiredFault",
+    "InjectedFault",
+    "Kind",
+    "PlannedFault",
+    "demo_plan",
+    "fire",
+    "fire_planned",
+    "fired",
+    "inject",
+    "kind_of",
+    "kinds_help",
+    "parse_plan",
+    "plan_help",
+    "trigger",
+]

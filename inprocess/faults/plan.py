@@ -1,0 +1,99 @@
+"""Fault plans: ``KIND@rankR:stepS[,...]``, the ``demo`` preset and ``none``, parsed and checked."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from inprocess.errors import ConfigError
+from inprocess.faults.kinds import KINDS, kind_of, kinds_help
+
+ITEM_SYNTAX = "KIND@rankR:stepS"
+SYNTAX = f"{ITEM_SYNTAX}[,{ITEM_SYNTAX}...]"
+_ITEM = re.compile(r"^(?P<kind>[a-z_]+)@rank(?P<rank>\d+):step(?P<step>\d+)$")
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    """Fault ``kind`` on training rank ``rank`` (``ctx.rank``) at ``step`` of ``iteration``.
+
+    None for ``step``/``iteration`` matches any (``inject`` uses that; a plan item always has a
+    step and no iteration). ``name`` is the fault's identity: it fires once per record directory.
+    """
+
+    kind: str
+    rank: int
+    step: int | None
+    iteration: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", kind_of(self.kind).name)  # aliases -> table names
+
+    @property
+    def name(self) -> str:
+        iteration = "" if self.iteration is None else f":iteration{self.iteration}"
+        step = "" if self.step is None else f":step{self.step}"
+        return f"{self.kind}@rank{self.rank}{iteration}{step}"
+
+    @property
+    def loses_rank(self) -> bool:
+        return KINDS[self.kind].loses_rank
+
+
+def demo_plan(steps: int) -> str:
+    """Each kind the example shows once, spread over the run (needs 2 active ranks + 1 reserve)."""
+    at = [max(1, steps * k // 6) for k in range(1, 6)]
+    return (
+        f"exception@rank1:step{at[0]},kill@rank1:step{at[1]},hang@rank0:step{at[2]},"
+        f"nan@rank1:step{at[3]},exception@rank0:step{at[4]}"
+    )
+
+
+def plan_help() -> str:
+    """What a plan may say, with the kinds from the table (for ``--help``)."""
+    return (
+        f"fault plan: {SYNTAX}\n"
+        "  e.g. exception@rank1:step30,kill@rank1:step60\n"
+        "  R: the training rank (ctx.rank) at step S; each fault fires once\n"
+        "  'demo': exception, kill, hang, nan, exception; 'none': no faults\n"
+        f"kinds:\n{kinds_help()}"
+    )
+
+
+def parse_plan(text: str, *, steps: int, world_size: int | None = None) -> list[PlannedFault]:
+    """Parse a plan for a run of ``steps`` steps on ``world_size`` training ranks (None: unchecked).
+
+    Raises ConfigError (a ValueError) naming the bad item, the rule and the fix.
+    """
+    if text.strip() in ("", "none"):
+        return []
+    source = ""
+    if text.strip() == "demo":
+        text, source = demo_plan(steps), " (of the demo plan)"
+    plan: list[PlannedFault] = []
+    for item in text.split(","):
+        m = _ITEM.match(item.strip())
+        if m is None or m["kind"] not in KINDS:
+            raise ConfigError(
+                f"fault plan item {item!r} is not {ITEM_SYNTAX} with KIND one of "
+                f"{sorted(KINDS)}: write e.g. exception@rank1:step30"
+            )
+        fault = PlannedFault(m["kind"], int(m["rank"]), int(m["step"]))
+        if int(m["step"]) >= steps:
+            raise ConfigError(
+                f"fault plan item {item!r}{source} is at step {m['step']}, but the run has only "
+                f"{steps} steps (0..{steps - 1}): choose an earlier step or run more steps"
+            )
+        if world_size is not None and fault.rank >= world_size:
+            raise ConfigError(
+                f"fault plan item {item!r}{source} targets rank {fault.rank}, but only "
+                f"{world_size} rank(s) train (ranks 0..{world_size - 1}), so it would never "
+                f"fire: choose a rank below {world_size} or train on more ranks"
+            )
+        if fault in plan:
+            raise ConfigError(
+                f"fault plan item {item!r} appears twice: a fault fires once per run, "
+                "remove the repeat"
+            )
+        plan.append(fault)
+    return plan
