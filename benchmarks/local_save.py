@@ -59,7 +59,7 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
     """n rounds of (copy floor, walk floor, save), each after `gap` of sleep: a save follows a
     training step, so caches are cold for all three alike (a hot timeit loop of the floors ran
     2.5-4x faster than the same work inside saves here)."""
-    from checkpoint import packing
+    from checkpoint.local import packing
     from checkpoint.manager import CheckpointManager
 
     tensors = [x.value for x in packing.leaves(state, []) if isinstance(x.value, torch.Tensor)]

@@ -1,5 +1,6 @@
 """Checkpointing: async torch_dist (DCP) persistent tier and a local in-memory / node-local tier."""
 
+from checkpoint.config import LocalConfig, PersistentConfig
 from checkpoint.errors import (
     CheckpointAbandoned,
     CheckpointConfigError,
@@ -10,8 +11,8 @@ from checkpoint.errors import (
     CheckpointStorageError,
 )
 from checkpoint.group import BackgroundGroup
+from checkpoint.local import ReplicatedState
 from checkpoint.manager import CheckpointManager, Restore
-from checkpoint.packing import ReplicatedState
 
 __all__ = [
     "BackgroundGroup",
@@ -23,6 +24,8 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointRankError",
     "CheckpointStorageError",
+    "LocalConfig",
+    "PersistentConfig",
     "ReplicatedState",
     "Restore",
 ]

@@ -1,4 +1,4 @@
-"""Validated settings of the persistent checkpoint tier, and the package's environment variables."""
+"""Validated settings of the two checkpoint tiers, and the package's environment variables."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import os
 from checkpoint.errors import CheckpointConfigError
 
 # Test-only: the name of a point in the background save at which the process SIGKILLs itself
-# (see ``checkpoint.async_save.CRASH_POINTS``). Read here and nowhere else.
+# (see ``checkpoint.persistent.save.CRASH_POINTS``). Read here and nowhere else.
 ENV_CRASH_AT = "RESTARTABLE_CKPT_CRASH_AT"
 # Test-only: restrict the crash to this rank (default: every rank that reaches the point).
 ENV_CRASH_RANK = "RESTARTABLE_CKPT_CRASH_RANK"
 
 ON_BUSY_POLICIES = ("wait", "skip")
+LOCAL_ALGOS = ("atomic", "fully_parallel")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,9 +51,49 @@ class PersistentConfig:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalConfig:
+    """Settings of the local (host memory / node-local directory / peer replica) tier; validates
+    itself on construction. Errors name each setting as ``CheckpointManager``'s keyword
+    (``local_every`` for ``every``), as ``PersistentConfig``'s do (``persistent_every``).
+
+    Its background waits are bounded by the manager's ``timeout`` (one bound for both tiers).
+    """
+
+    every: int = 1  # save to the local tier at steps divisible by this
+    dir: str | os.PathLike[str] | None = None  # node-local directory (NVMe, /dev/shm); None: memory
+    replication_factor: int = 1  # copies of each shard on distinct nodes (1: no peer replicas)
+    algo: str = "atomic"  # "atomic": each rank keeps all its state; "fully_parallel": see README
+    keep: int = 2  # complete local steps kept (memory and directory)
+
+    def __post_init__(self) -> None:
+        _positive_int(
+            "local_every",
+            self.every,
+            "pass e.g. 1 to keep a local copy every step, or no local config (local_every=None) "
+            "to disable the local tier",
+        )
+        if self.dir is not None and (
+            not isinstance(self.dir, (str, os.PathLike)) or not os.fspath(self.dir)
+        ):
+            raise CheckpointConfigError(
+                f"local_dir ({self.dir!r}) must be None or a non-empty directory path: pass e.g. "
+                "'/dev/shm/ckpt' (node-local NVMe or /dev/shm), or None for memory only"
+            )
+        _positive_int("replication_factor", self.replication_factor, "use 1 for no replicas")
+        if self.algo not in LOCAL_ALGOS:
+            raise CheckpointConfigError(
+                f"local_algo ({self.algo!r}) must be one of {LOCAL_ALGOS}: pick one ('atomic', "
+                "the default, unless the state marks its replicated part with ReplicatedState)"
+            )
+        _positive_int("local_keep", self.keep, "keep at least one local step")
+
+
 def _positive_int(name: str, value: object, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
         raise CheckpointConfigError(f"{name} ({value!r}) must be an integer >= 1: {fix}")
+    if value < 1:
+        raise CheckpointConfigError(f"{name} ({value!r}) must be >= 1: {fix}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
-from checkpoint.async_save import PersistentSaver, SaveStats
-from checkpoint.config import PersistentConfig, read_test_hooks
+from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks
 from checkpoint.errors import CheckpointConfigError, CheckpointError
 from checkpoint.group import BackgroundGroup
-from checkpoint.layout import Committed, Layout
-from checkpoint.load import list_committed, load_latest
+from checkpoint.local import LocalTier
+from checkpoint.persistent import (
+    CheckpointDirs,
+    Committed,
+    PersistentSaver,
+    SaveStats,
+    list_committed,
+    load_latest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,11 @@ class CheckpointManager:
             for step in range(start + 1, steps + 1):
                 train_step()
                 mgr.save(step, state)   # returns after staging; writes in the background
+
+    The local tier is off unless configured, either with ``local=LocalConfig(every=1, ...)`` or
+    with the keyword arguments ``local_every`` (which turns it on), ``local_dir``,
+    ``replication_factor``, ``local_algo`` and ``local_keep`` (``LocalConfig``'s fields, same
+    defaults); not both.
     """
 
     def __init__(
@@ -52,11 +64,12 @@ class CheckpointManager:
         *,
         persistent_every: int = 100,
         keep: int = 3,
+        local: LocalConfig | None = None,
         local_every: int | None = None,
-        local_dir: str | None = None,
-        replication_factor: int = 1,
-        local_algo: str = "atomic",
-        local_keep: int = 2,
+        local_dir: str | os.PathLike[str] | None = None,
+        replication_factor: int | None = None,
+        local_algo: str | None = None,
+        local_keep: int | None = None,
         timeout: float = 600.0,
         fallback_on_corruption: bool = True,
         on_busy: str = "wait",
@@ -70,34 +83,32 @@ class CheckpointManager:
             fallback_on_corruption=fallback_on_corruption,
             on_busy=on_busy,
         )
-        if local_every is not None and (
-            isinstance(local_every, bool) or not isinstance(local_every, int) or local_every < 1
-        ):
-            raise CheckpointConfigError(
-                f"local_every ({local_every!r}) must be None or an integer >= 1: pass None to "
-                "disable the local tier, or e.g. 1 to keep a local copy every step"
-            )
-        self._layout = Layout(self._cfg.root)
-        self._layout.check_writable()
+        self._local_cfg = _local_config(
+            local,
+            local_every=local_every,
+            local_dir=local_dir,
+            replication_factor=replication_factor,
+            local_algo=local_algo,
+            local_keep=local_keep,
+        )
+        self._dirs = CheckpointDirs(self._cfg.root)
+        self._dirs.check_writable()
         self._group = BackgroundGroup(timeout=self._cfg.timeout)
-        self._persistent = PersistentSaver(self._cfg, self._layout, self._group, read_test_hooks())
-        self._local_every = local_every
-        self._local: Any = None
+        self._persistent = PersistentSaver(self._cfg, self._dirs, self._group, read_test_hooks())
+        self._local: LocalTier | None = None
         self._local_group: BackgroundGroup | None = None
         self._closed = False
         self.last_restore: Restore | None = None
-        if local_every is not None:
-            # Imported lazily: the persistent tier works (and is tested) without it. The local
-            # tier gets its OWN dedicated group: two background threads must never share one.
-            from checkpoint.local import LocalTier
-
+        if self._local_cfg is not None:
+            # The local tier gets its OWN dedicated group: two background threads must never
+            # share one.
             self._local_group = BackgroundGroup(timeout=self._cfg.timeout)
             try:
                 self._local = LocalTier(
-                    local_dir=local_dir,
-                    replication_factor=replication_factor,
-                    algo=local_algo,
-                    keep=local_keep,
+                    local_dir=self._local_cfg.dir,
+                    replication_factor=self._local_cfg.replication_factor,
+                    algo=self._local_cfg.algo,
+                    keep=self._local_cfg.keep,
                     group=self._local_group,
                     timeout=self._cfg.timeout,
                 )
@@ -123,11 +134,11 @@ class CheckpointManager:
 
     def committed(self) -> list[Committed]:
         """Committed persistent checkpoints, oldest first (rank-local listing, not collective)."""
-        return self._layout.list_committed()
+        return self._dirs.list_committed()
 
     def latest_step(self) -> int | None:
         """Newest committed persistent step (rank-local listing), or None."""
-        found = self._layout.list_committed()
+        found = self._dirs.list_committed()
         return found[-1].step if found else None
 
     # -- save / load ---------------------------------------------------------------------------
@@ -152,7 +163,8 @@ class CheckpointManager:
                 f"state ({type(state).__name__}) must be a dict: wrap it, e.g. "
                 "{'model': model, 'optimizer': optimizer}"
             )
-        if self._local is not None and self._local_every and step % self._local_every == 0:
+        local_due = self._local_cfg is not None and step % self._local_cfg.every == 0
+        if self._local is not None and local_due:
             self._local.save(step, state)
         if force_persistent or step % self._cfg.every == 0:
             self._persistent.save(step, state)
@@ -175,7 +187,7 @@ class CheckpointManager:
             # restoring from it is exactly what the caller asked for.
             log.error("checkpoint: the save in flight failed; loading anyway: %s", str(e))
         group = self._group.current()
-        committed = list_committed(self._layout, group)
+        committed = list_committed(self._dirs, group)
         newest = committed[-1].step if committed else None
         if self._local is not None:
             # load() settles first: after a restart it cancels the background work in flight
@@ -193,7 +205,7 @@ class CheckpointManager:
                 )
                 return int(result.step)
         ckpt = load_latest(
-            self._layout, state, group, fallback_on_corruption=self._cfg.fallback_on_corruption
+            self._dirs, state, group, fallback_on_corruption=self._cfg.fallback_on_corruption
         )
         seconds = time.perf_counter() - t0
         if ckpt is None:
@@ -236,3 +248,50 @@ class CheckpointManager:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise CheckpointError(f"CheckpointManager.{what}() called after close()")
+
+
+def _local_config(
+    local: LocalConfig | None,
+    *,
+    local_every: int | None,
+    local_dir: str | os.PathLike[str] | None,
+    replication_factor: int | None,
+    local_algo: str | None,
+    local_keep: int | None,
+) -> LocalConfig | None:
+    """The local tier's settings from ``local`` or from the loose keyword arguments (not both);
+    None when the local tier is off (no ``local`` and ``local_every=None``)."""
+    loose = {
+        "local_every": local_every,
+        "local_dir": local_dir,
+        "replication_factor": replication_factor,
+        "local_algo": local_algo,
+        "local_keep": local_keep,
+    }
+    given = {name: value for name, value in loose.items() if value is not None}
+    if local is not None:
+        if not isinstance(local, LocalConfig):
+            raise CheckpointConfigError(
+                f"local ({type(local).__name__}) must be a LocalConfig or None: pass e.g. "
+                "local=LocalConfig(every=1, dir='/dev/shm/ckpt')"
+            )
+        if given:
+            names = ", ".join(f"{name}={value!r}" for name, value in given.items())
+            raise CheckpointConfigError(
+                f"local ({local!r}) and {names} both configure the local tier: pass its "
+                "settings in one place, inside local=LocalConfig(...) or as keyword arguments"
+            )
+        return local
+    if local_every is None:
+        # As before LocalConfig existed: without local_every the other local settings are unused.
+        return None
+    default = LocalConfig()  # an argument left out (None) takes LocalConfig's default
+    return LocalConfig(
+        every=local_every,
+        dir=local_dir,
+        replication_factor=(
+            default.replication_factor if replication_factor is None else replication_factor
+        ),
+        algo=default.algo if local_algo is None else local_algo,
+        keep=default.keep if local_keep is None else local_keep,
+    )

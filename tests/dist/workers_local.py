@@ -102,10 +102,10 @@ def _tier(local_dir: str | None, algo: str, factor: int = 2, keep: int = 2) -> A
 def memory_after_restart(base: str) -> dict[str, Any]:
     """Save with atomic and fully_parallel, restart in-process, restore both from memory.
 
-    The directories are emptied and local_dir.read is replaced by a function that fails, so a
+    The directories are emptied and checkpoint.local.directory.read is replaced by a function that fails, so a
     restore that touched a file would show up as a wrong tier or an exception.
     """
-    import checkpoint.local_dir as ldir
+    from checkpoint.local import directory
 
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
@@ -125,7 +125,7 @@ def memory_after_restart(base: str) -> dict[str, Any]:
     def no_file_read(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a memory restore read a file")
 
-    ldir.read = no_file_read
+    directory.read = no_file_read
     _init(1)
     restored = {}
     for algo, (tier, group, state) in tiers.items():
@@ -164,7 +164,7 @@ def restore_fresh(
     tensors. small_parts: tiny parts and in-place tensors, so the test's small tensors take the
     paths that large ones take in production. Reports the growth of the peak RSS during load.
     """
-    from checkpoint import packing
+    from checkpoint.local import packing
     from tests import peak_memory
 
     if small_parts:
@@ -232,7 +232,7 @@ def corrupt_replica_in_place(base: str) -> dict[str, Any]:
     """A replica corrupted in its holder's memory (memory copies are sent unverified) arrives in
     place, into the receiver's state tensors; the receiver's checksum rejects it and the next
     source (step 1) must overwrite every tensor the bad copy wrote."""
-    from checkpoint import packing
+    from checkpoint.local import packing
 
     packing.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])

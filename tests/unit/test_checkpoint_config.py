@@ -13,6 +13,7 @@ from checkpoint import (
     CheckpointError,
     CheckpointManager,
     CheckpointStorageError,
+    LocalConfig,
 )
 
 
@@ -71,3 +72,78 @@ def test_use_after_close_is_an_error(tmp_path: Path) -> None:
     mgr.close()  # idempotent
     with pytest.raises(CheckpointError, match="after close"):
         mgr.save(1, {"x": torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"every": 0}, "local_every"),
+        ({"every": 1.5}, "local_every"),
+        ({"every": True}, "local_every"),
+        ({"dir": ""}, "local_dir"),
+        ({"dir": 3}, "local_dir"),
+        ({"replication_factor": 0}, "replication_factor"),
+        ({"replication_factor": 2.0}, "replication_factor"),
+        ({"algo": "fast"}, "local_algo"),
+        ({"keep": 0}, "local_keep"),
+        ({"keep": None}, "local_keep"),
+    ],
+)
+def test_bad_local_config_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(CheckpointConfigError, match=field) as err:
+        LocalConfig(**kwargs)
+    assert repr(next(iter(kwargs.values()))) in str(err.value)  # the value
+    assert ": " in str(err.value)  # then the fix
+
+
+def test_local_config_defaults_and_immutability(tmp_path: Path) -> None:
+    cfg = LocalConfig()
+    assert (cfg.every, cfg.dir, cfg.replication_factor, cfg.algo, cfg.keep) == (
+        1,
+        None,
+        1,
+        "atomic",
+        2,
+    )
+    assert LocalConfig(dir=tmp_path).dir == tmp_path  # os.PathLike is accepted
+    with pytest.raises(TypeError):
+        LocalConfig(1)  # type: ignore[misc]  # keyword-only
+    with pytest.raises(AttributeError):
+        cfg.every = 2  # type: ignore[misc]  # frozen
+
+
+def test_manager_takes_a_local_config(tmp_path: Path) -> None:
+    local = LocalConfig(every=2, dir=str(tmp_path / "local"), keep=1)
+    (tmp_path / "local").mkdir()
+    state = {"w": torch.zeros(4)}
+    with CheckpointManager(str(tmp_path / "p"), persistent_every=100, local=local) as mgr:
+        for step in (1, 2, 3):
+            state["w"].fill_(float(step))
+            mgr.save(step, state)
+        mgr.wait()
+        state["w"].zero_()
+        assert mgr.load_latest(state) == 2  # local every 2 steps; persistent never here
+        assert mgr.last_restore is not None and mgr.last_restore.tier == "memory"
+        assert torch.equal(state["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"local_every": 1},
+        {"local_dir": "/tmp"},
+        {"replication_factor": 2},
+        {"local_algo": "fully_parallel"},
+        {"local_keep": 3},
+    ],
+)
+def test_local_config_and_local_keywords_together_are_refused(tmp_path: Path, kwargs: dict) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(CheckpointConfigError, match=f"local .*{name}.* one place"):
+        CheckpointManager(str(tmp_path), local=LocalConfig(), **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_local_must_be_a_local_config(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointConfigError, match="LocalConfig"):
+        CheckpointManager(str(tmp_path), local={"every": 1})  # type: ignore[arg-type]

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint.layout import COMMIT_MARKER, IN_PROGRESS_MARKER, Layout, dir_name, parse_dir_name
+from checkpoint.persistent.layout import (
+    COMMIT_MARKER,
+    IN_PROGRESS_MARKER,
+    CheckpointDirs,
+    dir_name,
+    parse_dir_name,
+)
 
 
-def _make(layout: Layout, step: int, token: str, *, commit: bool) -> str:
+def _make(layout: CheckpointDirs, step: int, token: str, *, commit: bool) -> str:
     path = layout.join(dir_name(step, token))
     layout.begin(path, step=step, world_size=1)
     (Path(path) / "__0_0.distcp").write_bytes(b"data")
@@ -23,7 +29,7 @@ def test_dir_names_round_trip_and_foreign_names_are_ignored() -> None:
 
 
 def test_only_committed_directories_are_listed(tmp_path: Path) -> None:
-    layout = Layout(str(tmp_path))
+    layout = CheckpointDirs(str(tmp_path))
     _make(layout, 1, "aaaaaaaa", commit=True)
     _make(layout, 2, "bbbbbbbb", commit=False)  # crashed mid-write
     torn = _make(layout, 3, "cccccccc", commit=False)
@@ -32,7 +38,7 @@ def test_only_committed_directories_are_listed(tmp_path: Path) -> None:
 
 
 def test_retention_keeps_exactly_keep_and_never_touches_foreign_dirs(tmp_path: Path) -> None:
-    layout = Layout(str(tmp_path))
+    layout = CheckpointDirs(str(tmp_path))
     for step in range(1, 6):
         _make(layout, step, f"{step:08x}", commit=True)
     (tmp_path / "user_notes").mkdir()
@@ -44,7 +50,7 @@ def test_retention_keeps_exactly_keep_and_never_touches_foreign_dirs(tmp_path: P
 
 
 def test_retention_cleans_only_stale_partials_that_are_provably_ours(tmp_path: Path) -> None:
-    layout = Layout(str(tmp_path))
+    layout = CheckpointDirs(str(tmp_path))
     old_partial = _make(layout, 1, "11111111", commit=False)
     unmarked = layout.join(dir_name(1, "22222222"))
     Path(unmarked).mkdir()  # no in-progress marker: not provably ours
@@ -58,7 +64,7 @@ def test_retention_cleans_only_stale_partials_that_are_provably_ours(tmp_path: P
 
 
 def test_remove_deletes_commit_marker_first(tmp_path: Path) -> None:
-    layout = Layout(str(tmp_path))
+    layout = CheckpointDirs(str(tmp_path))
     path = _make(layout, 1, "aaaaaaaa", commit=True)
     calls: list[str] = []
     real_rm = layout.fs.rm
@@ -74,13 +80,13 @@ def test_remove_deletes_commit_marker_first(tmp_path: Path) -> None:
 
 
 def test_in_progress_marker_written_on_begin(tmp_path: Path) -> None:
-    layout = Layout(str(tmp_path))
+    layout = CheckpointDirs(str(tmp_path))
     path = _make(layout, 7, "abcdef01", commit=False)
     assert (Path(path) / IN_PROGRESS_MARKER).is_file()
 
 
 def test_memory_filesystem_listing_and_retention() -> None:
-    layout = Layout("memory://layout-test")
+    layout = CheckpointDirs("memory://layout-test")
     for step in (1, 2, 3):
         path = layout.join(dir_name(step, f"{step:08x}"))
         layout.begin(path, step=step, world_size=1)

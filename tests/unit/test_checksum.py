@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from checkpoint import checksum
+from checkpoint.local import integrity
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -14,34 +14,34 @@ def _bytes(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_one_flipped_bit_changes_it() -> None:
     buf = _bytes(1 << 20)
-    before = checksum.of(buf, buf.numel())
+    before = integrity.of(buf, buf.numel())
     for pos in (0, 4097, buf.numel() - 1):
         buf[pos] ^= 1
-        assert checksum.of(buf, buf.numel()) != before
+        assert integrity.of(buf, buf.numel()) != before
         buf[pos] ^= 1
-    assert checksum.of(buf, buf.numel()) == before
+    assert integrity.of(buf, buf.numel()) == before
 
 
 def test_covers_only_the_first_nbytes() -> None:
     buf = _bytes(1000)
-    before = checksum.of(buf, 600)
+    before = integrity.of(buf, 600)
     buf[700] ^= 0xFF
-    assert checksum.of(buf, 600) == before
-    assert checksum.of(buf, 601) != before
+    assert integrity.of(buf, 600) == before
+    assert integrity.of(buf, 601) != before
 
 
 def test_parts_fed_in_order_equal_the_whole() -> None:
     """The transport checksums chunk by chunk as they arrive; the saver checksums the whole."""
     buf = _bytes(3 * 4096 + 17)
-    c = checksum.Checksum()
+    c = integrity.Checksum()
     for a in range(0, buf.numel(), 4096):
         c.update(buf[a : a + 4096])
-    assert c.value == checksum.of(buf, buf.numel())
+    assert c.value == integrity.of(buf, buf.numel())
 
 
 def test_value_fits_an_int64_tensor() -> None:
     """It travels in the transport's int64 header and must come back unchanged."""
-    values = [checksum.of(_bytes(64, seed), 64) for seed in range(64)]
+    values = [integrity.of(_bytes(64, seed), 64) for seed in range(64)]
     assert any(v < 0 for v in values)  # the top bit is set about half the time
     t = torch.tensor(values, dtype=torch.int64)
     assert [int(x) for x in t.tolist()] == values

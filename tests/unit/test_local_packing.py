@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint import packing
 from checkpoint.errors import CheckpointError, CheckpointMismatchError
+from checkpoint.local import packing
 
 
 def _pack(state: dict[str, Any]) -> torch.Tensor:
@@ -16,7 +16,7 @@ def _pack(state: dict[str, Any]) -> torch.Tensor:
     lv = packing.leaves(state, sf)
     tensors = [x for x in lv if isinstance(x.value, torch.Tensor)]
     objects = {x.key: x.value for x in lv if not isinstance(x.value, torch.Tensor)}
-    layout = packing.Layout.of(tensors)
+    layout = packing.ShardLayout.of(tensors)
     header = packing.header_bytes(layout, objects, {"step": 1})
     buf = torch.empty(packing.packed_size(layout, header), dtype=torch.uint8)
     packing.pack_into(buf, layout, header, tensors)
@@ -108,7 +108,7 @@ def test_reused_buffer_with_a_longer_header_packs_correctly() -> None:
     state = {"w": torch.randn(1000), "b": torch.arange(5, dtype=torch.int64)}
     lv = packing.leaves(state, [])
     tensors = [x for x in lv if isinstance(x.value, torch.Tensor)]
-    layout = packing.Layout.of(tensors)
+    layout = packing.ShardLayout.of(tensors)
     buf = torch.empty(1 << 16, dtype=torch.uint8)
     for note in ("short", "a much longer note " * 20, "short again"):
         state["w"].add_(1.0)

@@ -78,11 +78,11 @@ def test_bad_local_dir(tmp_path: Path) -> None:
 def test_too_small_local_dir_fails_at_first_save(tmp_path: Path, monkeypatch: Any) -> None:
     import shutil
 
-    from checkpoint import local_dir
+    from checkpoint.local import directory
 
     tier = _tier(tmp_path)
     real = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(local_dir.shutil, "disk_usage", lambda p: real._replace(free=1000))
+    monkeypatch.setattr(directory.shutil, "disk_usage", lambda p: real._replace(free=1000))
     with pytest.raises(CheckpointStorageError, match="is too small"):
         tier.save(1, _state(1.0))
     tier.close()
@@ -149,7 +149,7 @@ def test_corrupt_directory_copy_read_in_place_is_overwritten(
     """With a persistent checkpoint to fall back on (min_step set), a directory copy is read
     straight into the state's tensors; one that then fails its checksum must leave nothing of
     itself behind once the older step is restored."""
-    from checkpoint import packing
+    from checkpoint.local import packing
 
     monkeypatch.setattr(packing, "DIRECT_MIN", 256)  # "w" (1 KiB) is read in place
     with _tier(tmp_path) as tier:

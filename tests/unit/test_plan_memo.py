@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from checkpoint.plan_memo import PlanMemo, structure
+from checkpoint.persistent.plan_memo import PlanMemo, structure
 
 
 def test_load_reuses_the_object_for_the_same_bytes_only() -> None:

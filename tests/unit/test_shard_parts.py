@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from checkpoint.packing import DIRECT_MIN, PART_MAX, Parsed, TensorEntry, part_bounds
+from checkpoint.local.packing import DIRECT_MIN, PART_MAX, Parsed, TensorEntry, part_bounds
 
 MiB = 1 << 20
 

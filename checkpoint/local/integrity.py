@@ -1,11 +1,12 @@
-"""Checksums of the local tier's shards (memory copies, node-local files, peer replicas).
+"""The local tier's integrity module: checksums of its shards (memory, node-local files, peers).
 
-xxh3_64, from the `xxhash` package, because the checksum sits on the restore path of every
-copy that was not written by this process, and on the background thread of every local save.
-Measured on this project's 2-core machine, 1 GiB (README, "Local tier"): zlib.crc32
-0.25-0.30 s, crc32c (SSE4.2) 0.067 s, xxh3_64 0.036 s; all three release the GIL.
-The persistent tier keeps zlib CRC32 in its manifest (`checkpoint.integrity`): its files are
-read by other tools, and the checksum is a small part of a load from storage.
+Its counterpart for the persistent tier is `checkpoint.persistent.integrity` (zlib CRC32 of
+files). The algorithms differ because the costs differ. Here xxh3_64 (the `xxhash` package):
+the checksum sits on the restore path of every copy that was not written by this process, and
+on the background thread of every local save, so its speed is restore time. Measured on this
+project's 2-core machine, 1 GiB (README, "Local tier"): zlib.crc32 0.25-0.30 s, crc32c (SSE4.2)
+0.067 s, xxh3_64 0.036 s; all three release the GIL. The persistent tier's files are read by
+other tools and its checksum is a small part of a load from storage, so it keeps CRC32.
 """
 
 from __future__ import annotations

@@ -53,12 +53,12 @@ from checkpoint.config import PersistentConfig, TestHooks
 from checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRankError
 from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.group import BackgroundGroup
-from checkpoint.integrity import file_checksum
-from checkpoint.layout import Layout, dir_name
-from checkpoint.plan_memo import PlanMemo, structure
-from checkpoint.staging import StagingPool
-from checkpoint.tensor_bytes import ArchiveTemplates
-from checkpoint.writer import make_writer, write_files
+from checkpoint.persistent.integrity import file_checksum
+from checkpoint.persistent.layout import CheckpointDirs, dir_name
+from checkpoint.persistent.plan_memo import PlanMemo, structure
+from checkpoint.persistent.staging import StagingPool
+from checkpoint.persistent.storage import make_writer, write_files
+from checkpoint.persistent.tensor_bytes import ArchiveTemplates
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,14 @@ class PersistentSaver:
     """
 
     def __init__(
-        self, config: PersistentConfig, layout: Layout, group: BackgroundGroup, hooks: TestHooks
+        self,
+        config: PersistentConfig,
+        dirs: CheckpointDirs,
+        group: BackgroundGroup,
+        hooks: TestHooks,
     ) -> None:
         self._cfg = config
-        self._layout = layout
+        self._dirs = dirs
         self._group = group
         self._hooks = hooks
         self._pool = StagingPool()
@@ -275,9 +279,9 @@ class PersistentSaver:
         t0 = time.perf_counter()
         self._crash("agree", rank)
         if rank == 0:
-            dirpath = self._layout.join(dir_name(step, secrets.token_hex(4)))
+            dirpath = self._dirs.join(dir_name(step, secrets.token_hex(4)))
             try:
-                self._layout.begin(dirpath, step=step, world_size=world)
+                self._dirs.begin(dirpath, step=step, world_size=world)
                 ex.publish("start", (dirpath, None))
             except Exception as e:
                 ex.publish("start", (dirpath, _describe(e)))
@@ -289,7 +293,7 @@ class PersistentSaver:
         # writes.
         sums: dict[str, dict[str, int]] = {}
         writer = make_writer(
-            self._layout, dirpath, sums, thread_count=self._cfg.thread_count, cancel=ex.cancel
+            self._dirs, dirpath, sums, thread_count=self._cfg.thread_count, cancel=ex.cancel
         )
         planner = DefaultSavePlanner()
         error = job.stage_error or (start_error if rank == 0 else None)
@@ -399,7 +403,7 @@ class PersistentSaver:
         files: dict[str, dict[str, int]] = {}
         for _, rank_sums, _ in outcomes:
             files.update(rank_sums)
-        crc, size = file_checksum(self._layout.fs, self._layout.join_dir(dirpath, METADATA_FILE))
+        crc, size = file_checksum(self._dirs.fs, self._dirs.join_dir(dirpath, METADATA_FILE))
         files[METADATA_FILE] = {"crc32": crc, "size": size}
         manifest = {
             "step": step,
@@ -409,12 +413,12 @@ class PersistentSaver:
             "committed": time.time(),
         }
         self._crash("commit", 0)
-        self._layout.commit(dirpath, manifest)
+        self._dirs.commit(dirpath, manifest)
 
     def _retention(self, current: str) -> None:
         try:
             self._crash("retention", 0)
-            self._layout.apply_retention(self._cfg.keep, protect=current)
+            self._dirs.apply_retention(self._cfg.keep, protect=current)
         except Exception as e:
             # The new checkpoint is committed; a failed cleanup only costs space.
             log.warning("checkpoint: retention failed (will retry after the next save): %s", str(e))

@@ -53,7 +53,7 @@ def parse_dir_name(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class Layout:
+class CheckpointDirs:
     """The checkpoint root on one fsspec filesystem (local paths use the local filesystem).
 
     Every method is rank-local. Which rank calls what is decided by the callers: rank 0 writes

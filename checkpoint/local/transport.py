@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint.checksum import Checksum
-from checkpoint.packing import Parsed, Place, part_bounds
+from checkpoint.local.integrity import Checksum
+from checkpoint.local.packing import Parsed, Place, part_bounds
 
 # [step, owner, world, nbytes, checksum, number of parts]; nbytes = -1 tells the receiver the
 # sender has nothing (its copy failed verification): nothing else follows from that sender.
@@ -57,7 +57,7 @@ class Incoming:
     received: int | None = None  # checksum of what arrived: equal to `checksum` when intact
 
 
-def exchange(
+def transfer(
     pg: dist.ProcessGroup,
     sends: Sequence[Outgoing],
     srcs: Sequence[int],

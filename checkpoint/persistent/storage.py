@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _St
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from checkpoint.integrity import CrcStream
-from checkpoint.layout import Layout
-from checkpoint.tensor_bytes import ArchiveTemplates
+from checkpoint.persistent.integrity import CrcStream
+from checkpoint.persistent.layout import CheckpointDirs
+from checkpoint.persistent.tensor_bytes import ArchiveTemplates
 
 DATA_SUFFIX = ".distcp"
 
@@ -65,7 +65,7 @@ class _ChecksummingFs:
 
 
 def make_writer(
-    layout: Layout,
+    dirs: CheckpointDirs,
     dirpath: str,
     sink: dict[str, dict[str, int]],
     *,
@@ -81,7 +81,7 @@ def make_writer(
     there would fall back to a global ``os.sync()``, so we do not.
     """
     writer: Any
-    if layout.is_local:
+    if dirs.is_local:
         writer = FileSystemWriter(
             dirpath, sync_files=True, thread_count=thread_count, overwrite=False
         )
@@ -89,7 +89,7 @@ def make_writer(
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         writer = FsspecWriter(
-            layout.url_of(dirpath), sync_files=False, thread_count=thread_count, overwrite=False
+            dirs.url_of(dirpath), sync_files=False, thread_count=thread_count, overwrite=False
         )
     writer.fs = _ChecksummingFs(writer.fs, sink, cancel)
     return writer
@@ -138,10 +138,10 @@ def _write_file(
     return results
 
 
-def make_reader(layout: Layout, dirpath: str) -> StorageReader:
+def make_reader(dirs: CheckpointDirs, dirpath: str) -> StorageReader:
     """A plain DCP reader for one of our checkpoint directories."""
-    if layout.is_local:
+    if dirs.is_local:
         return FileSystemReader(dirpath)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(layout.url_of(dirpath))
+    return FsspecReader(dirs.url_of(dirpath))

@@ -1,6 +1,6 @@
 """Node-local directory of the local tier: one plain file per shard, fsynced, with a checksum.
 
-Layout: ``<local_dir>/step_<9-digit step>/owner_<owner rank>.bin`` (the packed buffer) and
+Files: ``<local_dir>/step_<9-digit step>/owner_<owner rank>.bin`` (the packed buffer) and
 ``owner_<owner>.json`` (step, owner, world size, bytes, checksum and its algorithm), written after
 the data is durable, so a shard without its .json is incomplete and ignored. Plain files won over
 tensorstore by measurement (README, "Local tier"): a shard is one contiguous buffer, so one write
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import checksum, packing
 from checkpoint.errors import CheckpointError, CheckpointStorageError
+from checkpoint.local import integrity, packing
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _META = re.compile(r"^owner_(\d+)\.json$")
@@ -36,10 +36,10 @@ class ShardMeta:
     owner: int
     world: int
     nbytes: int
-    checksum: int  # checkpoint.checksum of the packed bytes
+    checksum: int  # checkpoint.local.integrity of the packed bytes
 
 
-def validate(local_dir: str) -> Path:
+def validate(local_dir: str | os.PathLike[str]) -> Path:
     """Construction-time check: the directory exists, is writable and not nearly full."""
     path = Path(local_dir)
     if not path.is_dir():
@@ -95,7 +95,7 @@ def write(root: Path, meta: ShardMeta, buf: torch.Tensor) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(str(data) + tag, data)
-    doc = json.dumps({**meta.__dict__, "checksum_algo": checksum.ALGORITHM}).encode()
+    doc = json.dumps({**meta.__dict__, "checksum_algo": integrity.ALGORITHM}).encode()
     js = step_dir / f"owner_{meta.owner}.json"
     with open(str(js) + tag, "wb") as f:
         f.write(doc)
@@ -117,7 +117,7 @@ def scan(root: Path) -> list[ShardMeta]:
                 continue
             try:
                 doc = json.loads(js.read_text())
-                if doc.pop("checksum_algo", None) != checksum.ALGORITHM:
+                if doc.pop("checksum_algo", None) != integrity.ALGORITHM:
                     continue  # written with another checksum: it cannot be verified
                 out.append(ShardMeta(**doc))
             except (OSError, ValueError, TypeError):
@@ -132,14 +132,14 @@ def read(
     truncated, not a shard or fails its checksum.
 
     Reads the header first, then the rest in parts (packing.part_bounds), checksumming each as
-    it arrives (the checksum costs about a tenth of the read: see checkpoint.checksum).
+    it arrives (the checksum costs about a tenth of the read: see checkpoint.local.integrity).
     `place`: the parts it maps are read straight into the tensors it gives instead of the
     returned buffer.
     """
     data = root / f"step_{meta.step:09d}" / f"owner_{meta.owner}.bin"
     n = meta.nbytes
     buf = torch.empty(n, dtype=torch.uint8)
-    check = checksum.Checksum()
+    check = integrity.Checksum()
     try:
         with open(data, "rb", buffering=0) as f:
 

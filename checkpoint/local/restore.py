@@ -19,10 +19,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from checkpoint import checksum, packing, replication
-from checkpoint import local_dir as ldir
 from checkpoint.errors import CheckpointError
-from checkpoint.replication_transport import Outgoing, exchange
+from checkpoint.local import directory, integrity, packing, placement
+from checkpoint.local.transport import Outgoing, transfer
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +48,11 @@ class Shard:
     buf: torch.Tensor
     parsed: packing.Parsed | None = None  # header, known without parsing for shards packed here
 
-    def meta(self) -> ldir.ShardMeta:
+    def meta(self) -> directory.ShardMeta:
         check = self.checksum
         if check is None:
-            check = checksum.of(self.buf, self.nbytes)
-        return ldir.ShardMeta(self.step, self.owner, self.world, self.nbytes, check)
+            check = integrity.of(self.buf, self.nbytes)
+        return directory.ShardMeta(self.step, self.owner, self.world, self.nbytes, check)
 
 
 def _gather(pg: dist.ProcessGroup | None, obj: Any, world: int) -> list[Any]:
@@ -152,12 +151,12 @@ class _Target:
         self, buf: torch.Tensor, parsed: packing.Parsed | None, pg: dist.ProcessGroup | None
     ) -> None:
         """Fill the state from this rank's shard (skipping tensors that arrived in place);
-        fully_parallel then exchanges the replicated parts; Stateful objects load last."""
+        fully_parallel then broadcasts the replicated parts; Stateful objects load last."""
         done = self.into_state.keys if self.into_state is not None else set()
         keep = lambda k: self.keep(k) and k not in done  # noqa: E731
         packing.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
         if self._fully_parallel:
-            _exchange_replicated(self._leaves, self._owner, pg, self._rank, self._world)
+            _broadcast_replicated(self._leaves, self._owner, pg, self._rank, self._world)
         for obj, sd in self._statefuls:
             obj.load_state_dict(sd)
 
@@ -175,11 +174,11 @@ def restore(
 ) -> RestoreResult | None:
     """COLLECTIVE: see LocalTier.load(). `held` = this rank's in-memory shards for this world."""
     t0 = time.perf_counter()
-    on_disk: dict[tuple[int, int], ldir.ShardMeta] = {}
+    on_disk: dict[tuple[int, int], directory.ShardMeta] = {}
     # The directory is scanned only when memory is empty (a fresh process or a reserve): a
     # surviving process holds in memory everything it wrote, and a memory restore reads no file.
     if local_dir is not None and not held:
-        on_disk = {(m.step, m.owner): m for m in ldir.scan(local_dir) if m.world == world}
+        on_disk = {(m.step, m.owner): m for m in directory.scan(local_dir) if m.world == world}
     mine = sorted(set(held) | set(on_disk))
     inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
     bad: set[tuple[int, int, int]] = set()
@@ -188,7 +187,7 @@ def restore(
     target: _Target | None = None
     # Each failed round excludes at least one copy, so the loop ends within the copy count.
     for _ in range(1 + sum(len(inv) for inv in inventories)):
-        plan = replication.plan_restore(world, inventories, min_step=min_step, bad=bad)
+        plan = placement.plan_restore(world, inventories, min_step=min_step, bad=bad)
         if plan is None:
             break
         if target is None:
@@ -240,13 +239,13 @@ class _Copy(NamedTuple):
 
 
 def _fetch(
-    plan: replication.RestorePlan,
+    plan: placement.RestorePlan,
     pg: dist.ProcessGroup | None,
     rank: int,
     world: int,
     held: dict[tuple[int, int], Shard],
     local_dir: Path | None,
-    on_disk: dict[tuple[int, int], ldir.ShardMeta],
+    on_disk: dict[tuple[int, int], directory.ShardMeta],
     into_state: _IntoState | None,
 ) -> tuple[_Copy | None, list[tuple[int, int, int]]]:
     """Run one plan: serve the shards assigned to this rank, obtain this rank's own."""
@@ -262,7 +261,7 @@ def _fetch(
             return _Copy(sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed)
         m = on_disk.get((step, owner))
         if m is not None and local_dir is not None:
-            got = ldir.read(local_dir, m, place)
+            got = directory.read(local_dir, m, place)
             if got is not None:
                 return _Copy(got[0], m.nbytes, m.checksum, "local_dir", got[1])
         return None
@@ -290,7 +289,7 @@ def _fetch(
         srcs = [plan.sources[rank]]
     if pg is not None and (sends or srcs):
         alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
-        for inc in exchange(pg, sends, srcs, alloc, into_state):
+        for inc in transfer(pg, sends, srcs, alloc, into_state):
             ok = (
                 inc.buf is not None
                 and (inc.step, inc.owner, inc.world) == (step, rank, world)
@@ -320,7 +319,7 @@ def _header(copy: _Copy) -> packing.Parsed | None:
         return None
 
 
-def _exchange_replicated(
+def _broadcast_replicated(
     leaves: list[packing.Leaf],
     owner: dict[str, int],
     pg: dist.ProcessGroup | None,
@@ -334,7 +333,7 @@ def _exchange_replicated(
         part = [x for x in tensors if owner.get(x.key) == q]
         if not part or pg is None:
             continue
-        layout = packing.Layout.of(part)
+        layout = packing.ShardLayout.of(part)
         flat = torch.empty(layout.data_nbytes, dtype=torch.uint8)
         if q == rank:
             packing.copy_in(flat, layout, part)

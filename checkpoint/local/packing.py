@@ -91,7 +91,7 @@ class ReplicatedState(dict[str, Any]):
 
     ``state = {"model": ReplicatedState(model.state_dict()), "rng": rng_state}``: with
     ``local_algo="fully_parallel"`` each rank keeps and replicates only its share of the tensors
-    under a ReplicatedState, and a restore exchanges the shares. It is a plain dict to every other
+    under a ReplicatedState, and a restore broadcasts the shares. It is a plain dict to every other
     reader (the persistent tier, DCP), so it changes nothing there.
     """
 
@@ -167,7 +167,7 @@ def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """The tensor placement of one state: reused while the state's structure stays the same."""
 
     entries: tuple[TensorEntry, ...]
@@ -192,7 +192,7 @@ class Layout:
         return views
 
     @staticmethod
-    def of(tensors: list[Leaf]) -> Layout:
+    def of(tensors: list[Leaf]) -> ShardLayout:
         entries = []
         off = 0
         for leaf in tensors:
@@ -207,10 +207,10 @@ class Layout:
             entries.append(TensorEntry(leaf.key, dtype, tuple(t.shape), off, nbytes))
             off = _align(off + nbytes)
         table = [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]
-        return Layout(tuple(entries), off, _compact(table))
+        return ShardLayout(tuple(entries), off, _compact(table))
 
 
-def header_bytes(layout: Layout, objects: dict[str, Any], extra: dict[str, Any]) -> bytes:
+def header_bytes(layout: ShardLayout, objects: dict[str, Any], extra: dict[str, Any]) -> bytes:
     """The JSON header that makes a packed buffer self-describing (for files and peers)."""
     # Same document as json.dumps({"tensors": ..., "objects": ..., "extra": ...}); the tensor
     # table is encoded once per layout.
@@ -224,11 +224,11 @@ def _compact(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def packed_size(layout: Layout, header: bytes) -> int:
+def packed_size(layout: ShardLayout, header: bytes) -> int:
     return _align(_PREFIX.size + len(header)) + layout.data_nbytes
 
 
-def pack_into(buf: torch.Tensor, layout: Layout, header: bytes, tensors: list[Leaf]) -> int:
+def pack_into(buf: torch.Tensor, layout: ShardLayout, header: bytes, tensors: list[Leaf]) -> int:
     """Copy header and tensors into `buf` (uint8, CPU, large enough); returns the bytes used.
 
     This is the whole stall of a local save: one copy per tensor into a reused buffer (see
@@ -452,11 +452,11 @@ def fill_leaves(
         torch.cuda.synchronize()  # H2D copies were asynchronous; `buf` may be reused after this
 
 
-def copy_in(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
-    """Copy tensors into a header-less buffer laid out by `layout` (fully_parallel exchange)."""
+def copy_in(buf: torch.Tensor, layout: ShardLayout, tensors: list[Leaf]) -> None:
+    """Copy tensors into a header-less buffer laid out by `layout` (fully_parallel broadcast)."""
     _buffer_copy(buf, 0, layout.entries, tensors, into_buf=True)
 
 
-def copy_out(buf: torch.Tensor, layout: Layout, tensors: list[Leaf]) -> None:
+def copy_out(buf: torch.Tensor, layout: ShardLayout, tensors: list[Leaf]) -> None:
     """The inverse of copy_in: fill the tensors from the buffer."""
     _buffer_copy(buf, 0, layout.entries, tensors, into_buf=False)

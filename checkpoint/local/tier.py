@@ -24,20 +24,17 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from checkpoint import checksum, packing, replication
-from checkpoint import local_dir as ldir
 from checkpoint.collectives import rank_and_size
-from checkpoint.errors import CheckpointAbandoned, CheckpointConfigError, CheckpointError
+from checkpoint.config import LocalConfig
+from checkpoint.errors import CheckpointAbandoned, CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
-from checkpoint.local_restore import RestoreResult, Shard, restore
-from checkpoint.packing import ReplicatedState
-from checkpoint.replication_transport import Outgoing, exchange
+from checkpoint.local import directory, integrity, packing, placement
+from checkpoint.local.restore import RestoreResult, Shard, restore
+from checkpoint.local.transport import Outgoing, transfer
 
-__all__ = ["ALGOS", "LocalTier", "ReplicatedState", "RestoreResult"]
+__all__ = ["LocalTier", "RestoreResult"]
 
 log = logging.getLogger(__name__)
-
-ALGOS = ("atomic", "fully_parallel")
 
 
 class GroupSource(Protocol):
@@ -64,7 +61,7 @@ class _Cache:
     world: int
     rank: int
     keep_keys: frozenset[str]  # tensor keys this rank stores (fully_parallel drops the others)
-    layout: packing.Layout
+    layout: packing.ShardLayout
     entries: dict[str, packing.TensorEntry]  # layout by key: a memory restore skips the header
 
 
@@ -83,22 +80,16 @@ class LocalTier:
     def __init__(
         self,
         *,
-        local_dir: str | None,
+        local_dir: str | os.PathLike[str] | None,
         replication_factor: int,
         algo: str,
         keep: int,
         group: GroupSource,
         timeout: float = 600.0,
     ) -> None:
-        if algo not in ALGOS:
-            raise CheckpointConfigError(f"local_algo ({algo!r}) must be one of {ALGOS}: pick one")
-        if replication_factor < 1:
-            raise CheckpointConfigError(
-                f"replication_factor ({replication_factor}) must be >= 1: use 1 for no replicas"
-            )
-        if keep < 1:
-            raise CheckpointConfigError(f"keep ({keep}) must be >= 1: keep at least one local step")
-        self._dir: Path | None = ldir.validate(local_dir) if local_dir is not None else None
+        # The manager passes a validated LocalConfig's values; direct callers get the same rules.
+        LocalConfig(dir=local_dir, replication_factor=replication_factor, algo=algo, keep=keep)
+        self._dir: Path | None = directory.validate(local_dir) if local_dir is not None else None
         self._factor = replication_factor
         self._algo = algo
         self._keep = keep
@@ -147,9 +138,9 @@ class LocalTier:
         size = packing.packed_size(cache.layout, header)
         nodes = self._node_indices(pg)
         if self._dir is not None and size > self._capacity_checked:
-            factor = replication.effective_factor(nodes, self._factor)
+            factor = placement.effective_factor(nodes, self._factor)
             used = sum(s.nbytes for s in self._held.values())
-            ldir.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
+            directory.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
             self._capacity_checked = size
         on_gpu = any(x.value.is_cuda for x in tensors)
         buf = self._take(size, pinned=on_gpu)
@@ -195,7 +186,7 @@ class LocalTier:
         tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
         owner = replicated_owner(tensors, world) if self._algo == "fully_parallel" else {}
         keep = frozenset(x.key for x in tensors if owner.get(x.key, rank) == rank)
-        layout = packing.Layout.of([x for x in tensors if x.key in keep])
+        layout = packing.ShardLayout.of([x for x in tensors if x.key in keep])
         entries = {e.key: e for e in layout.entries}
         self._cache = _Cache(sig, world, rank, keep, layout, entries)
         return self._cache
@@ -228,7 +219,7 @@ class LocalTier:
         if pg is not None:
             keys = [None] * dist.get_world_size(pg)
             dist.all_gather_object(keys, self._node, group=pg)
-        nodes = replication.node_indices(keys)
+        nodes = placement.node_indices(keys)
         self._nodes = (key, nodes)
         return nodes
 
@@ -242,10 +233,10 @@ class LocalTier:
         """Checksum, directory write, replication, then agreement that the step is complete."""
         t0 = time.perf_counter()
         ok = True
-        shard.checksum = checksum.of(shard.buf, shard.nbytes)
+        shard.checksum = integrity.of(shard.buf, shard.nbytes)
         if self._dir is not None:
             try:
-                ldir.write(self._dir, shard.meta(), shard.buf)
+                directory.write(self._dir, shard.meta(), shard.buf)
             except Exception as e:  # never skip the collectives below: peers would wait on us
                 ok = False
                 log.warning(
@@ -286,7 +277,7 @@ class LocalTier:
             log.warning("local step %d is incomplete: it will not be restored", shard.step)
 
     def _replicate(self, shard: Shard, pg: dist.ProcessGroup, nodes: list[int]) -> bool:
-        eff = replication.effective_factor(nodes, self._factor)
+        eff = placement.effective_factor(nodes, self._factor)
         if eff < self._factor and not self._warned_factor:
             self._warned_factor = True
             log.warning(
@@ -294,15 +285,15 @@ class LocalTier:
                 "RANK // LOCAL_WORLD_SIZE): keeping %d cop%s per shard",
                 self._factor,
                 self._factor,
-                replication.num_nodes(nodes),
+                placement.num_nodes(nodes),
                 eff,
                 "y" if eff == 1 else "ies",
             )
         if eff == 1:
             return True
         if self._placement is None or self._placement[0] is not nodes:
-            plan = replication.placement(nodes, self._factor)
-            self._placement = (nodes, plan, replication.received_from(plan))
+            plan = placement.placement(nodes, self._factor)
+            self._placement = (nodes, plan, placement.received_from(plan))
         _, plan, inverse = self._placement
         m = shard.meta()
         sends = [
@@ -311,7 +302,7 @@ class LocalTier:
         ]
         srcs = inverse[shard.owner]
         ok = True
-        for inc in exchange(pg, sends, srcs, self._take):
+        for inc in transfer(pg, sends, srcs, self._take):
             if inc.buf is None or inc.received != inc.checksum:
                 log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
                 ok = False
@@ -321,7 +312,7 @@ class LocalTier:
                 self._held[(rep.step, rep.owner)] = rep
             if self._dir is not None:
                 try:
-                    ldir.write(self._dir, rep.meta(), rep.buf)
+                    directory.write(self._dir, rep.meta(), rep.buf)
                 except OSError as e:
                     log.warning(
                         "writing replica of rank %d to %s failed: %s", inc.src, self._dir, e
@@ -338,7 +329,7 @@ class LocalTier:
                 self._free.append(self._held.pop(key).buf)
         if self._dir is not None:
             # Only older steps: a co-located rank may already be writing a newer one.
-            ldir.remove_steps_older_than(self._dir, oldest)
+            directory.remove_steps_older_than(self._dir, oldest)
 
     # ---------------------------------------------------------------- wait / load / close
 
@@ -430,4 +421,4 @@ def node_key() -> str:
 def replicated_owner(tensors: list[packing.Leaf], world: int) -> dict[str, int]:
     """fully_parallel: the rank that keeps each tensor under a ReplicatedState."""
     rep = [(x.key, x.value.numel() * x.value.element_size()) for x in tensors if x.replicated]
-    return replication.assign_replicated(rep, world)
+    return placement.assign_replicated(rep, world)

@@ -20,10 +20,10 @@ from checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
 )
-from checkpoint.integrity import verify_files
-from checkpoint.layout import Committed, Layout
-from checkpoint.staging import expand_stateful
-from checkpoint.writer import make_reader
+from checkpoint.persistent.integrity import verify_files
+from checkpoint.persistent.layout import CheckpointDirs, Committed
+from checkpoint.persistent.staging import expand_stateful
+from checkpoint.persistent.storage import make_reader
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -31,21 +31,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def list_committed(layout: Layout, group: ProcessGroup | None) -> list[Committed]:
+def list_committed(dirs: CheckpointDirs, group: ProcessGroup | None) -> list[Committed]:
     """Committed checkpoints as rank 0 sees them, on every rank (oldest first)."""
     rank, _ = rank_and_size(group)
-    mine = layout.list_committed() if rank == 0 else None
+    mine = dirs.list_committed() if rank == 0 else None
     result: list[Committed] = broadcast(mine, group)
     return result
 
 
-def verify(layout: Layout, ckpt: Committed, group: ProcessGroup | None) -> list[str]:
+def verify(dirs: CheckpointDirs, ckpt: Committed, group: ProcessGroup | None) -> list[str]:
     """Problems found in ``ckpt``'s files by any rank (empty: all checksums match)."""
     rank, world = rank_and_size(group)
     names = sorted(ckpt.files)
     try:
         mine = verify_files(
-            layout.fs, lambda n: layout.join_dir(ckpt.path, n), ckpt.files, names[rank::world]
+            dirs.fs, lambda n: dirs.join_dir(ckpt.path, n), ckpt.files, names[rank::world]
         )
     except Exception as e:
         mine = [f"{ckpt.path}: verification failed on rank {rank}: {e}"]
@@ -75,12 +75,12 @@ def _mismatches(state: dict[str, Any], metadata: Any) -> list[str]:
 
 
 def load_one(
-    layout: Layout, ckpt: Committed, state: dict[str, Any], group: ProcessGroup | None
+    dirs: CheckpointDirs, ckpt: Committed, state: dict[str, Any], group: ProcessGroup | None
 ) -> None:
     """Fill ``state`` in place from ``ckpt`` (already verified). Raises on key/shape mismatch."""
     import torch.distributed.checkpoint as dcp
 
-    reader = make_reader(layout, ckpt.path)
+    reader = make_reader(dirs, ckpt.path)
     try:
         problems = _mismatches(state, reader.read_metadata())
     except Exception as e:
@@ -104,7 +104,7 @@ def load_one(
 
 
 def load_latest(
-    layout: Layout,
+    dirs: CheckpointDirs,
     state: dict[str, Any],
     group: ProcessGroup | None,
     *,
@@ -116,13 +116,11 @@ def load_latest(
     A corrupt newest checkpoint is skipped with a WARNING (or raises, without fallback). When
     every candidate is corrupt, raises ``CheckpointCorruptError`` (never silently starts over).
     """
-    candidates = [
-        c for c in list_committed(layout, group) if min_step is None or c.step >= min_step
-    ]
+    candidates = [c for c in list_committed(dirs, group) if min_step is None or c.step >= min_step]
     corrupt: list[str] = []
     for ckpt in reversed(candidates):
         t0 = time.perf_counter()
-        problems = verify(layout, ckpt, group)
+        problems = verify(dirs, ckpt, group)
         if problems:
             msg = f"checkpoint of step {ckpt.step} is corrupt: " + "; ".join(problems)
             if not fallback_on_corruption:
@@ -130,7 +128,7 @@ def load_latest(
             log.warning("%s; falling back to the previous committed checkpoint", msg)
             corrupt.append(msg)
             continue
-        load_one(layout, ckpt, state, group)
+        load_one(dirs, ckpt, state, group)
         log.info(
             "checkpoint: loaded step %d from %s in %.2f s",
             ckpt.step,
@@ -140,6 +138,6 @@ def load_latest(
         return ckpt
     if corrupt:
         raise CheckpointCorruptError(
-            "every committed checkpoint is corrupt:\n  " + "\n  ".join(corrupt), path=layout.url
+            "every committed checkpoint is corrupt:\n  " + "\n  ".join(corrupt), path=dirs.url
         )
     return None

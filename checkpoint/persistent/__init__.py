@@ -1,0 +1,14 @@
+"""The persistent tier: async torch_dist (PyTorch DCP) saves with atomic commit, verified loads."""
+
+from checkpoint.persistent.layout import CheckpointDirs, Committed
+from checkpoint.persistent.load import list_committed, load_latest
+from checkpoint.persistent.save import PersistentSaver, SaveStats
+
+__all__ = [
+    "CheckpointDirs",
+    "Committed",
+    "PersistentSaver",
+    "SaveStats",
+    "list_committed",
+    "load_latest",
+]
