@@ -180,6 +180,10 @@ class CheckpointManager:
         self._check_open("load_latest")
         t0 = time.perf_counter()
         self._persistent.settle_after_restart()
+        # A save abandoned at the restart may be past its commit decision: wait (bounded) until
+        # it stopped, so the listing below already shows it if it committed. Otherwise it could
+        # commit after the listing, and the next save would reuse its step over a newer commit.
+        self._persistent.drain_abandoned()
         try:
             self._persistent.wait()
         except CheckpointError as e:

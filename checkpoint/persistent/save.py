@@ -151,7 +151,7 @@ class PersistentSaver:
             log.warning("checkpoint: skipping persistent save of step %d: one in flight", step)
             return False
         self.wait()
-        self._drain_abandoned()
+        self.drain_abandoned()
         t0 = time.perf_counter()
         group = self._group.current()
         exchange, previous = self._attempts.next(group, self._group.token)
@@ -216,8 +216,9 @@ class PersistentSaver:
             )
         self._abandoned, self._pending, self._pending_job = self._pending, None, None
 
-    def _drain_abandoned(self) -> None:
-        """Wait (bounded) for a cancelled save to stop: it may still read the staging buffers."""
+    def drain_abandoned(self) -> None:
+        """Wait (bounded) for a cancelled save to stop: it may still read the staging buffers,
+        and it may still commit (if it was past the point of no return when cancelled)."""
         fut, self._abandoned = self._abandoned, None
         if fut is None:
             return
@@ -243,7 +244,7 @@ class PersistentSaver:
         except CheckpointError as e:
             log.error("checkpoint: save in flight at close() failed: %s", str(e))
         finally:
-            self._drain_abandoned()
+            self.drain_abandoned()
             self._executor.shutdown(wait=True)
             self._pool.release()
             self._memo.clear()
