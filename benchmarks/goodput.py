@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from inprocess import faults
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from faultplan import LOSES_RANK, parse_plan  # noqa: E402
 
 
 def run(cmd: list[str], *, timeout: float) -> tuple[int, float, str]:
@@ -57,8 +57,8 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.steps, args.persistent_every = 120, 20
-    plan = parse_plan(args.faults, steps=args.steps)
-    reserves = sum(f.kind in LOSES_RANK for f in plan)
+    plan = faults.parse_plan(args.faults, steps=args.steps)
+    reserves = sum(f.loses_rank for f in plan)
     common = [
         "--steps",
         str(args.steps),

@@ -12,12 +12,10 @@ value as our soft timeout) fires; NaN losses crash the step (no re-run machinery
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -29,21 +27,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from faultplan import PlannedFault, claim, fired_faults, parse_plan
 from gpt import GPTConfig, batch, build_model, corpus
 from report import EventLog, build_report, format_report
 from torchrun_group import attempt_store
 
-
-def fire(fault: PlannedFault) -> None:
-    if fault.kind in ("exception", "nan"):
-        raise RuntimeError(f"injected fault {fault.name}")
-    if fault.kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault.kind == "hang":
-        time.sleep(3600)
-    if fault.kind == "hang_gil":
-        ctypes.PyDLL(None).sleep(3600)
+from inprocess import faults
 
 
 def latest_step(ckpt_root: Path) -> int | None:
@@ -83,7 +71,7 @@ def main() -> int:
     events = EventLog(events_dir, rank + 100 * restart_count)
     events.emit("start")
     events.emit("enter", iteration=restart_count, rank=rank, restart={})
-    plan = [f for f in parse_plan(args.faults, steps=args.steps) if f.rank == rank]
+    plan = [f for f in faults.parse_plan(args.faults, steps=args.steps) if f.rank == rank]
 
     cfg = GPTConfig()
     data = corpus()
@@ -111,8 +99,17 @@ def main() -> int:
     for step in range(start, args.steps):
         t_step = time.monotonic()
         for fault in (f for f in plan if f.step == step):
-            if claim(args.run_dir, fault):
-                fire(fault)
+            # Recorded once per run, then fired; a due NaN comes back: with no re-run machine
+            # under torchrun it is a restart, like an exception.
+            due = faults.trigger(
+                fault,
+                record_dir=args.run_dir,
+                initial_rank=rank,
+                iteration=restart_count,
+                step=step,
+            )
+            if due:
+                raise RuntimeError(f"injected fault {fault.name}")
         opt.zero_grad(set_to_none=True)
         x, y = batch(
             data, seed=args.seed, step=step, rank=rank, batch_size=args.batch_size, seq=cfg.seq
@@ -136,7 +133,8 @@ def main() -> int:
     events.emit("done", rank=rank, step=args.steps, loss=loss.item())
     dist.barrier()
     if rank == 0:
-        report = build_report(events_dir, faults=fired_faults(args.run_dir), wall_end=time.time())
+        fired = [f.as_dict() for f in faults.fired(args.run_dir)]
+        report = build_report(events_dir, faults=fired, wall_end=time.time())
         (args.run_dir / "report.json").write_text(json.dumps(report, indent=2))
         print(format_report(report), flush=True)
     dist.destroy_process_group()
