@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -126,7 +130,17 @@ def test_atomic_section_is_not_interrupted() -> None:
     outs = run_ranks(
         2, target=f"{W}:atomic_section", kwargs={"fail_rank": 1}, host_store=True, deadline=40
     )
+    # The restart was requested while rank 0 was inside the block, and landed after it.
     assert outs[0].result["atomic_completed"] == [0], outs[0].output
+    assert outs[0].result["iterations"] == [0, 1], outs[0].output
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has exited too
+    except FileNotFoundError:
+        return True
 
 
 def test_without_a_hosted_store_rank0_starts_a_store_server_process() -> None:
@@ -135,10 +149,33 @@ def test_without_a_hosted_store_rank0_starts_a_store_server_process() -> None:
     outs = run_ranks(
         2,
         target=f"{W}:exception_mid_collective",
-        kwargs={"fail_rank": 0, "steps": 3, "fault_step": 1},
+        kwargs={"fail_rank": 0, "steps": 3, "fault_step": 1, "record_store_servers": True},
         host_store=False,
         deadline=40,
     )
-    for o in outs:
-        assert [s["iteration"] for s in o.result["seen"]] == [0, 1], o.output
-        assert o.result["result"] == {"sum": 3.0, "iteration": 1}
+    servers = [s for o in outs for it in o.result["seen"] for s in it["store_servers"]]
+    try:
+        for o in outs:
+            assert [s["iteration"] for s in o.result["seen"]] == [0, 1], o.output
+            assert o.result["result"] == {"sum": 3.0, "iteration": 1}
+        # Rank 0 started one server, the same one in both iterations (the store outlived the
+        # restart); rank 1 started none.
+        assert [len(it["store_servers"]) for it in outs[0].result["seen"]] == [1, 1], servers
+        assert [len(it["store_servers"]) for it in outs[1].result["seen"]] == [0, 0], servers
+        assert servers[0] == servers[1], servers
+        server = servers[0]
+        port = str(outs[0].result["master_port"])
+        assert server["argv"][1:5] == ["-m", "inprocess.store_server", "--port", port], server
+        assert server["listens_on_master_port"], server  # the ranks' store is this process
+        # Its own process and session, not any rank's: a signal to a rank spares the store.
+        assert server["pid"] not in {o.pid for o in outs} and server["sid"] == server["pid"]
+        # Once both ranks left the job, the server exits: nothing is left behind.
+        end = time.monotonic() + 15
+        while not _gone(server["pid"]) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert _gone(server["pid"]), f"store server {server['pid']} still running after the job"
+    finally:  # never leave a server behind, even when the test failed
+        for pid in {s["pid"] for s in servers}:
+            if not _gone(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,16 +23,62 @@ FAST = {
 }
 
 
+_SYNC_S = 20.0  # bound of every wait for a peer's signal: reached only when the test is broken
+
+
 def _allreduce_sum(value: float) -> float:
     t = torch.tensor([value])
     dist.all_reduce(t)
     return float(t.item())
 
 
+class SyncTimeout(BaseException):
+    """A peer never reached the point this rank waits for.
+
+    A BaseException: ``@restartable`` lets it end the rank (a failed test) instead of taking it
+    for a fault to restart from.
+    """
+
+
+def _wait_until(condition: Any, what: str) -> None:
+    # Polls, running bytecode between checks: a main thread blocked in one C call (a store
+    # wait) for longer than soft_timeout would itself be blamed for a hang.
+    deadline = time.monotonic() + _SYNC_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise SyncTimeout(f"not within {_SYNC_S} s: {what}")
+        time.sleep(0.005)
+
+
+def _arrive(name: str) -> None:
+    """Tell this iteration's other ranks that this rank reached the point ``name``."""
+    ctx = context()
+    ctx.store.set(f"{name}/{ctx.rank}", "1")
+
+
+def _wait_for_peers(name: str, ranks: Iterable[int]) -> None:
+    """Return once every rank of ``ranks`` called ``_arrive(name)`` in this iteration."""
+    keys = [f"{name}/{r}" for r in ranks]
+    _wait_until(lambda: context().store.check(keys), f"ranks {keys} reached {name!r}")
+
+
+def _peers_of(rank: int) -> list[int]:
+    return [r for r in range(context().world_size) if r != rank]
+
+
 def exception_mid_collective(
-    *, fail_rank: int, steps: int = 5, fault_step: int = 2, options: dict[str, Any] | None = None
+    *,
+    fail_rank: int,
+    steps: int = 5,
+    fault_step: int = 2,
+    options: dict[str, Any] | None = None,
+    record_store_servers: bool = False,
 ) -> dict[str, Any]:
-    """Rank ``fail_rank`` raises at ``fault_step`` of iteration 0 while peers sit in all_reduce."""
+    """Rank ``fail_rank`` raises at ``fault_step`` of iteration 0 while peers sit in all_reduce.
+
+    ``record_store_servers``: each iteration records the store server processes this rank
+    started (``_store_servers``).
+    """
     seen: list[dict[str, Any]] = []
 
     @restartable(**{**FAST, **(options or {})})
@@ -39,17 +87,69 @@ def exception_mid_collective(
         seen.append({"iteration": ctx.iteration, "rank": ctx.rank, "world": ctx.world_size})
         if ctx.last_restart is not None:
             seen[-1]["phases"] = dict(ctx.last_restart.phases)
+        if record_store_servers:
+            seen[-1]["store_servers"] = _store_servers()
         total = 0.0
         for step in range(steps):
             ctx.ping(step=step)
-            if ctx.rank == fail_rank and ctx.iteration == 0 and step == fault_step:
-                time.sleep(0.2)  # peers are inside the all_reduce by now
-                fi.fire("raise")
+            if ctx.iteration == 0 and step == fault_step:
+                if ctx.rank == fail_rank:
+                    _wait_for_peers("all_reduce", _peers_of(fail_rank))
+                    fi.fire("raise")
+                # Nothing but the call is left before this rank blocks in the all_reduce, which
+                # cannot complete without fail_rank: the fault finds it there.
+                _arrive("all_reduce")
             total = _allreduce_sum(float(ctx.rank + 1))
         return {"sum": total, "iteration": ctx.iteration}
 
     result = train()
-    return {"pid": os.getpid(), "seen": seen, "result": result}
+    return {
+        "pid": os.getpid(),
+        "master_port": int(os.environ["MASTER_PORT"]),
+        "seen": seen,
+        "result": result,
+    }
+
+
+def _store_servers() -> list[dict[str, Any]]:
+    """The ``inprocess.store_server`` processes this process started that are running now:
+    pid, argv, session id, and whether the process listens on MASTER_PORT."""
+    port = int(os.environ["MASTER_PORT"])
+    listening = _listening_socket_inodes(port)
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != os.getpid() or state == "Z":
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode().split("\0")[:-1]
+            if "inprocess.store_server" not in argv:
+                continue
+            fds = [os.readlink(fd) for fd in (stat.parent / "fd").iterdir()]
+        except OSError:  # exited meanwhile
+            continue
+        pid = int(stat.parent.name)
+        found.append(
+            {
+                "pid": pid,
+                "argv": argv,
+                "sid": os.getsid(pid),
+                "listens_on_master_port": any(f"socket:[{i}]" in fds for i in listening),
+            }
+        )
+    return found
+
+
+def _listening_socket_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(inode)
+    return inodes
 
 
 def hang_then_recover(*, hang_rank: int, steps: int = 4) -> dict[str, Any]:
@@ -96,10 +196,12 @@ def fault_in_finally(*, fail_rank: int) -> dict[str, Any]:
         ctx = context()
         seen.append(ctx.iteration)
         try:
-            for _ in range(3):
-                if ctx.rank == fail_rank and ctx.iteration == 0:
-                    time.sleep(0.1)
-                    raise ValueError("first fault")
+            for i in range(3):
+                if ctx.iteration == 0 and i == 0:
+                    if ctx.rank == fail_rank:  # once the peers are about to block in all_reduce
+                        _wait_for_peers("all_reduce", _peers_of(fail_rank))
+                        raise ValueError("first fault")
+                    _arrive("all_reduce")
                 _allreduce_sum(1.0)
         finally:
             if ctx.iteration == 0:
@@ -137,22 +239,34 @@ def always_fails(
 
 def atomic_section(*, fail_rank: int) -> dict[str, Any]:
     """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
+    from inprocess import store as keys
+
     done: list[int] = []
+    seen: list[int] = []
 
     @restartable(**FAST)
     def train() -> None:
         ctx = context()
+        seen.append(ctx.iteration)
         if ctx.iteration == 0:
             if ctx.rank == fail_rank:
-                time.sleep(0.2)
+                _wait_for_peers("atomic", _peers_of(fail_rank))
                 raise RuntimeError("fault while peers are in an atomic section")
             with ctx.atomic():
-                time.sleep(1.0)  # the restart arrives meanwhile and must wait
+                _arrive("atomic")
+                # Leave only once the restart was requested (the iteration ended with a fault):
+                # it must wait for the end of the block.
+                root = ctx.store.underlying_store
+                _wait_until(
+                    lambda: keys.outcome(root, ctx.iteration) == keys.OUTCOME_FAULT,
+                    "the peer's fault ended the iteration",
+                )
                 done.append(ctx.iteration)
-            time.sleep(5)  # interrupted here
+            time.sleep(_SYNC_S)  # the restart lands here
+            raise SyncTimeout("no restart was delivered after the atomic section")
 
     train()
-    return {"atomic_completed": done}
+    return {"atomic_completed": done, "iterations": seen}
 
 
 def _script(mode: str) -> int:
@@ -164,13 +278,13 @@ def _script(mode: str) -> int:
     if mode == "exit_codes":  # rank 1 fails early; rank 0 must not be killed for it
         if rank == 1:
             return 3
-        time.sleep(1.0)
+        _wait_until(_siblings_exited, "rank 1 exited")
         print("rank 0 finished after its sibling failed", flush=True)
         return 0
-    if mode == "killed":  # rank 1 dies by SIGKILL, the others succeed
+    if mode == "killed":  # rank 1 dies by SIGKILL, the others succeed after that
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.5)
+        _wait_until(_siblings_exited, "rank 1 was killed")
         return 0
     if mode == "signals":
         got = []
@@ -190,13 +304,26 @@ def _script(mode: str) -> int:
         @restartable(**FAST)
         def train() -> None:
             print(f"pid {os.getpid()} ready", flush=True)
-            for _ in range(600):
+            for _ in range(600):  # the workload, not a head start: the test kills the launcher
                 time.sleep(0.1)
 
         train()
         return 0
     print(f"unknown mode {mode}", file=sys.stderr)
     return 2
+
+
+def _siblings_exited() -> bool:
+    """Whether every other rank of our launcher exited (its children but us are zombies or gone:
+    the launcher reaps its ranks in order, rank 0 first)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # exited meanwhile
+            continue
+        if int(ppid) == os.getppid() and int(stat.parent.name) != os.getpid() and state != "Z":
+            return False
+    return True
 
 
 if __name__ == "__main__":
@@ -234,7 +361,9 @@ def restart_during_persistent_save(*, root: str, delay: float) -> dict[str, Any]
             if step == 1:
                 mgr.wait()  # step 1 is committed before the fault
             if step == 2 and ctx.iteration == 0:
-                time.sleep(delay)  # the writers are past their first exchange by now
+                # Not a head start: the delay is the scenario's parameter, where in the save
+                # the restart lands (0: before any exchange); every placement must end the same.
+                time.sleep(delay)
                 fi.fire("raise", detail="restart during a persistent save")
         mgr.wait()
 

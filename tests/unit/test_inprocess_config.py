@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -92,30 +96,116 @@ def test_unknown_fault_kind_is_rejected() -> None:
         inject("explode", rank=0)
 
 
-def test_progress_goes_stale_only_while_the_main_thread_is_blocked() -> None:
-    progress = ProgressTracker()
-    samples: dict[str, float] = {}
+class FakeClock:
+    """A clock for ``ProgressTracker(clock=...)`` that moves only when a test advances it."""
 
-    def monitor() -> None:
-        for _ in range(5):  # main thread busy running bytecode
-            progress.poke()
-            time.sleep(0.05)
-        samples["busy"] = progress.stalled_for()
-        time.sleep(0.1)  # main thread now blocked in time.sleep: the probe stays pending
-        for _ in range(6):
-            progress.poke()
-            time.sleep(0.05)
-        samples["blocked"] = progress.stalled_for()
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+_SYNC_S = 10.0  # real-time bound of each wait on the other thread: reached only when broken
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _SYNC_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {_SYNC_S} s: {what}")
+        time.sleep(0.001)
+
+
+def _block_in_c(fd: int) -> None:
+    # One C call that releases the GIL: from this frame's first instruction until the read
+    # returns, the main thread runs no eval-breaker check, so no pending call (probe) can run.
+    os.read(fd, 1)
+
+
+def test_progress_goes_stale_only_while_the_main_thread_is_blocked() -> None:
+    clock = FakeClock()
+    progress = ProgressTracker(clock=clock)
+    main_thread = threading.get_ident()
+    busy_over = threading.Event()
+    unblock_r, unblock_w = os.pipe()
+    samples: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def progress_seen() -> bool:
+        progress.poke()
+        return progress.stalled_for() == 0.0
+
+    def main_blocked() -> bool:
+        frame = sys._current_frames().get(main_thread)
+        return frame is not None and frame.f_code is _block_in_c.__code__
+
+    def monitor() -> None:  # plays the monitor thread: pokes once per check interval (1 s)
+        unblocked = False
+        try:
+            for _ in range(5):  # main thread busy running bytecode: every probe runs
+                clock.advance(1.0)
+                _until(progress_seen, "the busy main thread ran the probe")
+            samples["busy"] = progress.stalled_for()
+            busy_over.set()
+            _until(main_blocked, "the main thread blocked in os.read")
+            progress.poke()  # collects a probe run on the way in; the next one cannot run
+            for _ in range(6):
+                clock.advance(1.0)
+                progress.poke()
+            samples["blocked"] = progress.stalled_for()
+            os.write(unblock_w, b"x")
+            unblocked = True
+            _until(progress_seen, "the unblocked main thread ran the probe")
+            samples["unblocked"] = progress.stalled_for()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            busy_over.set()
+            if not unblocked:
+                os.write(unblock_w, b"x")
 
     t = threading.Thread(target=monitor)
     t.start()
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:
-        pass
-    time.sleep(0.6)
-    t.join()
+    try:
+        while not busy_over.is_set():
+            pass
+        _block_in_c(unblock_r)
+        t.join(3 * _SYNC_S)
+    finally:
+        os.close(unblock_r)
+        os.close(unblock_w)
     progress.close()
-    assert samples["busy"] < 0.2
-    assert samples["blocked"] > 0.3
-    with progress.paused():
+    assert not t.is_alive() and not errors, errors
+    assert samples["busy"] == 0.0
+    assert samples["blocked"] >= 6.0  # six check intervals without a probe running
+    assert samples["unblocked"] == 0.0
+    clock.advance(3.0)  # closed: no more pokes, so the stall grows with the clock ...
+    assert progress.stalled_for() == 3.0
+    with progress.paused():  # ... except inside a framework wait
         assert progress.stalled_for() == 0.0
+
+
+def test_setting_only_the_two_timeouts_gives_a_working_config() -> None:
+    # The heartbeat interval is derived from hard_timeout when unset (it used to stay at 30 s
+    # and reject any hard_timeout <= 30).
+    cfg = RestartConfig(soft_timeout=10, hard_timeout=20)
+    assert cfg.heartbeat_interval is None
+    assert cfg.effective_heartbeat_interval == pytest.approx(20 / 3)
+    assert RestartConfig().effective_heartbeat_interval == 30.0  # NVIDIA's default
+    assert RestartConfig(heartbeat_interval=2.0).effective_heartbeat_interval == 2.0
+    # Derived, not stored: replace() derives it again for the new hard_timeout.
+    assert dataclasses.replace(cfg, hard_timeout=12).effective_heartbeat_interval == 4.0
+
+
+def test_heartbeat_timeout_is_ignored_with_a_warning_and_checked_only_against_a_set_interval() -> (
+    None
+):
+    with pytest.warns(UserWarning, match=r"heartbeat_timeout \(10\) is ignored"):
+        cfg = RestartConfig(heartbeat_timeout=10)  # below the derived 30 s interval: fine
+    assert cfg.effective_heartbeat_interval == 30.0
+    with pytest.raises(ConfigError, match=r"heartbeat_timeout \(5.0\) must be greater"):
+        RestartConfig(heartbeat_interval=5.0, heartbeat_timeout=5.0)
