@@ -6,7 +6,6 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,35 +43,44 @@ def abort_process_groups() -> list[Any]:
 
 
 class GroupReaper:
-    """Drops the last Python references to destroyed process groups on its own thread.
+    """Holds this rank's destroyed process groups, then drops them on its own thread.
 
     Why: a gloo group's destructor waits for the collectives still queued on it to end (each
     up to the group's timeout). When the last reference is dropped by a C++ owner (DDP's
     ``Reducer``, freed with ``train()``'s frames), that wait runs with the GIL held: every
     thread of the rank, heartbeat included, freezes and the hard timeout kills a rank that was
-    only waiting on a hung peer. The wrapper therefore holds the groups (``abort_process_groups``
-    returns them) while ``train()`` unwinds and then calls ``release``: the destructor runs here,
-    through torch's holder that releases the GIL, and the main thread goes on restarting.
+    only waiting on a hung peer. So ``abort()`` (monitor or main thread, at a fault) destroys
+    the groups and holds them while ``train()`` unwinds; ``release()`` (main thread, once it
+    unwound) hands them to the reaper thread, where the destructors run through torch's holder
+    that releases the GIL, and the main thread goes on restarting.
 
-    ``on_lingering(n)`` is called (on the reaper thread) when ``n`` released groups are still
-    referenced elsewhere, e.g. by a model kept by an object that outlives ``train()``: their
-    sockets stay open until then, so peers blocked on this rank wait for the group timeout. No
-    ``gc.collect()`` is forced: measured, it did not free such groups and cost 0.1-0.5 s.
+    Released groups that are still referenced elsewhere (e.g. a model kept by an object that
+    outlives ``train()``) keep their sockets open, so peers blocked on this rank wait for the
+    group timeout: that is logged once, with the fix. No ``gc.collect()`` is forced: measured,
+    it did not free such groups and cost 0.1-0.5 s.
     """
 
-    def __init__(self, on_lingering: Callable[[int], None]) -> None:
-        self._on_lingering = on_lingering
+    def __init__(self, *, rank: int) -> None:
+        self._rank = rank
+        self._held: list[Any] = []
         self._queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._warned = False
 
-    def release(self, groups: list[Any]) -> None:
-        """Hand over ``groups`` (the caller must drop its own references). Never blocks."""
+    def abort(self) -> None:
+        """Destroy this rank's groups now (see ``abort_process_groups``) and hold them."""
+        self._held.extend(abort_process_groups())
+
+    def release(self) -> None:
+        """Hand the held groups to the reaper thread; ``train()``'s frames must be gone."""
+        groups, self._held = self._held, []
         if not groups:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pg-reaper", daemon=True)
             self._thread.start()
         self._queue.put(groups)
+        del groups  # the reaper's references must be the last ones
 
     def close(self, timeout: float) -> None:
         """Stop the thread once the groups handed over so far are released (bounded wait)."""
@@ -86,8 +94,17 @@ class GroupReaper:
             refs = [weakref.ref(g) for g in groups]
             del groups  # the destructors run here, GIL released while they wait
             alive = sum(r() is not None for r in refs)
-            if alive:
-                self._on_lingering(alive)
+            if alive and not self._warned:
+                self._warned = True
+                log.warning(
+                    "rank %d: %d destroyed process group(s) still referenced after train() "
+                    "unwound (e.g. a DDP-wrapped model kept by an object that outlives "
+                    "train()); peers blocked on this rank are released only by the group "
+                    "timeout (about 1.25 x soft_timeout for gloo). Create such objects inside "
+                    "train() to restart in milliseconds.",
+                    self._rank,
+                    alive,
+                )
 
 
 def _abort_nccl() -> None:

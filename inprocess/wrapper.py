@@ -126,10 +126,7 @@ class _Job:
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
         self.closed = False
-        # Destroyed process groups, held until train()'s frames are gone (see GroupReaper).
-        self.doomed: list[Any] = []
-        self.reaper = GroupReaper(self._warn_lingering)
-        self.warned_lingering = False
+        self.reaper = GroupReaper(rank=self.me)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -176,8 +173,8 @@ class _Job:
             ),
             progress=ProgressTracker(),
             interrupter=Interrupter(),
-            abort=self._abort,
-            release=self._release,
+            abort=self.reaper.abort,
+            release=self.reaper.release,
         )
         self.health = HealthChecker(
             user_checks=cfg.health_checks, empty_cuda_cache=cfg.empty_cuda_cache
@@ -378,30 +375,6 @@ class _Job:
         return decision.to_json()
 
     # ----- helpers ---------------------------------------------------------------------------
-
-    def _abort(self) -> None:
-        """Tear down this rank's groups (monitor or main thread); hold them for the reaper."""
-        self.doomed.extend(abort_process_groups())
-
-    def _release(self) -> None:
-        """``train()`` has unwound: the reaper drops the held groups on its own thread."""
-        groups, self.doomed = self.doomed, []
-        self.reaper.release(groups)
-
-    def _warn_lingering(self, alive: int) -> None:
-        """Reaper thread: destroyed groups are still referenced after train() unwound."""
-        if self.warned_lingering:
-            return
-        self.warned_lingering = True
-        log.warning(
-            "rank %d: %d destroyed process group(s) still referenced after train() unwound "
-            "(e.g. a DDP-wrapped model kept by an object that outlives train()); peers "
-            "blocked on this rank are released only by the group timeout (about "
-            "1.25 x soft_timeout for gloo). Create such objects inside train() "
-            "to restart in milliseconds.",
-            self.me,
-            alive,
-        )
 
     def _log_restart(self, pending: _PendingRestart, *, reinit_s: float) -> RestartRecord:
         record = pending.record(reinit_s=reinit_s)

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -158,7 +159,10 @@ class LocalTier:
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
         agree = self._attempts.next(pg, self._group.token)
         self._cancel = agree[0].cancel
-        self._future = self._pool.submit(self._background, shard, pg, nodes, agree)
+        # The background work holds the group weakly (see _replicate): a strong reference in
+        # the work item would keep a restart's destroyed group, and its sockets, alive.
+        pg_ref = weakref.ref(pg) if pg is not None else None
+        self._future = self._pool.submit(self._background, shard, pg_ref, nodes, agree)
 
     def _forget_stale(self, step: int, world: int) -> None:
         """Free memory copies that can no longer be restored or belong to an abandoned run.
@@ -226,7 +230,7 @@ class LocalTier:
     def _background(
         self,
         shard: Shard,
-        pg: dist.ProcessGroup | None,
+        pg_ref: weakref.ref[dist.ProcessGroup] | None,
         nodes: list[int],
         agree: tuple[StoreExchange, StoreExchange | None],
     ) -> None:
@@ -243,10 +247,10 @@ class LocalTier:
                     "local save of step %d on rank %d: writing %s failed: %s",
                     shard.step, shard.owner, self._dir, e,
                 )  # fmt: skip
-        if pg is not None and shard.world > 1:
+        if pg_ref is not None and shard.world > 1:
             ex, previous = agree
             try:
-                ok = self._replicate(shard, pg, nodes) and ok
+                ok = self._replicate(shard, pg_ref, nodes) and ok
                 flags = ex.gather("ok", ok)
                 if flags is not None:  # rank 0
                     if previous is not None:  # every rank is past the previous verdict
@@ -276,7 +280,15 @@ class LocalTier:
         else:
             log.warning("local step %d is incomplete: it will not be restored", shard.step)
 
-    def _replicate(self, shard: Shard, pg: dist.ProcessGroup, nodes: list[int]) -> bool:
+    def _replicate(
+        self, shard: Shard, pg_ref: weakref.ref[dist.ProcessGroup], nodes: list[int]
+    ) -> bool:
+        """Send this rank's shard to its peers and take theirs (background thread).
+
+        The group is held strongly only for the transfer itself. A group destroyed by a restart
+        before that (the reference is dead) abandons the step; one destroyed during it fails the
+        transfer as soon as the peers closed theirs.
+        """
         eff = placement.effective_factor(nodes, self._factor)
         if eff < self._factor and not self._warned_factor:
             self._warned_factor = True
@@ -291,6 +303,9 @@ class LocalTier:
             )
         if eff == 1:
             return True
+        pg = pg_ref()
+        if pg is None:
+            raise CheckpointAbandoned(f"local save of step {shard.step}: the group was destroyed")
         if self._placement is None or self._placement[0] is not nodes:
             plan = placement.placement(nodes, self._factor)
             self._placement = (nodes, plan, placement.received_from(plan))
