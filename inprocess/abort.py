@@ -63,17 +63,23 @@ class GroupReaper:
     def __init__(self, *, rank: int) -> None:
         self._rank = rank
         self._held: list[Any] = []
+        # abort() runs on the monitor thread and on the main thread, possibly at once: release()
+        # must not hand over the groups while an abort still holds some of them in its frame
+        # (they would look "still referenced", and be held until the next fault).
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._warned = False
 
     def abort(self) -> None:
         """Destroy this rank's groups now (see ``abort_process_groups``) and hold them."""
-        self._held.extend(abort_process_groups())
+        with self._lock:
+            self._held.extend(abort_process_groups())
 
     def release(self) -> None:
         """Hand the held groups to the reaper thread; ``train()``'s frames must be gone."""
-        groups, self._held = self._held, []
+        with self._lock:
+            groups, self._held = self._held, []
         if not groups:
             return
         if self._thread is None:

@@ -131,12 +131,14 @@ def run_active(
     )
 
     def start() -> None:
+        # Inside _call_train's handlers: a peer's fault may be delivered as soon as the
+        # monitor's store thread runs, before the second thread has even started.
+        monitor.start()
         _create_group(svc, iteration, rank, world)
         ctx.last_restart = on_started(time.monotonic() - t_reinit)
 
     svc.progress.stamp()
     svc.interrupter.arm()
-    monitor.start()
     try:
         call = _call_train(svc, ctx, functools.partial(fn, *args, **kwargs), start)
     except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
@@ -226,8 +228,13 @@ def _settle(
             in_collective=call.in_collective,
             after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
         )
-        if record.after_fault:  # another rank's fault broke this rank's work: not its own
-            log.info("rank %d: %s after another rank's fault", svc.me, record.detail)
+        if record.in_collective:  # most likely a peer's fault; the restart decision judges
+            log.warning(
+                "rank %d: a collective failed in iteration %d: %s",
+                svc.me,
+                iteration,
+                record.detail,
+            )
         else:
             log.error(
                 "rank %d: train() raised in iteration %d", svc.me, iteration, exc_info=call.exc

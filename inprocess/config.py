@@ -39,8 +39,8 @@ class RestartConfig:
       are warm reserves) and the smallest world the job may shrink to.
     * ``granularity``: "rank" retires only a lost rank, "node" its whole node.
     * ``max_rank_faults``: a rank that faulted more often is retired (None: never).
-    * ``max_same_fault``: the same fault (rank, exception type, place, step) this many times in
-      a row stops the job.
+    * ``max_same_fault``: the same fault (kind, exception type, place, step; on whichever rank)
+      this many times in a row stops the job.
     * ``empty_cuda_cache``: free cached GPU memory between iterations.
     * ``monitor_process_logdir``: directory for the watchdog processes' logs.
     * ``termination_grace_time``: SIGTERM -> SIGKILL delay of a hard-timeout kill.

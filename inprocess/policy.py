@@ -199,11 +199,12 @@ def classify(
     """Split one iteration's faults into the counted ones and the collateral ones.
 
     An exception is collateral when it is a consequence of another rank's fault, judged by what
-    happened, strongest evidence first: it was recorded after the iteration had already faulted;
-    it was raised by a collective (``in_collective``) while another rank has a fault of its own
-    or its process is gone. Only an exception without that evidence is matched by its message
-    (``PEER_LOST_MESSAGES``), the last resort. With no fault of another rank to blame, nothing
-    is collateral: a collective that fails on every rank at once counts on every rank.
+    happened: it was raised by a collective (``in_collective``) while another rank has a fault
+    of its own, or its process is gone, or the iteration had already faulted when it was
+    recorded (``after_fault``). Only an exception without that structural evidence is matched
+    by its message (``PEER_LOST_MESSAGES``), the last resort. An exception of the rank's own
+    code always counts, and with nobody else to blame nothing is collateral: a collective that
+    fails on every rank at once counts on every rank.
     """
     roots = [f for f in faults if _root_evidence(f) is None]
     counted: list[FaultRecord] = []
@@ -218,11 +219,15 @@ def classify(
 
 
 def signature(counted: Sequence[FaultRecord]) -> tuple[tuple[Any, ...], ...]:
-    """What must repeat for the repeated-fault stop: who faulted how, where and at which step."""
+    """What must repeat for the repeated-fault stop: how, where and at which step ranks faulted.
+
+    Not which rank: when every rank hits the same bug, which of them records it before the
+    restart interrupts the others is a matter of timing, and the fault is the same.
+    """
     return tuple(
         sorted(
             {
-                (f.initial_rank, f.kind, f.exc_type, f.where, -1 if f.step is None else f.step)
+                (f.kind, f.exc_type, f.where, -1 if f.step is None else f.step)
                 for f in counted
                 if f.kind in OWN_FAULT_KINDS
             }
@@ -231,11 +236,14 @@ def signature(counted: Sequence[FaultRecord]) -> tuple[tuple[Any, ...], ...]:
 
 
 def _root_evidence(f: FaultRecord) -> str | None:
-    """Why ``f`` may be a consequence of someone else's fault; None for a fault of its own."""
+    """Why ``f`` may be a consequence of someone else's fault; None for a fault of its own.
+
+    Only a failed communication can be caused by a peer: an exception raised by the rank's own
+    code is its own fault, even when it came after another rank's (every rank hitting the same
+    bug counts on every rank).
+    """
     if f.kind != "exception":
         return None
-    if f.after_fault:
-        return "recorded after the iteration had already faulted"
     if f.in_collective:
         return "raised by a collective"
     matched = next((m for m in PEER_LOST_MESSAGES if m in f.detail), None)
@@ -250,11 +258,11 @@ def _collateral_reason(
     evidence = _root_evidence(f)
     if evidence is None:
         return None
-    if f.after_fault:
-        return evidence  # someone else ended the iteration before this rank raised
     others = [g for g in roots if g.initial_rank != f.initial_rank]
     blame = [f"{g.kind} on rank {g.initial_rank}" for g in others]
     blame += [f"rank {r} gone" for r in sorted(gone - {f.initial_rank})]
+    if f.after_fault and not blame:  # the fault that ended the iteration is not recorded yet
+        blame.append("the iteration had already faulted")
     if not blame:
         return None
     return f"{evidence}, after {', '.join(blame[:3])}"
