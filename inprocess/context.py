@@ -6,11 +6,13 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inprocess.errors import ContextError
-from inprocess.monitor import Interrupter
 from inprocess.progress import ProgressTracker
+
+if TYPE_CHECKING:  # the monitor imports torch; what train() may call does not need it
+    from inprocess.monitor import Interrupter
 
 # A ContextVar, not a global: each wrapped call sets and resets its own value.
 _CURRENT: contextvars.ContextVar[RestartContext] = contextvars.ContextVar("inprocess_context")
