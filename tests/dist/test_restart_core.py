@@ -112,6 +112,19 @@ def test_same_fault_repeating_stops_the_job() -> None:
         assert o.result["history"] == 3
 
 
+def test_a_bug_every_rank_hits_stops_the_job_whichever_rank_records_it_first() -> None:
+    outs = run_ranks(
+        3,
+        target=f"{W}:always_fails",
+        kwargs={"fail_rank": None, "options": {"max_same_fault": 3, "max_iterations": 10}},
+        host_store=True,
+        deadline=40,
+    )
+    for o in outs:
+        assert o.result["seen"] == [0, 1, 2], o.output
+        assert "the same fault repeated 3 times in a row" in o.result["error"]
+
+
 def test_uncaught_stop_exits_non_zero_on_every_rank() -> None:
     outs = run_ranks(
         2,

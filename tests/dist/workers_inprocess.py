@@ -212,9 +212,10 @@ def fault_in_finally(*, fail_rank: int) -> dict[str, Any]:
 
 
 def always_fails(
-    *, fail_rank: int, options: dict[str, Any], vary_step: bool = False
+    *, fail_rank: int | None, options: dict[str, Any], vary_step: bool = False
 ) -> dict[str, Any]:
-    """Rank ``fail_rank`` raises in every iteration; returns the stop error's text."""
+    """Rank ``fail_rank`` (None: every rank) raises in every iteration; returns the stop
+    error's text."""
     from inprocess import RestartAbortedError
 
     seen: list[int] = []
@@ -226,7 +227,7 @@ def always_fails(
         step = 10 + ctx.iteration if vary_step else 10
         ctx.ping(step=step)
         _allreduce_sum(1.0)
-        if ctx.rank == fail_rank:
+        if fail_rank is None or ctx.rank == fail_rank:
             raise RuntimeError(f"fails at step {step}")
         _allreduce_sum(1.0)
 
