@@ -199,11 +199,14 @@ def _rerun_fault_terms(events: list[dict[str, Any]], t_fault: float) -> dict[str
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable table printed at the end of the example."""
     t = report["totals"]
-    lines = [
-        "",
-        "=== downtime report ===",
-        f"{'fault':34} {'detect':>7} {'restart':>8} {'reload':>7} {'lost':>10} {'down':>7}  tier",
-    ]
+    lines = ["", "=== downtime report ==="]
+    if report["faults"]:
+        lines.append(
+            f"{'fault':34} {'detect':>7} {'restart':>8} {'reload':>7} {'lost':>10} {'down':>7}  "
+            "tier"
+        )
+    else:
+        lines.append("no fault fired in this launch (--faults none, or fired in an earlier one)")
     for f in report["faults"]:
         lost = f"{f['lost_work_s']:.3f}({f['lost_steps']})"
         lines.append(

@@ -1,6 +1,6 @@
 """Train a tiny byte-level GPT with DDP through injected faults, then report the downtime.
 
-Run (4 ranks on this machine's CPU, each fault kind once, about a minute):
+Run (4 ranks on this machine's CPU, 5 faults, about 30 s on 2 cores):
 
     python -m inprocess.launch --nproc-per-node 4 examples/train.py --faults demo
 
@@ -10,9 +10,11 @@ torch_dist checkpoint every ``--persistent-every`` steps, and ``RerunStateMachin
 whose loss is NaN or spiky. At the end one rank prints the downtime report and writes it to
 ``RUN_DIR/report.json`` (and a PNG timeline with ``--report-png``).
 
-SIGTERM (forwarded by the launcher, or sent by Slurm before the time limit) makes every rank
-finish its step, write a persistent checkpoint and exit with status 75; the next launch with the
-same ``--run-dir`` resumes from that step.
+The console shows the story (each fault, each restart, progress, the report); every rank's
+details go to ``RUN_DIR/logs/<launch>/rank<N>.log``. SIGTERM (forwarded by the launcher, or sent
+by Slurm before the time limit) makes every rank finish its step, write a persistent checkpoint
+and exit with status 75; the next launch with the same ``--run-dir`` resumes from that step. A
+finished run is not redone: ``--fresh`` starts over in the same directory.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -33,26 +35,65 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rundir
+import story
 from gpt import GPTConfig, batch, build_model, corpus
 from report import EventLog, build_report, format_report, write_png
 
-from checkpoint import CheckpointManager
-from inprocess import context, faults, restartable
+from checkpoint import CheckpointConfigError, CheckpointManager, CheckpointStorageError
+from inprocess import RestartRecord, context, faults, restartable
+from inprocess.errors import ConfigError
 from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 from rerun import RerunDataIterator, RerunStateMachine
 
 log = logging.getLogger("train")
 
 
+class UsageError(ValueError):
+    """A bad command line: printed as one line by one rank, exit status 2."""
+
+
+# Bad input, whichever layer finds it: one line, no traceback (--debug shows it).
+INPUT_ERRORS = (UsageError, ConfigError, CheckpointConfigError, CheckpointStorageError)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # Every rank parses the same command line: one line per node, not one per rank.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+        self.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--faults", default="demo", help=faults.plan_help() + "\n(default: demo)")
-    p.add_argument("--active", type=int, default=None, help="ranks running train(); rest reserve")
+    p.add_argument(
+        "--active",
+        type=_positive,
+        default=None,
+        help="ranks running train(); the rest wait as warm reserves\n"
+        "(default: one reserve per fault that loses its rank)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--run-dir", type=Path, default=Path("runs/example"))
+    p.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path("runs/example"),
+        help="checkpoints, fault records, report and logs (default runs/example); an unfinished\n"
+        "run there is resumed, a finished one is not redone",
+    )
+    p.add_argument("--fresh", action="store_true", help="start over in RUN_DIR (clears its run)")
     p.add_argument("--persistent-every", type=int, default=50)
     p.add_argument(
         "--local-dir",
@@ -62,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--soft-timeout", type=float, default=2.0)
     p.add_argument("--hard-timeout", type=float, default=5.0)
     p.add_argument("--report-png", type=Path, default=None)
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=_positive, default=50, help="progress line every N steps")
+    p.add_argument("--debug", action="store_true", help="tracebacks and every log on the console")
     return p.parse_args(argv)
 
 
@@ -125,10 +167,22 @@ class TrainState(Stateful):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except INPUT_ERRORS as e:
+        if args.debug:
+            raise
+        # Every rank finds the same bad input: one line per node, not one per rank.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     world = int(os.environ.get("WORLD_SIZE", "1"))
     initial_rank = int(os.environ.get("RANK", "0"))
+    launch = rundir.launch_id()
     # One warm reserve per fault that loses its rank; then the plan is checked against the
     # ranks that train (a fault on a rank that never trains would silently never fire).
     try:
@@ -136,13 +190,36 @@ def main(argv: list[str] | None = None) -> int:
         active = args.active or max(1, world - losing)
         plan = faults.parse_plan(args.faults, steps=args.steps, world_size=active)
     except ValueError as e:
-        raise SystemExit(f"train.py: error: --faults: {e}") from None
+        raise UsageError(f"--faults: {e}") from None
+    if active > world:
+        raise UsageError(
+            f"--active ({active}) must be <= the number of processes ({world}): lower --active "
+            "or start more processes (--nproc-per-node)"
+        )
+    if args.local_dir not in (None, "none") and not Path(args.local_dir).is_dir():
+        raise UsageError(
+            f"--local-dir ({args.local_dir}) is not a directory: create it, or pass "
+            "--local-dir none to keep the local tier in memory only"
+        )
     run_dir = args.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    done = rundir.finished(run_dir)
+    if not args.fresh and done is not None and done["steps"] >= args.steps:
+        if initial_rank == 0:
+            print(
+                f"{run_dir} holds a finished {done['steps']}-step run (report: "
+                f"{run_dir / 'report.json'}): nothing to do. Add --fresh to start over there, "
+                "or pass --run-dir NEW_DIR.",
+                flush=True,
+            )
+        return 0
+    if args.fresh:
+        rundir.start_fresh(run_dir, initial_rank=initial_rank, launch=launch)
+    log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)
+    if initial_rank == 0:
+        log.info("details of every rank: %s", log_file.parent)
     # One event directory per launch (a resumed run is a new launch with the same run dir).
-    launch_id = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-    launch_id = launch_id or f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}"
-    events_dir = run_dir / "events" / launch_id
+    events_dir = run_dir / "events" / launch
     events = EventLog(events_dir, initial_rank)
     events.emit("start")
     data = corpus()
@@ -153,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     # launch never restores a stale local step.
     local_dir = None if args.local_dir == "none" else args.local_dir
     if args.local_dir is None:
-        local_dir = str(run_dir / "local" / launch_id)
+        local_dir = str(run_dir / "local" / launch)
         Path(local_dir).mkdir(parents=True, exist_ok=True)
     mgr = CheckpointManager(
         str(run_dir / "ckpt"),
@@ -161,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         keep=2,
         local_every=1,
         local_dir=local_dir,
-        replication_factor=2 if active > 1 else 1,
+        # A replica on another node survives that node's loss; on one node there is none to make.
+        replication_factor=2 if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)) else 1,
     )
 
     @restartable(
@@ -204,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
             tier=getattr(restore, "tier", None),
             seconds=time.monotonic() - t0,
         )
+        if ctx.rank == 0:
+            _tell_restart(ctx.last_restart, run_dir, restored, restore, time.monotonic() - t0)
         loss = torch.tensor(float("nan"))
-        tick = time.monotonic()
+        tick, tick_step = time.monotonic(), start
         for step in range(start, args.steps):
             t_step = time.monotonic()
             ctx.ping(step)  # the step lets the wrapper spot the same fault repeating at a step
@@ -266,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                 seconds=time.monotonic() - t_step,
             )
             if ctx.rank == 0 and (step + 1) % args.log_every == 0:
-                rate = args.log_every / (time.monotonic() - tick)
-                tick = time.monotonic()
+                rate = (step + 1 - tick_step) / (time.monotonic() - tick)
+                tick, tick_step = time.monotonic(), step + 1
                 print(
                     f"step {step + 1:5d}  loss {loss.item():.4f}  {rate:6.1f} steps/s", flush=True
                 )
@@ -290,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     events.emit("done", rank=result["rank"], step=result["step"], loss=result["loss"])
     if result["rank"] == 0:
+        if not result["preempted"]:
+            rundir.mark_finished(run_dir, steps=result["step"], loss=result["loss"])
         fired = [f.as_dict() for f in faults.fired(run_dir)]
         report = build_report(events_dir, faults=fired, wall_end=time.time())
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -300,6 +382,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"timeline written to {args.report_png}", flush=True)
     events.close()
     return PREEMPTED_EXIT_CODE if result["preempted"] else 0
+
+
+def _tell_restart(
+    record: RestartRecord | None, run_dir: Path, step: int | None, restore: Any, reload_s: float
+) -> None:
+    """The console's line for the restart (or the resume) that led into this train() call."""
+    tier = getattr(restore, "tier", None) or "no"
+    if record is not None:
+        down = sum(record.phases.values()) + reload_s
+        log.info(
+            "restart %d: %s; back at step %d from the %s tier, %.2f s after the fault",
+            record.iteration,
+            record.cause,
+            step or 0,
+            tier,
+            down,
+        )
+    elif step is not None:
+        log.info("resuming %s at step %d (%s tier); --fresh starts over", run_dir, step, tier)
 
 
 def _restart_phases(ctx: Any) -> dict[str, float]:

@@ -215,8 +215,9 @@ def run_job(
     deadline: float,
     env: Mapping[str, str] | None = None,
     signal_when: tuple[str | tuple[str, ...], int] | None = None,
+    cwd: Path | None = None,
 ) -> JobOutput:
-    """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from the repo root.
+    """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from ``cwd`` (the repo root).
 
     ``signal_when=(text, signum)`` sends ``signum`` to the job's main process once ``text``
     (or every text of a tuple) appears in its output (for preemption tests). Raises
@@ -237,7 +238,7 @@ def run_job(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, *argv],
-            cwd=REPO_ROOT,
+            cwd=cwd or REPO_ROOT,
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,

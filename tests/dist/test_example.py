@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from inprocess import faults
 from inprocess.preemption import PREEMPTED_EXIT_CODE
 from tests.multiproc import REPO_ROOT, run_job
@@ -113,7 +115,71 @@ def test_a_fault_on_a_rank_that_does_not_train_is_refused(tmp_path: Path) -> Non
     proc = subprocess.run(
         [sys.executable, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
     )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--faults: fault plan item 'exception@rank3:step10' targets rank 3" in proc.stderr
     assert "ranks 0..2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# What only a misuse of the framework makes it log (the example must never trigger it).
+MISUSE_WARNINGS = (
+    "still referenced after train() unwound",
+    "heartbeat_timeout",
+    "is ignored",
+    "needs 2 nodes",
+)
+
+
+def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -> None:
+    quick_start = ["-m", "inprocess.launch", "--nproc-per-node", "4",
+                   str(REPO_ROOT / "examples" / "train.py"), "--faults", "demo"]  # fmt: skip
+    first = run_job(quick_start, deadline=180, cwd=tmp_path)
+    assert first.returncode == 0, first.output
+    run_dir = tmp_path / "runs" / "example"
+    lines = first.output.splitlines()
+    # The story: each fault, each restart, progress, the report; details are in the log files.
+    assert sum("injecting fault" in line for line in lines) == 5, first.output
+    assert sum("INFO train: restart " in line for line in lines) == 5, first.output
+    assert "goodput:" in first.output and "restarts: 5" in first.output
+    assert len(lines) < 60, first.output
+    logs = list((run_dir / "logs").glob("*/rank*.log"))
+    assert len(logs) == 4 and any("checkpoint:" in p.read_text() for p in logs)
+    for text in [first.output, *(p.read_text() for p in logs)]:
+        assert not any(w in text for w in MISUSE_WARNINGS), text
+    report = (run_dir / "report.json").read_text()
+
+    second = run_job(quick_start, deadline=60, cwd=tmp_path)
+    assert second.returncode == 0, second.output
+    assert second.output.strip().splitlines() == [
+        f"[rank 0] {Path('runs/example')} holds a finished 300-step run (report: "
+        f"{Path('runs/example/report.json')}): nothing to do. Add --fresh to start over there, "
+        "or pass --run-dir NEW_DIR."
+    ]
+    assert (run_dir / "report.json").read_text() == report  # untouched
+
+    fresh = run_job([*quick_start[:-2], "--faults", "exception@rank0:step5", "--steps", "10",
+                     "--fresh"], deadline=90, cwd=tmp_path)  # fmt: skip
+    assert fresh.returncode == 0, fresh.output
+    assert [f.fault for f in faults.fired(run_dir)] == ["exception@rank0:step5"]
+    assert json.loads((run_dir / "report.json").read_text())["totals"]["final_step"] == 10
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--active", "0"], "argument --active: must be >= 1, got 0"),
+        (["--active", "5"], "--active (5) must be <= the number of processes (2)"),
+        (["--local-dir", "/nonexistent"], "pass --local-dir none to keep the local tier in"),
+        (["--faults", "exception@rank9:step10"], "targets rank 9, but only 2 rank(s) train"),
+    ],
+)
+def test_bad_input_is_one_line_once_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    argv = ["-m", "inprocess.launch", "--nproc-per-node", "2", "examples/train.py",
+            "--run-dir", str(tmp_path), "--active", "2", *args]  # fmt: skip
+    job = run_job(argv, deadline=60)
+    assert job.returncode == 2, job.output
+    assert job.output.count("train.py: error:") == 1, job.output
+    assert message in job.output, job.output
+    assert "Traceback" not in job.output
