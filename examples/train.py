@@ -29,32 +29,17 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rundir
 import story
-from gpt import GPTConfig, batch, build_model, corpus
-from report import EventLog, build_report, format_report, write_png
 
-from checkpoint import CheckpointConfigError, CheckpointManager, CheckpointStorageError
-from inprocess import RestartRecord, context, faults, restartable
-from inprocess.errors import ConfigError
-from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
-from rerun import RerunDataIterator, RerunStateMachine
+from inprocess import RestartRecord, faults  # torch-free: --help answers without importing torch
 
 log = logging.getLogger("train")
 
 
 class UsageError(ValueError):
     """A bad command line: printed as one line by one rank, exit status 2."""
-
-
-# Bad input, whichever layer finds it: one line, no traceback (--debug shows it).
-INPUT_ERRORS = (UsageError, ConfigError, CheckpointConfigError, CheckpointStorageError)
 
 
 def _positive(text: str) -> int:
@@ -108,68 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class TrainState(Stateful):
-    """Everything a restart restores: model, optimizer, re-run machine, step."""
-
-    def __init__(
-        self, model: torch.nn.Module, opt: torch.optim.Optimizer, rsm: RerunStateMachine, rank: int
-    ):
-        self.model, self.opt, self.rsm = model, opt, rsm
-        # The re-run machine's state differs per rank: a rank-specific key keeps torch_dist's
-        # de-duplication of identical keys from saving rank 0's copy for everyone.
-        self.rerun_key = f"rerun_rank{rank}"
-        self.step = 0
-        self._cached: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]] | None = None
-
-    def _model_and_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """torch's ``get_state_dict``, reused while it still describes the live tensors.
-
-        It costs about 3 ms here (FQN mapping), most of a local save made at every step. Its
-        dicts reference the live parameters and optimizer states, which training updates in
-        place, so they stay valid until a tensor is replaced (optimizer state created or
-        loaded, a parameter re-assigned): the identity check below notices that and rebuilds.
-        Hyperparameters (plain floats, e.g. a scheduled lr) are copied fresh every time.
-        """
-        live = (
-            *((id(t), t.data_ptr()) for t in self.model.parameters()),
-            *((id(t), t.data_ptr()) for t in self.model.buffers()),
-            *(
-                (id(v), v.data_ptr())
-                for st in self.opt.state.values()
-                for v in st.values()
-                if isinstance(v, torch.Tensor)
-            ),
-        )
-        if self._cached is None or self._cached[0] != live:
-            self._cached = (live, *get_state_dict(self.model, self.opt))
-        _, model_sd, optim_sd = self._cached
-        for cached, group in zip(optim_sd["param_groups"], self.opt.param_groups, strict=True):
-            cached.update((k, v) for k, v in group.items() if k != "params")
-        return model_sd, optim_sd
-
-    def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = self._model_and_optim()
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            self.rerun_key: self.rsm.state_dict(),
-            "step": self.step,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self._cached = None
-        set_state_dict(
-            self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-        )
-        self.rsm.load_state_dict(sd[self.rerun_key])
-        self.step = int(sd["step"])
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # before torch's 2-3 s import: --help and bad flags answer at once
+    from checkpoint import CheckpointConfigError, CheckpointStorageError
+    from inprocess.errors import ConfigError
+
     try:
         return run(args)
-    except INPUT_ERRORS as e:
+    except (UsageError, ConfigError, CheckpointConfigError, CheckpointStorageError) as e:
+        # Bad input, whichever layer found it: one line, no traceback (--debug shows it).
         if args.debug:
             raise
         # Every rank finds the same bad input: one line per node, not one per rank.
@@ -179,6 +111,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+    from gpt import GPTConfig, batch, build_model, corpus
+    from report import EventLog, build_report, format_report, write_png
+    from state import TrainState
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checkpoint import CheckpointManager
+    from inprocess import context, restartable
+    from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+    from rerun import RerunDataIterator, RerunStateMachine
+
     torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     world = int(os.environ.get("WORLD_SIZE", "1"))
     initial_rank = int(os.environ.get("RANK", "0"))
