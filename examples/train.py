@@ -305,9 +305,13 @@ def run(args: argparse.Namespace) -> int:
         mgr.wait()
         return {"step": state.step, "loss": loss.item(), "preempted": False, "rank": ctx.rank}
 
-    with PreemptionHandler(exit_signal=signal.SIGTERM) as preempt:
-        result = train(preempt)
-    mgr.close()
+    try:
+        with PreemptionHandler(exit_signal=signal.SIGTERM) as preempt:
+            result = train(preempt)
+    finally:
+        # Also when train() stops for good (RestartAbortedError): a save still in flight is
+        # abandoned here, instead of holding the interpreter's exit until its timeout.
+        mgr.close()
     if result is None:  # a reserve that was never needed
         events.close()
         return 0
