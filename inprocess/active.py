@@ -22,7 +22,7 @@ from inprocess import store as keys
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import FaultRecord, RestartInterrupt
-from inprocess.monitor import Interrupter, Monitor, raised_in_collective
+from inprocess.monitor import Interrupter, Monitor, waits_on_peers
 from inprocess.process_group import init_iteration_group
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment
@@ -68,8 +68,11 @@ class _Call:
 
     value: Any = None
     exc: Exception | None = None
-    where: str = ""  # read from the traceback before its frames are dropped
-    in_collective: bool = False  # likewise
+    where: str = ""  # file:line of the raise, read before the traceback's frames are dropped
+    # Raised by a collective: a torch.distributed error type, or raised in the code where a rank
+    # waits on its peers. Only the raise site counts: a user's error in a model's forward passes
+    # through DDP's forward too, but is raised in the model.
+    in_collective: bool = False
     interrupted: bool = False
     delivered: bool = False
     t_unwind: float = 0.0
@@ -142,7 +145,14 @@ def run_active(
     try:
         call = _call_train(svc, ctx, functools.partial(fn, *args, **kwargs), start)
     except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
-        _record(store, iteration, svc.me, "dead", f"left the job: {e!r}", ctx.step)
+        keys.report_fault(
+            store,
+            iteration=iteration,
+            initial_rank=svc.me,
+            kind="dead",
+            detail=f"left the job: {e!r}",
+            step=ctx.step,
+        )
         monitor.close()
         raise
     try:
@@ -198,7 +208,8 @@ def _call_train(
             _drop_frames(ri)
             call.t_unwind = time.monotonic()
         except Exception as e:
-            call.exc, call.where, call.in_collective = e, _raise_site(e), raised_in_collective(e)
+            call.exc, call.where = e, _raise_site(e)
+            call.in_collective = isinstance(e, dist.DistError) or waits_on_peers(call.where)
             _drop_frames(e)
         finally:
             call.delivered = _disarm(svc.interrupter)
@@ -255,14 +266,14 @@ def _settle(
         if result == keys.OUTCOME_DONE:
             return Outcome(done=True, value=call.value)
         if result is None:
-            _record(
+            keys.report_fault(
                 store,
-                iteration,
-                svc.me,
-                "completion_timeout",
-                "other ranks did not finish within completion_timeout "
+                iteration=iteration,
+                initial_rank=svc.me,
+                kind="completion_timeout",
+                detail="other ranks did not finish within completion_timeout "
                 f"({cfg.completion_timeout} s)",
-                ctx.step,
+                step=ctx.step,
             )
         noticed = time.time()
     if cfg.empty_cuda_cache and torch.cuda.is_available():
@@ -295,20 +306,6 @@ def exception_record(
         time=time.time(),
         in_collective=in_collective,
         after_fault=after_fault,
-    )
-
-
-def _record(store: Any, iteration: int, me: int, kind: str, detail: str, step: int | None) -> None:
-    keys.record_fault(
-        store,
-        FaultRecord(
-            iteration=iteration,
-            initial_rank=me,
-            kind=kind,
-            detail=detail,
-            step=step,
-            time=time.time(),
-        ),
     )
 
 
@@ -348,8 +345,8 @@ def _drop_frames(exc: BaseException) -> None:
 
     A collective that raised leaves its frame (holding the process group) in the traceback; as
     long as it lives, destroying the group does not close its sockets, and peers blocked on
-    this rank are not released. What the fault record needs from the traceback (the raise site,
-    ``raised_in_collective``) is read before this.
+    this rank are not released. What the fault record needs from the traceback (the raise site)
+    is read before this.
     """
     log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
     traceback.clear_frames(exc.__traceback__)

@@ -14,8 +14,6 @@ from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
-import torch.distributed
-
 from inprocess import store as keys
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.progress import ProgressTracker
@@ -43,27 +41,15 @@ def _waiting_on_peers(thread_id: int) -> bool:
     """
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if any(part in name for part in _PEER_WAIT_PATHS):
+        if waits_on_peers(frame.f_code.co_filename):
             return True
         frame = frame.f_back
     return False
 
 
-def raised_in_collective(exc: BaseException) -> bool:
-    """Whether ``exc`` came out of a collective: a torch.distributed error type, or raised in
-    the code where a rank waits on its peers (its traceback's innermost frame).
-
-    Only the innermost frame counts: a user's error in a model's forward passes through DDP's
-    ``forward`` too, but is raised in the model. Used to tell a peer's fault breaking this
-    rank's collective from this rank's own fault (``inprocess.policy``).
-    """
-    if isinstance(exc, torch.distributed.DistError):
-        return True
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and any(p in tb.tb_frame.f_code.co_filename for p in _PEER_WAIT_PATHS)
+def waits_on_peers(filename: str) -> bool:
+    """Whether code in ``filename`` is where a rank waits on its peers (``_PEER_WAIT_PATHS``)."""
+    return any(part in filename for part in _PEER_WAIT_PATHS)
 
 
 def _where(thread_id: int, depth: int = 6) -> str:

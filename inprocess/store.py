@@ -78,12 +78,21 @@ def record_fault(store: StoreLike, record: FaultRecord) -> None:
     store.compare_set(_key(it, "ready/go"), "", OUTCOME_FAULT)
 
 
-def report_fault(store: Any, *, iteration: int, initial_rank: int, kind: str, detail: str) -> None:
+def report_fault(
+    store: Any,
+    *,
+    iteration: int,
+    initial_rank: int,
+    kind: str,
+    detail: str,
+    step: int | None = None,
+) -> None:
     """Record a fault of ``initial_rank`` in restart iteration ``iteration`` and wake every rank.
 
     ``store`` is a client of the job's coordination store (``torch.distributed.Store``, not a
     prefixed one). ``kind``: "exception", "soft_timeout", "dead", "hard_timeout", "unhealthy",
-    ... Called by the rank itself, by its watchdog process, or by health checks. Idempotent in
+    ... ``step``: the rank's last ``ctx.step``, when known. Called by the rank itself, by its
+    watchdog process, or by health checks. Idempotent in
     effect: a repeated report adds a record but the iteration ends once.
     """
     record_fault(
@@ -93,6 +102,7 @@ def report_fault(store: Any, *, iteration: int, initial_rank: int, kind: str, de
             initial_rank=initial_rank,
             kind=kind,
             detail=detail,
+            step=step,
             time=time.time(),
         ),
     )
