@@ -14,12 +14,15 @@ keys live under a namespace that every rank derives identically for one save att
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
 from typing import Any
 
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
+
+log = logging.getLogger(__name__)
 
 # Polls double from 1 ms up to 4 ms for the first 0.2 s (a per-step agreement of the local tier
 # is over in milliseconds, and a late poll delays the next save), then up to 50 ms: a long wait
@@ -28,6 +31,7 @@ _POLL_FIRST_S = 0.001
 _POLL_FAST_MAX_S = 0.004
 _FAST_WINDOW_S = 0.2
 _POLL_MAX_S = 0.05
+_ABANDONED = "abandoned"  # the key a rank sets when it abandons an attempt (see abandon())
 
 
 class StoreExchange:
@@ -90,6 +94,24 @@ class StoreExchange:
             self._store.delete_key(key)
         return value
 
+    def abandon(self) -> None:
+        """Training thread: stop this attempt here and tell the peers (not collective).
+
+        Sets ``cancel`` (this rank's worker stops at its next wait or file write) and publishes
+        the attempt's ``abandoned`` key, which ends the waits of every peer's worker for this
+        attempt within one slow poll. Without it, a rank that never reaches its own abandon
+        point (a rank sent to the reserve pool, a process past the end of ``train()``) would
+        wait for peers that left, up to the save timeout, and hold its process's exit.
+        Best effort: a store that is gone leaves the peers to their own timeout or cancel.
+        """
+        self.cancel.set()
+        if self._store is None:
+            return
+        try:
+            self._store.set(self._key(_ABANDONED, None), b"1")
+        except Exception as e:  # the store's host is gone: nothing to tell anyone
+            log.debug("checkpoint: could not publish the abandon of %s: %s", self.namespace, e)
+
     def discard(self, name: str) -> None:
         """Rank 0: delete a value published to every rank once all of them have read it."""
         if self._store is not None:
@@ -102,9 +124,13 @@ class StoreExchange:
         start = time.monotonic()
         end = start + self._timeout
         pause = _POLL_FIRST_S
+        abandoned = [self._key(_ABANDONED, None)]
         while not self._store.check(keys):
             if self.cancel.is_set():
                 raise CheckpointAbandoned(f"abandoned while waiting for '{name}'")
+            # Only in the slow phase: a peer's abandon is rare, a per-step agreement is not.
+            if pause >= _POLL_MAX_S and self._store.check(abandoned):
+                raise CheckpointAbandoned(f"a peer abandoned the save while waiting for '{name}'")
             if time.monotonic() > end:
                 missing = [from_rank] if from_rank is not None else self._missing(keys)
                 raise CheckpointError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -99,6 +100,11 @@ class CheckpointManager:
         self._local_group: BackgroundGroup | None = None
         self._closed = False
         self.last_restore: Restore | None = None
+        # Closed at interpreter exit if the user did not: the save in flight is then finished or
+        # abandoned, and the log says which. The hook holds the manager until close(): one
+        # dropped with a save in flight would otherwise leave its writer blocked on peers while
+        # the interpreter tears torch down under it (SIGABRT at exit).
+        atexit.register(self._close_at_exit)
         if self._local_cfg is not None:
             # The local tier gets its OWN dedicated group: two background threads must never
             # share one.
@@ -227,13 +233,16 @@ class CheckpointManager:
         self._persistent.wait()
 
     def close(self) -> None:
-        """Finish saves in flight (failures are logged), stop every thread, free buffers.
+        """Finish or abandon the saves in flight, stop every thread, free buffers. Idempotent.
 
-        Idempotent.
+        A save in flight is finished when its process group is still current (every rank of it
+        can take part), else abandoned; the log says which, and failures are logged, not raised.
+        Called at interpreter exit (with a WARNING) if the program did not call it.
         """
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         try:
             if self._local is not None:
                 self._local.close()
@@ -247,6 +256,14 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _close_at_exit(self) -> None:
+        log.warning(
+            "checkpoint: the CheckpointManager of %s was not closed before interpreter exit: "
+            "closing it now (call close(), or use it as a context manager)",
+            self.root,
+        )
         self.close()
 
     def _check_open(self, what: str) -> None:

@@ -17,6 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from inprocess import kill_notice
+
 log = logging.getLogger(__name__)
 
 # The pipe protocol. Rank -> watchdog (stdin): one line per heartbeat holding the current
@@ -120,15 +122,19 @@ class _Watched:
     def terminate(self, grace: float) -> str:
         """SIGCONT + SIGTERM, ``grace`` seconds, then SIGKILL; says which one ended it."""
         log.warning("rank pid %d missed its heartbeat: SIGTERM", self.pid)
-        self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-        self.signal(signal.SIGTERM)
-        if self.wait_gone(grace):
-            return "ended by SIGTERM"
-        log.warning("rank pid %d still alive %.1f s after SIGTERM: SIGKILL", self.pid, grace)
-        self.signal(signal.SIGKILL)
-        if self.wait_gone(_STORE_TIMEOUT_S):
-            return f"ended by SIGKILL after {grace} s grace"
-        return "still present after SIGKILL (uninterruptible sleep?)"
+        kill_notice.post(self.pid)  # not a preemption notice: see inprocess.kill_notice
+        try:
+            self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            self.signal(signal.SIGTERM)
+            if self.wait_gone(grace):
+                return "ended by SIGTERM"
+            log.warning("rank pid %d still alive %.1f s after SIGTERM: SIGKILL", self.pid, grace)
+            self.signal(signal.SIGKILL)
+            if self.wait_gone(_STORE_TIMEOUT_S):
+                return f"ended by SIGKILL after {grace} s grace"
+            return "still present after SIGKILL (uninterruptible sleep?)"
+        finally:
+            kill_notice.clear(self.pid)
 
 
 def _say_ready() -> None:

@@ -17,10 +17,13 @@ local flag (one tiny collective) and every rank gets the same answer at the same
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 from types import FrameType, TracebackType
+
+from inprocess import kill_notice
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,14 @@ class PreemptionHandler:
         self._closed = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if kill_notice.posted(os.getpid()):
+            # This rank's own watchdog is ending it (hard timeout): not the scheduler's notice,
+            # which would stop every rank; the job goes on without this one.
+            log.warning(
+                "%s from this rank's hard-timeout watchdog: not a preemption",
+                signal.Signals(signum).name,
+            )
+            return
         if self._received_at is None:
             self._received_at = time.monotonic()
             log.warning(

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local import directory, integrity, packing, placement
 from checkpoint.local.restore import RestoreResult, Shard, restore
 from checkpoint.local.transport import Outgoing, transfer
+from checkpoint.worker import BackgroundWorker
 
 __all__ = ["LocalTier", "RestoreResult"]
 
@@ -107,9 +108,9 @@ class LocalTier:
         self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._capacity_checked = 0
         self._warned_factor = False
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-ckpt")
+        self._worker = BackgroundWorker("local-ckpt")
         self._future: Future[None] | None = None
-        self._cancel = threading.Event()  # of the background work in flight
+        self._agreement: StoreExchange | None = None  # of the background work in flight
         self._timeout = timeout
         self._attempts = Attempts("local", timeout=timeout)
         self._closed = False
@@ -158,11 +159,11 @@ class LocalTier:
         stall = time.perf_counter() - t0
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
         agree = self._attempts.next(pg, self._group.token)
-        self._cancel = agree[0].cancel
+        self._agreement = agree[0]
         # The background work holds the group weakly (see _replicate): a strong reference in
         # the work item would keep a restart's destroyed group, and its sockets, alive.
         pg_ref = weakref.ref(pg) if pg is not None else None
-        self._future = self._pool.submit(self._background, shard, pg_ref, nodes, agree)
+        self._future = self._worker.submit(self._background, shard, pg_ref, nodes, agree)
 
     def _forget_stale(self, step: int, world: int) -> None:
         """Free memory copies that can no longer be restored or belong to an abandoned run.
@@ -359,7 +360,8 @@ class LocalTier:
         if self._future is not None and self._group.is_stale():
             if not self._future.done():
                 log.warning("process group changed with a local save in flight: abandoning it")
-            self._cancel.set()
+            if self._agreement is not None:
+                self._agreement.abandon()
             self._group.drop()
         self.wait()
 
@@ -409,7 +411,7 @@ class LocalTier:
             return
         self._closed = True
         self.wait()
-        self._pool.shutdown(wait=True)
+        self._worker.stop(timeout=5.0)  # its work is over or timed out above: never wait long
         with self._lock:
             self._held.clear()
             self._free.clear()

@@ -59,6 +59,7 @@ from checkpoint.persistent.plan_memo import PlanMemo, structure
 from checkpoint.persistent.staging import StagingPool
 from checkpoint.persistent.storage import make_writer, write_files
 from checkpoint.persistent.tensor_bytes import ArchiveTemplates
+from checkpoint.worker import BackgroundWorker
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ou
 # (durable after 135 s of training, steps 1.03x slower); nice 10 gave steps 0.99-1.16x slower
 # and durable after 14-28 s. With a core to spare the write is not held back (1 rank: ~3 s).
 WRITER_NICE = 10
+_STOP_GRACE_S = 5.0  # close(): how long the worker may take to end once its work is settled
 CRASH_POINTS = ("agree", "write", "before_commit", "commit", "retention")
 
 
@@ -119,9 +121,7 @@ class PersistentSaver:
         self._group = group
         self._hooks = hooks
         self._pool = StagingPool()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ckpt-persistent", initializer=_lower_priority
-        )
+        self._worker = BackgroundWorker("ckpt-persistent", initializer=_lower_priority)
         self._pending: concurrent.futures.Future[SaveStats | _Failed] | None = None
         self._pending_job: _Job | None = None
         # A save cancelled by a restart: not waited for by the restart, only before the
@@ -165,7 +165,7 @@ class PersistentSaver:
         stats = SaveStats(step=step, stall_s=time.perf_counter() - t0)
         job = _Job(step, staged, stage_error, exchange, previous, stats)
         self._pending_job = job
-        self._pending = self._executor.submit(self._run, job)
+        self._pending = self._worker.submit(self._run, job)
         if stage_error is not None:
             # The job still runs so peers learn of the failure in `plan` instead of waiting.
             raise CheckpointError(f"save of step {step}: {stage_error}") from staging_exc
@@ -208,7 +208,7 @@ class PersistentSaver:
             return
         job = self._pending_job
         if job is not None:
-            job.exchange.cancel.set()
+            job.exchange.abandon()
             log.warning(
                 "checkpoint: process group changed with the save of step %d in flight: "
                 "abandoning it (it never becomes visible unless it had already committed)",
@@ -234,18 +234,31 @@ class PersistentSaver:
             log.info("checkpoint: abandoned save stopped: %s", outcome.args[0])
 
     def close(self) -> None:
-        """Wait for the save in flight (errors are logged, not raised) and stop the worker."""
+        """Finish or abandon the save in flight, say which, and stop the worker (bounded).
+
+        A save whose process group is still the current one is completed: every rank of it can
+        still take part (waited for at most 2 x timeout, and ended at once if a peer abandons
+        it). One whose group is gone (a restart, or the end of a ``@restartable`` iteration,
+        tore it down) is abandoned: its peers may have left, and it never becomes visible.
+        Errors are logged, not raised.
+        """
         if self._closed:
             return
         self._closed = True
+        job = self._pending_job
         try:
             self.settle_after_restart()
-            self.wait()
+            if self._pending is not None and job is not None:
+                log.info("checkpoint: close(): finishing the save of step %d in flight", job.step)
+                if self.wait() is not None:
+                    log.info("checkpoint: close(): the save of step %d completed", job.step)
         except CheckpointError as e:
-            log.error("checkpoint: save in flight at close() failed: %s", str(e))
+            log.error("checkpoint: close(): the save in flight did not complete: %s", str(e))
         finally:
             self.drain_abandoned()
-            self._executor.shutdown(wait=True)
+            # The waits above were bounded; a worker still stuck (hung storage) is a daemon and
+            # must not hold the process any longer.
+            self._worker.stop(timeout=_STOP_GRACE_S)
             self._pool.release()
             self._memo.clear()
 

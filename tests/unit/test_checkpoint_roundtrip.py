@@ -220,7 +220,7 @@ def test_skip_policy_skips_while_in_flight(tmp_path: Path) -> None:
     with CheckpointManager(str(tmp_path), persistent_every=1, on_busy="skip") as mgr:
         # Hold the writer thread so that step 1 is certainly still in flight at step 2.
         release = threading.Event()
-        mgr._persistent._executor.submit(release.wait, 30)
+        mgr._persistent._worker.submit(release.wait, 30)
         mgr.save(1, {"x": torch.zeros(10)})
         mgr.save(2, {"x": torch.ones(10)})
         release.set()
@@ -233,7 +233,7 @@ def test_skip_policy_skips_while_in_flight(tmp_path: Path) -> None:
 def test_wait_policy_saves_both(tmp_path: Path) -> None:
     with CheckpointManager(str(tmp_path), persistent_every=1) as mgr:
         release = threading.Event()
-        mgr._persistent._executor.submit(release.wait, 30)
+        mgr._persistent._worker.submit(release.wait, 30)
         mgr.save(1, {"x": torch.zeros(10)})
         threading.Timer(0.2, release.set).start()
         mgr.save(2, {"x": torch.ones(10)})  # waits for step 1, then stages step 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from inprocess import kill_notice
 from inprocess.preemption import PreemptionHandler
 from tests.multiproc import run_job
 
@@ -20,6 +21,20 @@ def test_signal_sets_flag_and_time_left() -> None:
         assert h.received and h.should_stop()
         left = h.seconds_left()
         assert left is not None and 29.0 < left <= 30.0
+
+
+def test_the_watchdogs_hard_timeout_sigterm_is_not_a_preemption() -> None:
+    # A rank ended by its watchdog must not stop the whole job as if it were preempted (found by
+    # the fault matrix: hang_gil in an interruptible call ended the job with status 75).
+    with PreemptionHandler(exit_signal=signal.SIGUSR1) as h:
+        kill_notice.post(os.getpid())
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert not h.received
+        finally:
+            kill_notice.clear(os.getpid())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert h.received
 
 
 def test_close_restores_previous_handler() -> None:
