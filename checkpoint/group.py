@@ -7,15 +7,42 @@ import datetime
 import logging
 import secrets
 import threading
+import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from checkpoint.errors import CheckpointConfigError
+from checkpoint.errors import CheckpointConfigError, CheckpointError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
+
+# Arrival polls before a group is created: from 1 ms, doubling up to 50 ms.
+_ARRIVE_POLL_FIRST_S = 0.001
+_ARRIVE_POLL_MAX_S = 0.05
+
+
+def _arrive(store: Any, key: str, *, world: int, timeout: float) -> None:
+    """Wait, in Python, until every rank of the default group has arrived at ``key``.
+
+    Why: ``new_group`` is a store rendezvous in C++ that blocks for the group's whole timeout
+    (the manager's ``timeout``, 600 s by default) when a peer never arrives, and nothing can
+    interrupt it. A rank whose peer faulted just before ``load_latest`` then held the restart
+    for that long (found by the fault matrix). This loop is Python, so the restart's
+    interruption reaches it at once; once everyone has arrived, ``new_group`` is quick.
+    """
+    store.add(key, 1)
+    end = time.monotonic() + timeout
+    pause = _ARRIVE_POLL_FIRST_S
+    while (arrived := store.add(key, 0)) < world:
+        if time.monotonic() > end:
+            raise CheckpointError(
+                f"only {arrived} of {world} ranks reached the checkpoint group set-up within "
+                f"{timeout:.0f} s (timeout): a rank stopped or skipped a collective call"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, _ARRIVE_POLL_MAX_S)
 
 
 class BackgroundGroup:
@@ -35,12 +62,14 @@ class BackgroundGroup:
     Thread-safety: calls are serialised by a lock, but the collective contract still holds.
     """
 
-    def __init__(self, *, timeout: float) -> None:
+    def __init__(self, *, timeout: float, name: str = "ckpt") -> None:
         if not timeout > 0:
             raise CheckpointConfigError(
                 f"timeout ({timeout!r}) must be a positive number of seconds: pass e.g. 600.0"
             )
         self._timeout = float(timeout)
+        self._name = name  # names this owner's arrival keys (two owners arrive independently)
+        self._built_on_default = 0  # groups created over the current default group
         self._lock = threading.Lock()
         # The default group our group was built for, held WEAKLY: a strong reference would keep a
         # destroyed default group's sockets open after an in-process restart, so peers blocked on
@@ -91,6 +120,13 @@ class BackgroundGroup:
             if group is not None and default is built_for:
                 return group
             self._drop_locked()
+            self._built_on_default = self._built_on_default + 1 if default is built_for else 1
+            _arrive(
+                dist.distributed_c10d._get_default_store(),
+                f"restartable/bg/{self._name}/{self._built_on_default}",
+                world=dist.get_world_size(),
+                timeout=self._timeout,
+            )
             group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self._timeout)
             )

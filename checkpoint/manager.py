@@ -94,7 +94,7 @@ class CheckpointManager:
         )
         self._dirs = CheckpointDirs(self._cfg.root)
         self._dirs.check_writable()
-        self._group = BackgroundGroup(timeout=self._cfg.timeout)
+        self._group = BackgroundGroup(timeout=self._cfg.timeout, name="persistent")
         self._persistent = PersistentSaver(self._cfg, self._dirs, self._group, read_test_hooks())
         self._local: LocalTier | None = None
         self._local_group: BackgroundGroup | None = None
@@ -108,7 +108,7 @@ class CheckpointManager:
         if self._local_cfg is not None:
             # The local tier gets its OWN dedicated group: two background threads must never
             # share one.
-            self._local_group = BackgroundGroup(timeout=self._cfg.timeout)
+            self._local_group = BackgroundGroup(timeout=self._cfg.timeout, name="local")
             try:
                 self._local = LocalTier(
                     local_dir=self._local_cfg.dir,
