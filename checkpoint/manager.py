@@ -23,6 +23,8 @@ from checkpoint.persistent import (
 )
 
 log = logging.getLogger(__name__)
+# The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).
+_journal = logging.getLogger("restartable.journal")
 
 TIERS = ("memory", "local_dir", "peer", "persistent")
 
@@ -169,11 +171,20 @@ class CheckpointManager:
                 f"state ({type(state).__name__}) must be a dict: wrap it, e.g. "
                 "{'model': model, 'optimizer': optimizer}"
             )
+        t0 = time.perf_counter()
+        tiers = []
         local_due = self._local_cfg is not None and step % self._local_cfg.every == 0
         if self._local is not None and local_due:
             self._local.save(step, state)
-        if force_persistent or step % self._cfg.every == 0:
-            self._persistent.save(step, state)
+            tiers.append("local")
+        persistent_due = force_persistent or step % self._cfg.every == 0
+        if persistent_due and self._persistent.save(step, state):
+            tiers.append("persistent")
+        if tiers and _journal.handlers:
+            stall = time.perf_counter() - t0
+            _journal.debug(
+                "save", extra={"journal": {"step": step, "tiers": tiers, "stall_s": stall}}
+            )
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Fill ``state`` in place from the newest checkpoint of any tier; its step, or None.
@@ -204,9 +215,7 @@ class CheckpointManager:
             # instead of waiting on a peer that may be gone.
             result = self._local.load(state, min_step=newest)
             if result is not None:
-                self.last_restore = Restore(
-                    step=int(result.step), tier=str(result.tier), seconds=float(result.seconds)
-                )
+                self._restored(int(result.step), str(result.tier), float(result.seconds))
                 log.info(
                     "checkpoint: restored step %d from the %s tier in %.3f s",
                     result.step,
@@ -219,11 +228,17 @@ class CheckpointManager:
         )
         seconds = time.perf_counter() - t0
         if ckpt is None:
-            self.last_restore = Restore(step=None, tier=None, seconds=seconds)
+            self._restored(None, None, seconds)
             log.info("checkpoint: no checkpoint under %s; starting fresh", self._cfg.root)
             return None
-        self.last_restore = Restore(step=ckpt.step, tier="persistent", seconds=seconds)
+        self._restored(ckpt.step, "persistent", seconds)
         return ckpt.step
+
+    def _restored(self, step: int | None, tier: str | None, seconds: float) -> None:
+        self.last_restore = Restore(step=step, tier=tier, seconds=seconds)
+        if _journal.handlers:
+            fields = {"step": step, "tier": tier, "seconds": seconds}
+            _journal.debug("restore", extra={"journal": fields})
 
     def wait(self) -> None:
         """Wait (bounded) for background saves of every tier; raise the first failure."""

@@ -52,6 +52,8 @@ from rerun.state_machine import (
 from rerun.stats import QuickStats
 
 logger = logging.getLogger(__name__)
+# The run journal's channel (see inprocess/journal.py; a name, so rerun need not import it).
+_journal = logging.getLogger("restartable.journal")
 
 NAN_LOSS_MESSAGE = "loss is NaN or Inf"
 SPIKY_LOSS_MESSAGE = "Spiky loss"
@@ -518,6 +520,19 @@ class RerunStateMachine:
             "iteration %d verdict: %s (suspect ranks %s, hardware %s)", self.iteration,
             verdict.value, list(self._suspects.ranks), list(self._suspects.hardware),
         )  # fmt: skip
+        if not _journal.handlers:
+            return
+        _journal.debug(
+            "rerun_verdict",
+            extra={
+                "journal": {
+                    "step": self.iteration,  # rerun's iteration is the training step
+                    "verdict": verdict.value,
+                    "suspect_ranks": list(self._suspects.ranks),
+                    "suspect_hardware": list(self._suspects.hardware),
+                }
+            },
+        )
 
     def _track(self, status: str, result: float, message: str) -> None:
         if self._tracker is not None:

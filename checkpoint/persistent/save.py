@@ -62,6 +62,8 @@ from checkpoint.persistent.tensor_bytes import ArchiveTemplates
 from checkpoint.worker import BackgroundWorker
 
 log = logging.getLogger(__name__)
+# The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).
+_journal = logging.getLogger("restartable.journal")
 
 METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ours)
 # The writer thread's niceness (Linux). A trade-off measured with every core busy training
@@ -369,6 +371,9 @@ class PersistentSaver:
             raise CheckpointRankError(what, failures)
         stats.write_s = time.perf_counter() - t0
         stats.bytes_written = sum(f["size"] for f in sums.values())
+        if _journal.handlers:
+            fields = {"step": step, "write_s": stats.write_s, "bytes": stats.bytes_written}
+            _journal.debug("save_durable", extra={"journal": {**fields, "path": dirpath}})
         if outcomes is not None:
             total = sum(sum(f["size"] for f in s.values()) for _, s, _ in outcomes)
             log.info(

@@ -1,0 +1,186 @@
+"""The run journal: what the framework did, one append-only JSONL file per process.
+
+Every package writes to it through one ``logging`` channel, ``restartable.journal``, so that
+``checkpoint`` and ``rerun`` need not import ``inprocess`` (the design's import rules): a record
+is a log record at DEBUG whose message is the event name and whose ``journal`` attribute holds
+the fields::
+
+    logging.getLogger("restartable.journal").debug("save", extra={"journal": {"step": 100}})
+
+Nothing is written unless a journal is open in the process (``open_journal``: the
+``@restartable`` wrapper opens one when ``journal_dir`` or ``RESTARTABLE_JOURNAL_DIR`` names a
+directory). While none is open the channel is below its level and a record costs one
+``isEnabledFor`` check. While one is open the channel does not propagate, so journal records
+never reach the user's log handlers.
+
+Each line: ``{"v": SCHEMA_VERSION, "t": <time.time()>, "event": <name>, "host": ..., "pid":
+..., "rank": <initial rank>, "launch": <launch id>, **fields}``, flushed per record (a SIGKILL
+loses nothing already written). The events and their fields are listed in docs/journal.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any, TextIO
+
+CHANNEL = "restartable.journal"
+SCHEMA_VERSION = 1
+ENV_DIR = "RESTARTABLE_JOURNAL_DIR"
+ENV_LAUNCH = "RESTARTABLE_LAUNCH_ID"  # set by a launcher: groups one launch's files
+
+_log = logging.getLogger(CHANNEL)
+
+
+def enabled() -> bool:
+    """True while a journal is open in this process (cheap; check before building fields).
+
+    The test is the channel's own handler, not its level: with the root logger at DEBUG a
+    level test would pass and send journal records into the user's log.
+    """
+    return bool(_log.handlers)
+
+
+def record(event: str, **fields: Any) -> None:
+    """Append ``event`` with ``fields`` (JSON-serialisable) to this process's journal, if open."""
+    if _log.handlers:
+        _log.debug(event, extra={"journal": fields})
+
+
+class _Handler(logging.Handler):
+    """Writes each journal record as one JSON line and flushes it."""
+
+    def __init__(self, stream: TextIO, identity: dict[str, Any]) -> None:
+        super().__init__(level=logging.DEBUG)
+        self._stream = stream
+        self._identity = identity
+        # Where this process is now (``Journal.set_position``): stamped on every record, so
+        # that packages which know nothing of restarts (checkpoint, rerun) are placed too.
+        self.position: dict[str, Any] = {}
+        self._write_lock = threading.Lock()  # records come from every thread
+
+    def emit(self, rec: logging.LogRecord) -> None:
+        fields = getattr(rec, "journal", None)
+        if fields is None:  # a plain log record sent to the channel by mistake
+            return
+        line = {"v": SCHEMA_VERSION, "t": rec.created, "event": rec.getMessage()}
+        line.update(self._identity)
+        line.update(self.position)
+        line.update(fields)
+        text = json.dumps(line, default=str) + "\n"
+        with self._write_lock:
+            self._stream.write(text)
+            self._stream.flush()
+
+    def close(self) -> None:
+        with self._write_lock:
+            if not self._stream.closed:
+                self._stream.close()
+        super().close()
+
+
+class Journal:
+    """An open journal of this process; ``close()`` it (idempotent) when the job ends.
+
+    Opened by the ``@restartable`` wrapper (or a launcher, a test, a user script) with
+    ``open_journal``; at most one per process at a time.
+    """
+
+    def __init__(self, path: Path, handler: _Handler) -> None:
+        self.path = path
+        self._handler = handler
+
+    def set_position(self, *, iteration: int, training_rank: int | None) -> None:
+        """The restart iteration this process is in and its rank there (None: a reserve)."""
+        self._handler.position = {"iteration": iteration, "training_rank": training_rank}
+
+    def close(self) -> None:
+        if self._handler in _log.handlers:
+            _log.removeHandler(self._handler)
+        if not _log.handlers:
+            _log.setLevel(logging.NOTSET)
+            _log.propagate = True
+        self._handler.close()
+
+
+def resolve_dir(configured: str | os.PathLike[str] | None) -> Path | None:
+    """The journal directory: ``configured``, else ``$RESTARTABLE_JOURNAL_DIR``, else None."""
+    value = configured if configured is not None else os.environ.get(ENV_DIR) or None
+    return None if value is None else Path(value)
+
+
+def open_journal(directory: str | os.PathLike[str], *, rank: int) -> Journal:
+    """Open ``directory/rank<rank>-<host>-<pid>.jsonl`` for appending and start recording.
+
+    Raises ``ValueError`` naming the directory when it cannot be created or written.
+    """
+    if _log.handlers:
+        raise RuntimeError("a journal is already open in this process: close it first")
+    d = Path(directory)
+    host = socket.gethostname()
+    path = d / f"rank{rank}-{host}-{os.getpid()}.jsonl"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - owned by the handler
+    except OSError as e:
+        raise ValueError(
+            f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "
+            f"unset {ENV_DIR}"
+        ) from e
+    identity = {
+        "host": host,
+        "pid": os.getpid(),
+        "rank": rank,
+        "launch": os.environ.get(ENV_LAUNCH, ""),
+    }
+    handler = _Handler(stream, identity)
+    _log.addHandler(handler)
+    _log.setLevel(logging.DEBUG)
+    _log.propagate = False
+    journal = Journal(path, handler)
+    record("process_start", argv=sys.argv, python=sys.version.split()[0], versions=_versions())
+    return journal
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "restartable"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = ""
+    return out
+
+
+def read(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every record under ``directory`` (recursively), sorted by time. A torn last line (the
+    process died mid-write) is skipped; a record of a newer schema raises ``ValueError``."""
+    records = []
+    for path in sorted(Path(directory).rglob("*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # only the last line of a killed process can be torn
+                if not isinstance(rec, dict) or "event" not in rec:
+                    continue  # another tool's JSONL in the same directory
+                if int(rec.get("v", 0)) > SCHEMA_VERSION:
+                    raise ValueError(
+                        f"{path}: journal schema v{rec['v']} is newer than this reader "
+                        f"(v{SCHEMA_VERSION}): upgrade restartable"
+                    )
+                rec["_file"] = path.name
+                records.append(rec)
+    records.sort(key=lambda r: float(r["t"]))
+    return records

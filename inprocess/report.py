@@ -1,0 +1,129 @@
+"""``python -m inprocess.report JOURNAL_DIR [--json OUT] [--png OUT]`` and ``--attribute DIR...``.
+
+The downtime report of every launch recorded in a journal directory (terms defined in
+``inprocess.downtime``), and the attribution of faults across one or several directories
+(``inprocess.attribution``). Reads only the journal files; needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from inprocess import attribution, downtime, journal
+
+
+def reports(directory: str | Path) -> list[downtime.LaunchReport]:
+    """The report of each launch in ``directory``'s journal, oldest first."""
+    records = journal.read(directory)
+    if not records:
+        raise ValueError(f"no journal records under {str(directory)!r}")
+    out = [downtime.build(recs, launch) for launch, recs in downtime.launches(records).items()]
+    return sorted(out, key=lambda r: r.start)
+
+
+def format_report(r: downtime.LaunchReport) -> str:
+    """The report as text: every figure with its unit."""
+    lines = [
+        f"launch {r.launch or '-'}: wall {r.wall:.2f} s = startup {r.startup:.2f} s + productive "
+        f"{r.productive:.2f} s + downtime {r.downtime:.2f} s; goodput {100 * r.goodput:.1f} %",
+        f"  steps {r.steps}, restarts {r.restarts}, checkpoint stalls {r.checkpoint:.3f} s",
+    ]
+    if r.windows:
+        lines.append(
+            "  fault (iteration, kind, ranks)            lost-before  detect  restart  reload"
+            "   redo  downtime [s]  tier (step)"
+        )
+    for w in r.windows:
+        t = w.terms
+        what = f"it {w.iteration} {w.kind} {w.faulting_ranks}"
+        lines.append(
+            f"  {what:40s} {t['lost_before']:10.3f} {t['detection']:7.3f} {t['restart']:8.3f} "
+            f"{t['reload']:7.3f} {t['redo']:6.3f} {t['downtime']:12.3f}  "
+            f"{w.tier or '-'} ({w.restored_step if w.restored_step is not None else '-'})"
+        )
+    return "\n".join(lines)
+
+
+def plot(reps: list[downtime.LaunchReport], records: list[dict[str, Any]], out: Path) -> None:
+    """A timeline PNG: rank 0's step over time, each fault window shaded, checkpoints marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--png needs matplotlib: pip install 'restartable[plot]' ({e})") from e
+    t0 = min(r.start for r in reps)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    rank0 = [
+        (float(r["t"]) - t0, int(r["step"]))
+        for r in records
+        if r["event"] == "step" and r.get("training_rank") == 0
+    ]
+    ax.plot([t for t, _ in rank0], [s for _, s in rank0], ".", ms=2, label="step (rank 0)")
+    for rep in reps:
+        for w in rep.windows:
+            ax.axvspan(w.last - t0, w.back - t0, color="tab:red", alpha=0.25)
+            ax.text(w.last - t0, 0, f" {w.kind}", rotation=90, va="bottom", fontsize=7)
+    saves = [float(r["t"]) - t0 for r in records if r["event"] == "save_durable"]
+    for t in saves:
+        ax.axvline(t, color="tab:green", lw=0.5, alpha=0.5)
+    ax.set_xlabel("time since the first launch started [s]")
+    ax.set_ylabel("step")
+    ax.set_title("training progress; red: fault windows, green: durable checkpoints")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m inprocess.report",
+        description="Downtime report and fault attribution from restartable's run journal.",
+    )
+    p.add_argument("dirs", nargs="+", type=Path, help="journal director(y/ies)")
+    p.add_argument("--json", type=Path, help="also write the report as JSON here")
+    p.add_argument("--png", type=Path, help="also draw the timeline here (needs matplotlib)")
+    p.add_argument(
+        "--attribute", action="store_true", help="classify every fault across all the dirs"
+    )
+    args = p.parse_args(argv)
+    missing = [str(d) for d in args.dirs if not d.is_dir()]
+    if missing:
+        p.error(f"not a directory: {', '.join(missing)}")
+    out: dict[str, Any] = {}
+    try:
+        if args.attribute:
+            records = [r for d in args.dirs for r in journal.read(d)]
+            findings = attribution.attribute(attribution.faults_of(records))
+            out["attribution"] = [f.as_dict() for f in findings]
+            for f in findings:
+                print(
+                    f"{f.fault.launch or '-'} it {f.fault.iteration} rank {f.fault.rank} "
+                    f"({f.fault.host}): {f.fault_class}, origin {f.origin}: {f.rule}"
+                    + (f"; hosts {', '.join(f.hosts)}" if f.hosts else "")
+                    + (f"; {f.exclude}" if f.exclude else "")
+                )
+        else:
+            if len(args.dirs) != 1:
+                p.error("a report reads one journal directory (several only with --attribute)")
+            reps = reports(args.dirs[0])
+            out["launches"] = [r.as_dict() for r in reps]
+            print("\n".join(format_report(r) for r in reps))
+            if args.png:
+                plot(reps, journal.read(args.dirs[0]), args.png)
+    except ValueError as e:
+        print(f"inprocess.report: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
