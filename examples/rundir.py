@@ -2,7 +2,8 @@
 
 A run directory holds the persistent checkpoints (``ckpt/``), the fault records
 (``fired.jsonl``: a fault fires once per run), the report and, once the run finished,
-``finished.json``. Per launch it also gets ``events/<launch>/`` and ``logs/<launch>/``.
+``finished.json``. Per launch it also gets ``journal/<launch>/`` (the framework's run journal,
+which the report reads) and ``logs/<launch>/``.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ Run (4 ranks on this machine's CPU, 5 faults, about 30 s on 2 cores):
 It uses all three packages: ``@restartable`` re-runs ``train()`` in place after a fault (warm
 reserves replace lost ranks), ``CheckpointManager`` keeps a host-memory copy every step and a
 torch_dist checkpoint every ``--persistent-every`` steps, and ``RerunStateMachine`` re-runs a step
-whose loss is NaN or spiky. At the end one rank prints the downtime report and writes it to
-``RUN_DIR/report.json`` (and a PNG timeline with ``--report-png``).
+whose loss is NaN or spiky. The framework journals what it does (``RUN_DIR/journal/<launch>/``,
+one file per process); at the end rank 0 prints the framework's downtime report of this launch
+(``inprocess.report``, the same as ``python -m inprocess.report RUN_DIR/journal/<launch>``) and
+writes it to ``RUN_DIR/report.json`` (and a PNG timeline with ``--report-png``).
 
 The console shows the story (each fault, each restart, progress, the report); every rank's
 details go to ``RUN_DIR/logs/<launch>/rank<N>.log``. SIGTERM (forwarded by the launcher, or sent
@@ -20,6 +22,7 @@ finished run is not redone: ``--fresh`` starts over in the same directory.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -33,7 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rundir
 import story
 
-from inprocess import RestartRecord, faults  # torch-free: --help answers without importing torch
+# torch-free: --help answers without importing torch
+from inprocess import RestartRecord, faults
+from inprocess.journal import read as read_journal
+from inprocess.report import format_report, plot, reports
 
 log = logging.getLogger("train")
 
@@ -87,6 +93,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--soft-timeout", type=float, default=2.0)
     p.add_argument("--hard-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--calculate-timeouts",
+        action="store_true",
+        help="learn each section's timeout (setup, step, checkpointing) from its durations\n"
+        "and keep it in RUN_DIR/ft_state.json: a hang in a step is caught in a few\n"
+        "step-times instead of --soft-timeout",
+    )
+    p.add_argument(
+        "--safety-factor",
+        type=float,
+        default=5.0,
+        help="learned timeout = this x the longest duration seen (default 5.0)",
+    )
     p.add_argument("--report-png", type=Path, default=None)
     p.add_argument("--log-every", type=_positive, default=50, help="progress line every N steps")
     p.add_argument("--debug", action="store_true", help="tracebacks and every log on the console")
@@ -113,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
     from gpt import GPTConfig, batch, build_model, corpus
-    from report import EventLog, build_report, format_report, write_png
     from state import TrainState
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -139,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
             f"--active ({active}) must be <= the number of processes ({world}): lower --active "
             "or start more processes (--nproc-per-node)"
         )
+    if args.report_png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--report-png needs matplotlib: pip install -e '.[plot]'")
     if args.local_dir not in (None, "none") and not Path(args.local_dir).is_dir():
         raise UsageError(
             f"--local-dir ({args.local_dir}) is not a directory: create it, or pass "
@@ -161,10 +181,9 @@ def run(args: argparse.Namespace) -> int:
     log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)
     if initial_rank == 0:
         log.info("details of every rank: %s", log_file.parent)
-    # One event directory per launch (a resumed run is a new launch with the same run dir).
-    events_dir = run_dir / "events" / launch
-    events = EventLog(events_dir, initial_rank)
-    events.emit("start")
+    # One journal directory per launch (a resumed run is a new launch with the same run dir):
+    # the report of this launch reads only its own records.
+    journal_dir = run_dir / "journal" / launch
     data = corpus()
     cfg = GPTConfig()
 
@@ -191,103 +210,81 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=0.5,
         active_world_size=active,
         granularity="rank",
+        # The framework's own record of the run: `python -m inprocess.report RUN_DIR/journal/L`.
+        journal_dir=str(journal_dir),
+        calculate_timeouts=args.calculate_timeouts,
+        safety_factor=args.safety_factor,
+        # Without --calculate-timeouts the sections below only time; nothing judges them.
+        timeouts_state_path=str(run_dir / "ft_state.json") if args.calculate_timeouts else None,
     )
     def train(preempt: PreemptionHandler) -> dict[str, Any]:
         ctx = context()
-        events.emit("enter", iteration=ctx.iteration, rank=ctx.rank, restart=_restart_phases(ctx))
-        # Built afresh in every iteration: whatever a fault left half-done is dropped, and the
-        # state comes back from the checkpoint (the manager outlives iterations, the rest not).
-        # in_job: a result that needs other hardware to judge hands this rank's work to a warm
-        # reserve inside the job (RerunExit with a rank action) instead of exiting with code 16.
-        rsm = RerunStateMachine(
-            mode="validate_results",
-            check_for_nan_in_loss=True,
-            check_for_spiky_loss=True,
-            in_job=True,
-            # On a CPU host every rank shares the "cpu" device: the process is the hardware.
-            hardware_id=None if torch.cuda.is_available() else f"cpu-rank{ctx.initial_rank}",
-        )
-        model = build_model(cfg, args.seed)
-        ddp = DDP(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        state = TrainState(model, opt, rsm, ctx.rank)
-        ckpt = {"train": state}
+        with ctx.section("setup"):  # model, optimizer and restore: until the first step
+            # Built afresh in every iteration: whatever a fault left half-done is dropped, and
+            # the state comes back from the checkpoint (the manager outlives iterations, the
+            # rest not). in_job: a result that needs other hardware to judge hands this rank's
+            # work to a warm reserve inside the job (RerunExit with a rank action) instead of
+            # exiting with code 16.
+            rsm = RerunStateMachine(
+                mode="validate_results",
+                check_for_nan_in_loss=True,
+                check_for_spiky_loss=True,
+                in_job=True,
+                # On a CPU host every rank shares the "cpu" device: the process is the hardware.
+                hardware_id=None if torch.cuda.is_available() else f"cpu-rank{ctx.initial_rank}",
+            )
+            model = build_model(cfg, args.seed)
+            ddp = DDP(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+            state = TrainState(model, opt, rsm, ctx.rank)
+            ckpt = {"train": state}
 
-        t0 = time.monotonic()
-        restored = mgr.load_latest(ckpt)
-        restore = mgr.last_restore
-        start = state.step if restored is not None else 0
-        events.emit(
-            "restored",
-            iteration=ctx.iteration,
-            rank=ctx.rank,
-            step=start,
-            tier=getattr(restore, "tier", None),
-            seconds=time.monotonic() - t0,
-        )
+            t0 = time.monotonic()
+            restored = mgr.load_latest(ckpt)
+            restore = mgr.last_restore
+            start = state.step if restored is not None else 0
         if ctx.rank == 0:
             _tell_restart(ctx.last_restart, run_dir, restored, restore, time.monotonic() - t0)
         loss = torch.tensor(float("nan"))
         tick, tick_step = time.monotonic(), start
         for step in range(start, args.steps):
-            t_step = time.monotonic()
             ctx.ping(step)  # the step lets the wrapper spot the same fault repeating at a step
-            # Fires this rank's planned faults once per run, each recorded in the run dir first
-            # (the report times them); a due NaN comes back for the loss of the first attempt.
-            nan_due = faults.fire_planned(plan, step=step, record_dir=run_dir)
-            batches = RerunDataIterator(
-                iter(
-                    [
-                        batch(
-                            data,
-                            seed=args.seed,
-                            step=step,
-                            rank=ctx.rank,
-                            batch_size=args.batch_size,
-                            seq=cfg.seq,
-                        )
-                    ]
+            with ctx.section("step"):  # a hang in here is caught at the learned timeout
+                # Fires this rank's planned faults once per run, each recorded in the run dir first
+                # (the report times them); a due NaN comes back for the loss of the first attempt.
+                nan_due = faults.fire_planned(plan, step=step, record_dir=run_dir)
+                batches = RerunDataIterator(
+                    iter(
+                        [
+                            batch(
+                                data,
+                                seed=args.seed,
+                                step=step,
+                                rank=ctx.rank,
+                                batch_size=args.batch_size,
+                                seq=cfg.seq,
+                            )
+                        ]
+                    )
                 )
-            )
-            attempts = 0
-            t_detect = 0.0
-            while rsm.should_run_forward_backward(batches):
-                attempts += 1
-                opt.zero_grad(set_to_none=True)
-                x, y = next(batches)
-                loss = ddp(x, y)
-                if nan_due is not None and attempts == 1:
-                    loss = loss * float("nan")  # a transient numerical fault on this rank
-                loss.backward()
-                t_check = time.monotonic()
-                rsm.validate_loss(loss)
-                t_detect = time.monotonic() - t_check
-            if attempts > 1:
-                events.emit(
-                    "rerun",
-                    step=step,
-                    rank=ctx.rank,
-                    attempts=attempts,
-                    detect_s=t_detect,
-                    rerun_s=time.monotonic() - t_step,
-                    verdict=rsm.verdict.value if rsm.verdict is not None else None,
-                )
-            _, exit_now, _ = rsm.should_checkpoint_and_exit()
-            if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
-                rsm.exit_or_raise()
-            opt.step()
+                attempts = 0
+                while rsm.should_run_forward_backward(batches):
+                    attempts += 1
+                    opt.zero_grad(set_to_none=True)
+                    x, y = next(batches)
+                    loss = ddp(x, y)
+                    if nan_due is not None and attempts == 1:
+                        loss = loss * float("nan")  # a transient numerical fault on this rank
+                    loss.backward()
+                    rsm.validate_loss(loss)
+                _, exit_now, _ = rsm.should_checkpoint_and_exit()
+                if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
+                    rsm.exit_or_raise()
+                opt.step()
             state.step = step + 1
             stop = preempt.should_stop()
-            t_save = time.monotonic()
-            mgr.save(state.step, ckpt, force_persistent=stop)
-            events.emit("save", step=state.step, rank=ctx.rank, stall=time.monotonic() - t_save)
-            events.emit(
-                "step",
-                step=step,
-                rank=ctx.rank,
-                loss=loss.item(),
-                seconds=time.monotonic() - t_step,
-            )
+            with ctx.section("checkpointing"):
+                mgr.save(state.step, ckpt, force_persistent=stop)
             if ctx.rank == 0 and (step + 1) % args.log_every == 0:
                 rate = (step + 1 - tick_step) / (time.monotonic() - tick)
                 tick, tick_step = time.monotonic(), step + 1
@@ -313,22 +310,30 @@ def run(args: argparse.Namespace) -> int:
         # abandoned here, instead of holding the interpreter's exit until its timeout.
         mgr.close()
     if result is None:  # a reserve that was never needed
-        events.close()
         return 0
-    events.emit("done", rank=result["rank"], step=result["step"], loss=result["loss"])
     if result["rank"] == 0:
         if not result["preempted"]:
             rundir.mark_finished(run_dir, steps=result["step"], loss=result["loss"])
-        fired = [f.as_dict() for f in faults.fired(run_dir)]
-        report = build_report(events_dir, faults=fired, wall_end=time.time())
-        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-        print(format_report(report), flush=True)
-        print(f"report written to {run_dir / 'report.json'}", flush=True)
-        if args.report_png is not None:
-            write_png(report, args.report_png)
-            print(f"timeline written to {args.report_png}", flush=True)
-    events.close()
+        # train() has returned: this rank's journal is closed (its job_end written). The report
+        # of the launch just run is the framework's, from every rank's journal; its wall time
+        # ends at the last job_end written so far (the other ranks end at the same step).
+        _write_report(journal_dir, run_dir, result, png=args.report_png)
     return PREEMPTED_EXIT_CODE if result["preempted"] else 0
+
+
+def _write_report(
+    journal_dir: Path, run_dir: Path, result: dict[str, Any], *, png: Path | None
+) -> None:
+    """Print this launch's downtime report and write it to RUN_DIR/report.json (rank 0)."""
+    rep = reports(journal_dir)[-1]  # the journal directory is this launch's alone
+    print(format_report(rep), flush=True)
+    print(f"final step {result['step']} (steps completed), final loss {result['loss']:.4f}")
+    out = {**rep.as_dict(), "final_step": result["step"], "final_loss": result["loss"]}
+    (run_dir / "report.json").write_text(json.dumps(out, indent=2))
+    print(f"report written to {run_dir / 'report.json'}", flush=True)
+    if png is not None:
+        plot([rep], read_journal(journal_dir), png)
+        print(f"timeline written to {png}", flush=True)
 
 
 def _tell_restart(
@@ -348,12 +353,6 @@ def _tell_restart(
         )
     elif step is not None:
         log.info("resuming %s at step %d (%s tier); --fresh starts over", run_dir, step, tier)
-
-
-def _restart_phases(ctx: Any) -> dict[str, float]:
-    """The wrapper's per-phase timings of the restart that led here (seconds)."""
-    record = ctx.last_restart
-    return {} if record is None else {f"{k}_s": v for k, v in record.phases.items()}
 
 
 if __name__ == "__main__":

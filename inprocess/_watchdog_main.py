@@ -35,7 +35,7 @@ def main(argv: Sequence[str]) -> int:
     args = _parse(argv)
     _setup_logging(args.logfile, args.initial_rank)
     watched = _Watched(args.pid)
-    store = _connect(args.store_host, args.store_port)
+    store = _connect(args)
     _say_ready()
     stdin = sys.stdin.buffer.fileno()
     os.set_blocking(stdin, False)
@@ -174,8 +174,18 @@ def _read_all(fd: int) -> tuple[bytes, bool]:
         data += chunk
 
 
-def _connect(host: str, port: int) -> Any:
-    """A TCPStore client, or None when the store cannot be reached (reports are then logged)."""
+def _connect(args: argparse.Namespace) -> Any:
+    """A client of the job's store (etcd with ``--store-url``, else the TCPStore), or None when
+    the store cannot be reached (reports are then logged)."""
+    if args.store_url is not None:
+        try:
+            from inprocess.etcd.connect import open_store
+
+            return open_store(args.store_url, job_id=args.job_id, timeout=_STORE_TIMEOUT_S)
+        except Exception:
+            log.exception("cannot reach the etcd store; faults will only be logged")
+            return None
+    host, port = args.store_host, args.store_port
     try:
         from torch.distributed import TCPStore
 
@@ -194,7 +204,7 @@ def _connect(host: str, port: int) -> Any:
 def _report(store: Any, args: argparse.Namespace, iteration: int, kind: str, detail: str) -> None:
     log.warning("rank %d iteration %d: %s (%s)", args.initial_rank, iteration, kind, detail)
     if store is None:
-        store = _connect(args.store_host, args.store_port)
+        store = _connect(args)
     if store is None:
         return
     try:
@@ -217,6 +227,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--hard-timeout", type=float, required=True)
     p.add_argument("--termination-grace-time", type=float, required=True)
     p.add_argument("--logfile", default=None)
+    p.add_argument("--store-url", default=None, help="the etcd store (etcd://...)")
+    p.add_argument("--job-id", default=None, help="the job id of the etcd store's keys")
     return p.parse_args(list(argv))
 
 

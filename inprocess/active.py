@@ -26,6 +26,7 @@ from inprocess.monitor import Interrupter, Monitor, waits_on_peers
 from inprocess.process_group import init_iteration_group
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment
+from inprocess.sections import SectionClock
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class RankServices:
 
     ``abort`` tears down this rank's groups and keeps them for ``release`` (monitor or main
     thread); ``release`` hands them to the reaper once ``train()``'s frames are gone;
-    ``new_client`` opens a store client for a monitor's blocking wait.
+    ``new_client`` opens a store client for a monitor's blocking wait; ``sections`` times
+    ``ctx.section()`` and keeps the learned timeouts across iterations.
     """
 
     config: RestartConfig
@@ -60,6 +62,7 @@ class RankServices:
     interrupter: Interrupter
     abort: Callable[[], None]
     release: Callable[[], None]
+    sections: SectionClock
 
 
 @dataclass
@@ -118,6 +121,7 @@ def run_active(
         last_restart=None,
         _progress=svc.progress,
         _interrupter=svc.interrupter,
+        _sections=svc.sections,
     )
     monitor = Monitor(
         store=svc.new_client(),
@@ -131,6 +135,9 @@ def run_active(
         step=lambda: ctx.step,
         check_interval=min(1.0, cfg.soft_timeout / 10),
         redeliver_interval=max(0.5, min(5.0, cfg.soft_timeout / 2)),
+        sections=svc.sections,
+        # A rank frozen that long is lost (hard_timeout's meaning); an atomic block, too.
+        atomic_timeout=cfg.hard_timeout,
     )
 
     def start() -> None:
@@ -140,11 +147,21 @@ def run_active(
         _create_group(svc, iteration, rank, world)
         ctx.last_restart = on_started(time.monotonic() - t_reinit)
 
+    def train() -> Any:
+        # Sections are judged only while train() runs: the completion wait that follows is
+        # the framework's, bounded by completion_timeout.
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            svc.sections.end_iteration()
+
+    svc.sections.begin_iteration(writer=rank == 0)
     svc.progress.stamp()
     svc.interrupter.arm()
     try:
-        call = _call_train(svc, ctx, functools.partial(fn, *args, **kwargs), start)
+        call = _call_train(svc, ctx, train, start)
     except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
+        svc.sections.end_iteration()
         keys.report_fault(
             store,
             iteration=iteration,

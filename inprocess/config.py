@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import math
+import os
+import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from inprocess.errors import ConfigError
+from inprocess.timeouts import SECTIONS
 
 GRANULARITIES = ("rank", "node")
 # NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
 _HEARTBEAT_INTERVAL_CAP = 30.0
+# Smallest soft_timeout with the etcd store: an etcd leader election stalls the store 1-2 s
+# (measured, docs/etcd.md), and a main thread blocked in a store call makes no progress.
+ETCD_MIN_SOFT_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +54,23 @@ class RestartConfig:
       ranks before every call (backend None: nccl with CUDA, else gloo).
     * ``prewarm``: called once on a reserve rank while it waits.
     * ``health_checks``: callables run before every iteration; raising retires the rank.
+    * ``rank_section_timeouts``: seconds per section (``ctx.section(name)``; names ``setup``,
+      ``step``, ``checkpointing``): a section open longer is a fault of this rank (inside it,
+      this also replaces a shorter ``soft_timeout``). ``rank_out_of_section_timeout``: the same
+      for code between two sections. Both are upper bounds of the computed values.
+    * ``calculate_timeouts``: learn each section's timeout from its observed durations
+      (``safety_factor`` x the longest, after a warm-up; see docs/timeouts.md).
+    * ``journal_dir``: write the run journal there (one JSONL file per process; see
+      docs/journal.md and ``python -m inprocess.report``). None: ``$RESTARTABLE_JOURNAL_DIR``,
+      else no journal.
+    * ``store``: the coordination store on an etcd v3 cluster,
+      ``"etcd://host1:2379,host2:2379,host3:2379"`` (every endpoint is tried; see docs/etcd.md).
+      None: ``$INPROCESS_STORE`` (set by ``inprocess.launch --store``), else the TCPStore at
+      MASTER_ADDR:MASTER_PORT. The job's keys live under its job id (``INPROCESS_JOB_ID``,
+      ``SLURM_JOB_ID`` or ``TORCHELASTIC_RUN_ID``). Needs ``soft_timeout >= 5`` (losing the etcd
+      leader stalls the store for 1-2 s).
+    * ``timeouts_state_path``: the ``ft_state.json`` that keeps computed timeouts across
+      launches (read at launch and at every restart, written by the active rank 0).
     """
 
     soft_timeout: float = 60.0
@@ -69,8 +92,19 @@ class RestartConfig:
     max_same_fault: int = 3
     prewarm: Callable[[], Any] | None = None
     health_checks: Sequence[Callable[[], Any]] = field(default_factory=tuple)
+    calculate_timeouts: bool = False
+    rank_section_timeouts: Mapping[str, float] = field(default_factory=dict)
+    rank_out_of_section_timeout: float | None = None
+    safety_factor: float = 5.0
+    timeouts_state_path: str | os.PathLike[str] | None = None
+    journal_dir: str | os.PathLike[str] | None = None
+    store: str | None = None
 
     def __post_init__(self) -> None:
+        if self.journal_dir is not None and not isinstance(self.journal_dir, (str, os.PathLike)):
+            raise ConfigError(
+                f"journal_dir ({self.journal_dir!r}) must be a path or None: pass a directory"
+            )
         for name in (
             "soft_timeout",
             "hard_timeout",
@@ -93,6 +127,7 @@ class RestartConfig:
                 f"({self.soft_timeout}): raise hard_timeout"
             )
         self._check_heartbeat()
+        self._check_store()
         for name in ("max_iterations", "active_world_size", "max_rank_faults"):
             value = getattr(self, name)
             if value is not None:
@@ -129,6 +164,84 @@ class RestartConfig:
                     "raise when the rank is unhealthy"
                 )
         object.__setattr__(self, "health_checks", checks)
+        self._check_section_timeouts()
+
+    def _check_section_timeouts(self) -> None:
+        if not isinstance(self.calculate_timeouts, bool):
+            raise ConfigError(
+                f"calculate_timeouts ({self.calculate_timeouts!r}) must be True or False: "
+                "True learns section timeouts from observed durations"
+            )
+        if not isinstance(self.rank_section_timeouts, Mapping):
+            raise ConfigError(
+                f"rank_section_timeouts ({self.rank_section_timeouts!r}) must be a mapping of "
+                f"section name to seconds, e.g. {{'step': 180.0}}"
+            )
+        for name, value in self.rank_section_timeouts.items():
+            if name not in SECTIONS:
+                raise ConfigError(
+                    f"rank_section_timeouts has an unknown section ({name!r}): use one of "
+                    f"{SECTIONS}; code outside sections is rank_out_of_section_timeout"
+                )
+            _positive(f"rank_section_timeouts[{name!r}]", value)
+        # A read-only copy: the frozen config must not change behind the loop's back.
+        object.__setattr__(
+            self,
+            "rank_section_timeouts",
+            types.MappingProxyType({k: float(v) for k, v in self.rank_section_timeouts.items()}),
+        )
+        if self.rank_out_of_section_timeout is not None:
+            _positive("rank_out_of_section_timeout", self.rank_out_of_section_timeout)
+        sf = self.safety_factor
+        ok = isinstance(sf, (int, float)) and not isinstance(sf, bool)
+        if not ok or not (sf > 1.0) or math.isinf(sf):
+            raise ConfigError(
+                f"safety_factor ({sf!r}) must be a finite number > 1: a computed timeout is this "
+                "many times the longest duration seen; NVIDIA's default is 5.0"
+            )
+        path = self.timeouts_state_path
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
+            raise ConfigError(
+                f"timeouts_state_path ({path!r}) must be a file path or None: give e.g. "
+                "'runs/x/ft_state.json'"
+            )
+        if path is not None and not self.calculate_timeouts:
+            warnings.warn(
+                f"timeouts_state_path ({str(path)!r}) is ignored: calculate_timeouts is False; "
+                "set calculate_timeouts=True to learn timeouts and keep them in that file",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _check_store(self) -> None:
+        if self.store is None:
+            return
+        from inprocess.etcd.url import parse_url
+
+        try:
+            parse_url(self.store)
+        except ConfigError as exc:
+            raise ConfigError(f"store: {exc}") from None
+        self.check_store_timeouts(self.store, source="store")
+
+    def check_store_timeouts(self, url: str, *, source: str) -> None:
+        """``soft_timeout`` must outlast an etcd leader election when the store is ``url``
+        (``source`` names the setting it came from: ``store`` or ``INPROCESS_STORE``)."""
+        if self.soft_timeout < ETCD_MIN_SOFT_TIMEOUT:
+            raise ConfigError(
+                f"soft_timeout ({self.soft_timeout}) must be >= {ETCD_MIN_SOFT_TIMEOUT} with "
+                f"the etcd store ({source}={url!r}): losing the etcd leader stalls every store "
+                "call for 1-2 s, which a shorter soft timeout turns into a restart; raise "
+                "soft_timeout"
+            )
+
+    @property
+    def section_limits(self) -> dict[str, float]:
+        """The configured upper bounds by key (sections, and ``out_of_section`` when set)."""
+        limits = dict(self.rank_section_timeouts)
+        if self.rank_out_of_section_timeout is not None:
+            limits["out_of_section"] = float(self.rank_out_of_section_timeout)
+        return limits
 
     @property
     def effective_heartbeat_interval(self) -> float:

@@ -8,11 +8,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from inprocess import journal
 from inprocess.errors import ContextError
 from inprocess.progress import ProgressTracker
 
 if TYPE_CHECKING:  # the monitor imports torch; what train() may call does not need it
     from inprocess.monitor import Interrupter
+    from inprocess.sections import SectionClock
 
 # A ContextVar, not a global: each wrapped call sets and resets its own value.
 _CURRENT: contextvars.ContextVar[RestartContext] = contextvars.ContextVar("inprocess_context")
@@ -55,6 +57,7 @@ class RestartContext:
     _progress: ProgressTracker = field(repr=False)
     _interrupter: Interrupter = field(repr=False)
     step: int | None = None
+    _sections: SectionClock | None = field(default=None, repr=False)
 
     def ping(self, step: int | None = None) -> None:
         """Mark progress (optional: progress is detected automatically) and the current step.
@@ -63,8 +66,9 @@ class RestartContext:
         ``max_same_fault`` times in a row stops the job.
         """
         self._progress.stamp()
-        if step is not None:
+        if step is not None and step != self.step:
             self.step = step
+            journal.record("step", step=step)  # the report's progress (cheap: see journal.py)
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
@@ -74,6 +78,43 @@ class RestartContext:
         """
         with self._interrupter.atomic():
             yield
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Time a named part of ``train()``: ``"setup"``, ``"step"`` or ``"checkpointing"``.
+
+        A section open longer than its timeout (``rank_section_timeouts[name]``, or the value
+        computed with ``calculate_timeouts``) is a fault of this rank, recorded with the
+        section's name, unless the rank is waiting on its peers inside a collective (then the
+        hung peer is blamed). Code between sections is judged by
+        ``rank_out_of_section_timeout``. Different sections may nest; a section opened inside
+        itself, an unknown name or a call from another thread raise ``SectionError``. Code
+        that opens no section keeps the soft timeout alone.
+        """
+        if self._sections is None:  # a context built without the loop's section clock
+            yield
+            return
+        with self._sections.section(name):
+            yield
+
+    def section_timeouts(self) -> dict[str, tuple[float, str]]:
+        """The limit each section would be judged by now: ``{name: (seconds, source)}``.
+
+        ``source`` is "configured", "learned" or "stored" (from ``ft_state.json``); a section
+        without a limit (nothing configured, nothing learned yet, in warm-up) is absent. Keys:
+        ``setup``, ``step``, ``checkpointing``, ``out_of_section``.
+        """
+        if self._sections is None:
+            return {}
+        return self._sections.limits()
+
+    def replace_rank(self, rank: int, *, reason: str, tag: str) -> bool:
+        """Swap ``rank`` for a warm reserve now (a straggler): called by every active rank with
+        the same arguments; False on every rank when no reserve is free, else a restart (see
+        ``inprocess.demotion.replace_rank``)."""
+        from inprocess.demotion import replace_rank  # it imports this module
+
+        return replace_rank(self, rank, reason=reason, tag=tag)
 
 
 def context() -> RestartContext:

@@ -10,9 +10,12 @@ called ``ctx.ping(s)``), so step s - 1 was complete.
     window closed extends it):
       last     = the last step reached before the fault's first sign
       sign     = the injected fault's "fault_fired" stamp, else the first "fault" record
-      detected = the first "fault" record of the faulted iteration (else the restart record)
+      fault    = the name of that injected fault (e.g. "hang@rank0:step150"), else None
+      detected = the blamed rank's own "fault" record; without one (a dead rank), the first
+                 "fault" record of the iteration or the restart record's estimate
       reentered= the first "iteration_start" of the next iteration
-      restored = the "restore" record of rank 0 in that iteration
+      restored = the "restore" record of rank 0 in that iteration (so ``reload`` holds the
+                 set-up of the new iteration too: model, DDP, a joining reserve's first steps)
       back     = the first time rank 0 reaches again the step it had reached at ``last``
       terms    : lost_before = sign - last, detection = detected - sign,
                  restart = reentered - detected, reload = restored - reentered,
@@ -46,6 +49,7 @@ class Window:
     tier: str | None
     restored_step: int | None
     reached_step: int
+    fault: str | None = None  # the injected fault whose "fault_fired" record is ``sign``
 
     @property
     def terms(self) -> dict[str, float]:
@@ -70,7 +74,7 @@ class LaunchReport:
     checkpoint: float
     windows: list[Window] = field(default_factory=list)
     restarts: int = 0
-    steps: int = 0
+    steps: int = 0  # the highest step rank 0 reached (``ctx.ping``): steps - 1 were complete
 
     @property
     def wall(self) -> float:
@@ -172,13 +176,24 @@ def _windows(
         rec = restarts[new_it]
         faulted = new_it - 1
         faults = [r for r in ev.get("fault", []) if int(r.get("iteration", -1)) == faulted]
-        detected = min((float(r["t"]) for r in faults), default=_detected_from(rec))
-        fired = [
+        blamed = set(rec.get("faulting_ranks", []))
+        own = [
             float(r["t"])
-            for r in ev.get("fault_fired", [])
-            if int(r.get("iteration", -1)) == faulted and float(r["t"]) <= detected
+            for r in faults
+            if r.get("fault_rank") in blamed and not r.get("in_collective")
         ]
-        sign = min(fired, default=detected)
+        # Without the blamed rank's own record (a dead rank: its watchdog wrote to the store,
+        # not to a journal), the earliest sign any rank left, or the restart's own estimate.
+        detected = min(own) if own else min([float(r["t"]) for r in faults] + [_detected_from(rec)])
+        fired = sorted(
+            (
+                (float(r["t"]), r.get("fault"))
+                for r in ev.get("fault_fired", [])
+                if int(r.get("iteration", -1)) == faulted and float(r["t"]) <= detected
+            ),
+            key=lambda f: f[0],
+        )
+        sign, fault = fired[0] if fired else (detected, None)
         before = [(t, s) for t, s in progress if t <= sign]
         last, reached = before[-1] if before else (sign, 0)
         reentered = min(
@@ -195,7 +210,7 @@ def _windows(
         back = back_at[0] if back_at else restored
         if out and last < out[-1].back:  # a fault before the previous window closed: merge
             prev = out.pop()
-            last, sign, reached = prev.last, prev.sign, prev.reached_step
+            last, sign, reached, fault = prev.last, prev.sign, prev.reached_step, prev.fault
             back_at = [t for t, s in progress if t > reentered and s >= reached]
             back = back_at[0] if back_at else restored
         out.append(
@@ -203,7 +218,7 @@ def _windows(
                 iteration=faulted,
                 cause=str(rec.get("cause", "")),
                 faulting_ranks=list(rec.get("faulting_ranks", [])),
-                kind=str(faults[0].get("kind", "")) if faults else _kind_from(rec),
+                kind=_kind_from(rec),
                 last=last,
                 sign=sign,
                 detected=detected,
@@ -213,6 +228,7 @@ def _windows(
                 tier=restores[0].get("tier") if restores else None,
                 restored_step=restores[0].get("step") if restores else None,
                 reached_step=reached,
+                fault=fault,
             )
         )
     return out
@@ -226,5 +242,6 @@ def _detected_from(restart: dict[str, Any]) -> float:
 
 
 def _kind_from(restart: dict[str, Any]) -> str:
+    """The blamed fault's kind, from the restart's cause (e.g. "dead on rank 1 (...)")."""
     cause = str(restart.get("cause", ""))
     return cause.split(" on rank", 1)[0] if " on rank" in cause else cause

@@ -29,6 +29,20 @@ class LaunchEnv:
     master_port: int
     store_hosted: bool
     launcher_pid: int | None = None  # set by inprocess.launch (INPROCESS_LAUNCHER_PID)
+    # How many times inprocess.launch respawned this rank's slot (INPROCESS_RESPAWN_GENERATION):
+    # 0 for the processes started with the job; a respawned process joins as a new reserve.
+    respawn_generation: int = 0
+    # The coordination store on etcd (INPROCESS_STORE, "etcd://h1:2379,..."; None: the TCPStore
+    # at MASTER_ADDR:MASTER_PORT) and the job id its keys live under (INPROCESS_JOB_ID, else
+    # SLURM_JOB_ID, else TORCHELASTIC_RUN_ID); see docs/etcd.md.
+    store_url: str | None = None
+    job_id: str | None = None
+
+    @property
+    def identity(self) -> int:
+        """The rank assignment's name for this process: the initial rank for a process started
+        with the job, ``rank + generation * world_size`` for a respawned one."""
+        return self.rank + self.respawn_generation * self.world_size
 
 
 def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -71,7 +85,65 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         master_port=get_int("MASTER_PORT"),
         store_hosted=hosted,
         launcher_pid=get_int("INPROCESS_LAUNCHER_PID", default=0) or None,
+        respawn_generation=_generation(get_int("INPROCESS_RESPAWN_GENERATION", default=0)),
+        store_url=_store_url(env.get("INPROCESS_STORE", "")),
+        job_id=_job_id(env),
     )
+
+
+# Where a job id comes from, first set wins: ours, then the scheduler's or torchrun's.
+_JOB_ID_VARS = ("INPROCESS_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+
+
+def _job_id(env: Mapping[str, str]) -> str | None:
+    for name in _JOB_ID_VARS:
+        value = env.get(name, "").strip()
+        # torchrun's --rdzv-id defaults to "none": shared by every job, so not an id.
+        if value and not (name == "TORCHELASTIC_RUN_ID" and value == "none"):
+            return value
+    return None
+
+
+def _store_url(value: str) -> str | None:
+    """INPROCESS_STORE checked with the etcd URL parser (empty: the default TCPStore)."""
+    value = value.strip()
+    if not value:
+        return None
+    from inprocess.etcd.url import parse_url
+
+    try:
+        parse_url(value)
+    except ConfigError as exc:
+        raise ConfigError(f"INPROCESS_STORE ({value!r}) is not a store URL: {exc}") from None
+    return value
+
+
+def store_setting(config_store: str | None, env: LaunchEnv) -> str | None:
+    """The store URL in use: the config's ``store=`` wins over INPROCESS_STORE; None: TCPStore.
+
+    With etcd, checks that the job has an id (the URL's path, INPROCESS_JOB_ID, SLURM_JOB_ID or
+    TORCHELASTIC_RUN_ID); raises ``ConfigError`` otherwise, before anything connects.
+    """
+    url = config_store or env.store_url
+    if url is None:
+        return None
+    from inprocess.etcd.connect import job_prefix
+    from inprocess.etcd.url import check_prefix
+
+    if env.job_id is not None:
+        where = "the job id (INPROCESS_JOB_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID)"
+        check_prefix(env.job_id, where=where)
+    job_prefix(url, env.job_id)
+    return url
+
+
+def _generation(value: int) -> int:
+    if value < 0:
+        raise ConfigError(
+            f"INPROCESS_RESPAWN_GENERATION ({value}) must be >= 0: it is set by inprocess.launch; "
+            "unset it when starting a rank by hand"
+        )
+    return value
 
 
 _PR_SET_PDEATHSIG = 1

@@ -16,7 +16,8 @@ class FaultRecord:
     user reported (``ctx.step``) and a rank action ("demote"/"retire") the exception asked for.
     ``in_collective``: the exception was raised by a collective (a peer's fault breaks those);
     ``after_fault``: the iteration had already faulted when it was recorded. The restart policy
-    uses both to tell a rank's own fault from the consequence of another rank's.
+    uses both to tell a rank's own fault from the consequence of another rank's. ``section``:
+    the section (``ctx.section(name)``) that overran its timeout, for kind "section_timeout".
     """
 
     iteration: int
@@ -30,10 +31,12 @@ class FaultRecord:
     time: float = 0.0  # time.time() when the fault was recorded (same-host latency accounting)
     in_collective: bool = False
     after_fault: bool = False
+    section: str = ""
 
     def summary(self) -> str:
         """One line for logs and error messages."""
         at = f" at {self.where}" if self.where else ""
+        at += f" in section {self.section!r}" if self.section else ""
         step = f" (step {self.step})" if self.step is not None else ""
         return (
             f"iteration {self.iteration}: rank {self.initial_rank} {self.kind}{step}{at}: "
@@ -51,6 +54,11 @@ class ConfigError(InprocessError, ValueError):
 
 class ContextError(InprocessError, RuntimeError):
     """``inprocess.context()`` was called outside a ``@restartable`` function."""
+
+
+class SectionError(InprocessError, RuntimeError):
+    """``ctx.section(name)`` misused: an unknown name, a section opened inside itself, or a call
+    from a thread other than the one running ``train()``."""
 
 
 class StoreTimeoutError(InprocessError, TimeoutError):

@@ -1,40 +1,58 @@
-"""``python -m inprocess.launch``: start the ranks of one node and host the job's store.
+"""``python -m inprocess.launch``: start the ranks of one node, host the job's store, and recover
+from lost processes, cheapest level first.
 
-    python -m inprocess.launch --nproc-per-node 4 train.py --steps 100
+    python -m inprocess.launch --nproc-per-node 4 --max-respawns 2 --max-restarts 3 \
+        --autoresume-file ckpt/autoresume.json train.py --steps 100
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT and INPROCESS_STORE_HOSTED=1; its output lines are prefixed with ``[rank N]``. Unlike
-torchrun, a rank that exits does not take its siblings down (srun ``--kill-on-bad-exit=0``
-semantics): ``@restartable`` replaces it in place. SIGINT / SIGTERM are forwarded to every rank
-(a second one kills them).
+MASTER_PORT and INPROCESS_STORE_HOSTED=1 (with ``--store etcd://...``: INPROCESS_STORE and
+INPROCESS_JOB_ID instead of a store hosted here; docs/etcd.md); its output lines are prefixed
+with ``[rank N]`` (``[rank N.g]`` for the g-th respawn of that slot). Unlike torchrun, a rank
+that exits does not take its siblings down (srun ``--kill-on-bad-exit=0`` semantics):
+``@restartable`` replaces it in place. SIGINT / SIGTERM are forwarded to every rank (a second
+one kills them).
 
-Exit status: 0 when the job succeeded, i.e. at least one rank exited 0 and no rank exited with a
-non-zero status of its own; a rank killed by a signal (SIGKILL, a watchdog's hard-timeout kill)
-while the others finished is a rank the job survived, not a failure. Otherwise the status of the
-first rank that failed (so 75 from a preempted job comes through), or 1 if every rank was
-killed.
+Recovery (for ``@restartable`` jobs; docs/launching.md): (2) respawn: a rank process that dies
+(signal, crash) is replaced by a fresh one that joins the reserve pool (``--max-respawns`` per
+slot, with backoff for start-up deaths); (3) in-job restart: when the in-process restart gives up,
+every launcher restarts all its ranks, which resume from their newest checkpoint
+(``--max-restarts``); (4) job retry: the job ends with status 75 and writes the
+``--autoresume-file`` flag while ``--num-job-retries-on-failure`` allows.
+
+Exit status (``inprocess.autoresume``): 0 the job finished; 17 a result failed validation; 75
+requeue (in-job restarts exhausted, a node lost, preempted). For a script without
+``@restartable``: 0 when at least one rank exited 0 and no rank exited with a non-zero status of
+its own (a rank killed by a signal while the others finished is a rank the job survived);
+otherwise the status of the first rank that failed, or 1 if every rank was killed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import IO
+
+from inprocess import autoresume
+from inprocess.drill import FAULT_TYPES, FaultDrill
+from inprocess.job_control import Action, JobControl, NodeLostError, restart_or_end
+from inprocess.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
+
+log = logging.getLogger("inprocess.launch")
 
 _DEFAULT_PORT = 29500  # torchrun's default, for multi-node jobs that name no port
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The launcher's flags; a bad value exits with the flag, the value and the fix."""
     p = argparse.ArgumentParser(
         prog="python -m inprocess.launch",
-        description="Start the ranks of one node; host the coordination store on node 0.",
+        description="Start the ranks of one node; host the coordination store on node 0; "
+        "respawn lost processes, restart the job in place, ask the scheduler for a requeue.",
     )
     p.add_argument("--nproc-per-node", type=int, required=True, help="ranks on this node")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
@@ -46,24 +64,151 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="store port (default: a free port on one node, 29500 with several nodes)",
     )
+    p.add_argument(
+        "--store",
+        default=os.environ.get("INPROCESS_STORE") or None,
+        metavar="URL",
+        help="the ranks' coordination store on an etcd cluster, etcd://h1:2379,h2:2379,h3:2379 "
+        "(default: $INPROCESS_STORE; none: node 0's launcher hosts a TCPStore); docs/etcd.md",
+    )
+    p.add_argument(
+        "--job-id",
+        default=os.environ.get("INPROCESS_JOB_ID") or None,
+        help="with --store: the job's key namespace, the same on every node (default: "
+        "$INPROCESS_JOB_ID, $SLURM_JOB_ID, or a new uuid with --nnodes 1)",
+    )
+    r = p.add_argument_group("recovery (for @restartable scripts; all off by default)")
+    r.add_argument(
+        "--max-respawns",
+        type=int,
+        default=0,
+        help="fresh processes started in the slot of a rank that died, per slot and round; "
+        "the new process joins the reserve pool (default 0: off)",
+    )
+    r.add_argument(
+        "--respawn-backoff",
+        type=float,
+        default=1.0,
+        help="seconds before respawning a slot whose process died at start-up twice in a row; "
+        "doubled each further time (default 1.0)",
+    )
+    r.add_argument(
+        "--max-restarts",
+        "--num-in-job-restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="in-job restarts (every rank restarted from its newest checkpoint) when the "
+        "in-process restart gives up (default 0: the job ends with status 75)",
+    )
+    r.add_argument(
+        "--num-job-retries-on-failure",
+        type=int,
+        default=2,
+        help="job attempts the autoresume flag may ask the scheduler for (default 2)",
+    )
+    r.add_argument(
+        "--autoresume-file",
+        default=None,
+        help="flag file written when the job should be requeued (status 75), removed otherwise",
+    )
+    r.add_argument(
+        "--monitor-interval",
+        type=float,
+        default=0.1,
+        help="seconds between two looks at the ranks and the store (default 0.1)",
+    )
+    r.add_argument(
+        "--node-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the other nodes' launchers before a round (default 60)",
+    )
+    r.add_argument(
+        "--stop-grace",
+        type=float,
+        default=5.0,
+        help="SIGTERM -> SIGKILL delay when the launcher stops its ranks (default 5)",
+    )
+    d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
+    d.add_argument("--simulated-fault-type", choices=FAULT_TYPES, default=None)
+    d.add_argument("--simulated-fault-rank", type=int, default=None)
+    d.add_argument("--simulated-fault-base-delay", type=float, default=0.0)
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = p.parse_args(argv)
     for name in ("nproc_per_node", "nnodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    for name in ("max_respawns", "max_restarts", "num_job_retries_on_failure"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0: give 0 "
+                    "to turn this level off")  # fmt: skip
+    for name in ("monitor_interval", "node_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds")
+    for name in ("respawn_backoff", "stop_grace", "simulated_fault_base_delay"):
+        if not getattr(args, name) >= 0:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds")
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
+    world = args.nnodes * args.nproc_per_node
+    if args.simulated_fault_rank is not None and not 0 <= args.simulated_fault_rank < world:
+        p.error(
+            f"--simulated-fault-rank ({args.simulated_fault_rank}) must be in [0, {world}): "
+            "name a rank of the job, or omit it for a random one"
+        )
     if args.nnodes > 1 and args.master_port is None:
         args.master_port = _DEFAULT_PORT
+    if args.store is not None:
+        _check_store(p, args)
     return args
 
 
-def rank_env(args: argparse.Namespace, local_rank: int, port: int) -> dict[str, str]:
-    """The environment of one rank (the launcher's own environment plus the job variables)."""
+def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Validate --store and settle the job id (every launcher of the job must find the same)."""
+    from inprocess.errors import ConfigError
+    from inprocess.etcd.url import check_prefix, parse_url
+
+    try:
+        address = parse_url(args.store)
+        if args.job_id is not None:
+            args.job_id = check_prefix(args.job_id, where="--job-id")
+    except ConfigError as exc:
+        p.error(str(exc))
+    if address.prefix is not None or args.job_id is not None:
+        return
+    if os.environ.get("SLURM_JOB_ID"):
+        args.job_id = os.environ["SLURM_JOB_ID"]
+    elif args.nnodes == 1:
+        args.job_id = f"launch-{uuid.uuid4().hex}"
+    else:
+        p.error(
+            "--job-id is required with --store and --nnodes > 1 (outside Slurm): give every "
+            "node's launcher the same id, for example --job-id $(date +%s)-myjob"
+        )
+
+
+def rank_env(
+    args: argparse.Namespace,
+    local_rank: int,
+    port: int,
+    generation: int = 0,
+    store_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one rank (the launcher's own environment plus the job variables).
+
+    ``generation`` > 0: a process respawned in the slot of ``local_rank``; it keeps the slot's
+    RANK and joins the job under a new identity (``inprocess.ranks.respawn_identity``).
+    ``store_env``: the round's INPROCESS_STORE / INPROCESS_JOB_ID with ``--store``.
+    """
     n = args.nproc_per_node
-    return {
-        **os.environ,
+    inherited = dict(os.environ)
+    for name in ("INPROCESS_STORE", "INPROCESS_JOB_ID"):  # this round's values, or none
+        inherited.pop(name, None)
+    env = {
+        **inherited,
+        **(store_env or {}),
         "RANK": str(args.node_rank * n + local_rank),
         "WORLD_SIZE": str(args.nnodes * n),
         "LOCAL_RANK": str(local_rank),
@@ -76,82 +221,184 @@ def rank_env(args: argparse.Namespace, local_rank: int, port: int) -> dict[str, 
         "INPROCESS_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
     }
+    if generation:
+        env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
+    else:
+        env.pop("INPROCESS_RESPAWN_GENERATION", None)
+    return env
 
 
 def job_status(returncodes: Sequence[int]) -> int:
-    """The launcher's exit status from the ranks' (see the module docstring for the rule)."""
+    """The exit status of a job without ``@restartable`` (see the module docstring)."""
     own_failures = [rc for rc in returncodes if rc > 0]
     if own_failures:
         return own_failures[0]
     return 0 if any(rc == 0 for rc in returncodes) else 1
 
 
-def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
-    for line in iter(stream.readline, b""):
-        with lock:
-            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-            out.flush()
-    stream.close()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the job; returns the exit status (``job_status``)."""
+    """Run the job's rounds on this node; returns the exit status (module docstring)."""
     args = parse_args(argv)
-    store = None
-    port = args.master_port
-    if args.node_rank == 0:
-        import torch.distributed as dist  # only the store host needs torch in the launcher
-
-        # The store lives here, outside every training process: losing rank 0 loses no state.
-        store = dist.TCPStore(
-            "0.0.0.0", port or 0, is_master=True, wait_for_workers=False, use_libuv=True
+    _log_to_stdout(args.node_rank)
+    try:
+        control = JobControl(
+            node_rank=args.node_rank,
+            nnodes=args.nnodes,
+            addr=args.master_addr,
+            port=args.master_port,
+            node_timeout=args.node_timeout,
+            beat_stale=max(2.0, 20 * args.monitor_interval),
+            store_url=args.store,
+            job_id=args.job_id,
         )
-        port = store.port
-    assert port is not None
-    out = sys.stdout.buffer
-    lock = threading.Lock()
-    procs: list[subprocess.Popen[bytes]] = []
-    pumps: list[threading.Thread] = []
+    except Exception as exc:
+        return _finish(args, autoresume.EXIT_REQUEUE, f"cannot reach node 0's launcher: {exc}")
+    current: list[NodeSupervisor] = []
     signals_seen = 0
 
     def forward(signum: int, frame: FrameType | None) -> None:
         nonlocal signals_seen
         signals_seen += 1
-        sig = signum if signals_seen == 1 else signal.SIGKILL
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, sig)
+        for sup in current:
+            sup.signal_children(signum if signals_seen == 1 else signal.SIGKILL)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for local in range(args.nproc_per_node):
-            p = subprocess.Popen(
-                [sys.executable, args.script, *args.args],
-                env=rank_env(args, local, port),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a terminal's Ctrl-C reaches ranks only through us
-            )
-            procs.append(p)
-            assert p.stdout is not None
-            rank = args.node_rank * args.nproc_per_node + local
-            t = threading.Thread(
-                target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), out, lock), daemon=True
-            )
-            t.start()
-            pumps.append(t)
-        codes = [p.wait() for p in procs]
-        for t in pumps:
-            t.join(5.0)
+        k = 0
+        while True:
+            end, action = _run_round(args, control, k, current)
+            if action is not None and action.kind == "restart":
+                log.warning(
+                    "in-job restart %d/%d: %s; every rank restarts and resumes from its newest "
+                    "checkpoint",
+                    k + 1,
+                    args.max_restarts,
+                    action.reason,
+                )
+                k += 1
+                if signals_seen:  # a SIGINT / SIGTERM between two rounds: start nothing more
+                    return _finish(args, autoresume.EXIT_REQUEUE, "signalled during a restart")
+                continue
+            status, reason = _status(end, action)
+            control.leave()
+            if args.node_rank == 0:  # every launcher left (or is gone): nobody reads them
+                control.delete_job_keys()
+            return _finish(args, status, reason)
+    except NodeLostError as exc:
+        return _finish(args, autoresume.EXIT_REQUEUE, str(exc))
     finally:
-        for p in procs:  # only if the launcher itself failed: never leave ranks behind
-            if p.poll() is None:
-                p.kill()
         for s, h in old.items():
             signal.signal(s, h)
-        del store
-    return job_status(codes)
+        control.close()
+
+
+def _run_round(
+    args: argparse.Namespace, control: JobControl, k: int, current: list[NodeSupervisor]
+) -> tuple[RoundEnd, Action | None]:
+    """One round on this node: start the ranks, supervise them, stop them; the round's end and
+    the action (restart or end) every node agreed on, if any."""
+    port, store = control.open_round(k)
+    cfg = SupervisorConfig(
+        script=[args.script, *args.args],
+        node_rank=args.node_rank,
+        nproc_per_node=args.nproc_per_node,
+        world_size=args.nnodes * args.nproc_per_node,
+        master_addr=args.master_addr,
+        max_respawns=args.max_respawns,
+        respawn_backoff=args.respawn_backoff,
+        monitor_interval=args.monitor_interval,
+        stop_grace=args.stop_grace,
+    )
+
+    def on_stopped(reason: str) -> None:
+        control.request(k, restart_or_end(k, max_restarts=args.max_restarts, reason=reason))
+
+    def poll_action() -> str | None:
+        a = control.action(k)
+        return None if a is None else a.reason
+
+    sup = NodeSupervisor(
+        cfg=cfg,
+        store=store,
+        env_of=lambda local, gen: rank_env(args, local, port, gen, control.round_store_env(k)),
+        out=sys.stdout.buffer,
+        poll_action=poll_action,
+        on_stopped=on_stopped,
+        report_live=lambda n: control.report_live(k, n),
+        job_gone=lambda: control.job_gone(k),
+    )
+    current[:] = [sup]
+    drill = None
+    if k == 0 and args.simulated_fault_type is not None:
+        drill = FaultDrill(
+            sup,
+            kind=args.simulated_fault_type,
+            rank=args.simulated_fault_rank,
+            base_delay=args.simulated_fault_base_delay,
+        )
+    try:
+        end = sup.run()
+        action = control.action(k) if end.kind == "action" else None
+        if action is not None and action.kind == "restart":
+            # The launcher already logs why; every second the old ranks take to leave on their
+            # own is downtime, so they get SIGTERM at once (then --stop-grace, then SIGKILL).
+            sup.stop_children(patience=0.0)
+    finally:
+        sup.close()  # ends what still runs (an action from another node, or a failure here)
+        if drill is not None:
+            drill.close()
+    return end, action
+
+
+def _status(end: RoundEnd, action: Action | None) -> tuple[int, str]:
+    if action is not None:
+        return action.status, action.reason
+    if end.kind == "done":
+        return autoresume.EXIT_DONE, end.reason
+    if end.kind == "verdict":
+        return end.status, end.reason
+    return job_status(end.returncodes), end.reason
+
+
+def _finish(args: argparse.Namespace, status: int, reason: str) -> int:
+    """Log why the job ends, write or remove the autoresume flag, return ``status``."""
+    attempt = autoresume.attempt_number(args.autoresume_file)
+    flagged = autoresume.settle(
+        args.autoresume_file,
+        status=status,
+        reason=reason,
+        attempt=attempt,
+        max_retries=args.num_job_retries_on_failure,
+    )
+    what = {0: "finished", 17: "failed validation (not requeued)", 75: "requeue"}.get(
+        status, "failed"
+    )
+    # A clean finish says nothing: the job's own output ends the story (each recovery action
+    # was logged when it happened).
+    log.log(
+        logging.DEBUG if status == 0 else logging.WARNING,
+        "exit %d (%s): %s%s",
+        status,
+        what,
+        reason,
+        f"; autoresume flag written to {args.autoresume_file} (attempt {attempt}, "
+        f"--num-job-retries-on-failure {args.num_job_retries_on_failure})"
+        if flagged
+        else "",
+    )
+    return status
+
+
+def _log_to_stdout(node_rank: int) -> None:
+    """The launcher is a program: its lifecycle lines go to stdout, next to the ranks' output."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[launcher node {node_rank}] %(message)s"))
+    for name in ("inprocess.launch", "inprocess.supervisor", "inprocess.job_control",
+                 "inprocess.drill"):  # fmt: skip
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 from inprocess import store as keys
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.progress import ProgressTracker
+from inprocess.sections import Overrun, SectionClock
 
 log = logging.getLogger(__name__)
 
@@ -174,10 +176,14 @@ class Monitor:
     which c10d logs as warnings). A second one checks the main thread's progress every
     ``check_interval``: a stall longer than ``soft_timeout`` (1.5x that while the main thread
     waits inside a collective, so a hung peer is blamed rather than us) is recorded as this
-    rank's fault, which ends the iteration for everyone. When the iteration ends with a fault,
-    the store thread takes ``interrupter.lock``, calls ``abort()`` (tear down the process
-    groups, which releases peers blocked on this rank) and delivers the restart; it re-delivers
-    every ``redeliver_interval`` until the main thread acknowledges (disarms).
+    rank's fault, which ends the iteration for everyone. The same thread judges the open
+    sections (``sections``): one past its timeout is recorded as a "section_timeout" of this
+    rank, with the same grace (the limit again) while the main thread waits in a collective;
+    it then checks as often as the shortest section limit needs (down to 5 ms). When the
+    iteration ends with a fault, the store thread takes ``interrupter.lock``, calls ``abort()``
+    (tear down the process groups, which releases peers blocked on this rank) and delivers the
+    restart; it re-delivers every ``redeliver_interval`` until the main thread acknowledges
+    (disarms).
     """
 
     def __init__(
@@ -194,6 +200,8 @@ class Monitor:
         step: Callable[[], int | None],
         check_interval: float,
         redeliver_interval: float,
+        sections: SectionClock | None = None,
+        atomic_timeout: float = 60.0,
     ) -> None:
         self._store = store
         self._report_store = report_store
@@ -206,6 +214,8 @@ class Monitor:
         self._step = step
         self._check_interval = check_interval
         self._redeliver_interval = redeliver_interval
+        self._sections = sections
+        self._atomic_timeout = atomic_timeout
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.fired_at: float | None = None  # time.time() when this monitor saw the fault
@@ -234,35 +244,66 @@ class Monitor:
             self._fire()
 
     def _watch_progress(self) -> None:
-        while not self._stop.wait(self._check_interval):
+        while not self._stop.wait(self._tick()):
+            overrun = self._section_overrun()
+            if overrun is not None:
+                self._record(
+                    kind="section_timeout",
+                    detail=overrun.detail(),
+                    section=overrun.section,
+                    message=f"section timeout: {overrun.detail()}, in:",
+                )
+                return
             stalled = self._progress.stalled_for()
-            limit = self._soft_timeout
+            soft = self._soft_timeout
+            if self._sections is not None:
+                soft = self._sections.stall_limit(soft)
+            limit = soft
             if stalled > limit and _waiting_on_peers(self._interrupter.thread_id):
-                limit += self._soft_timeout / 2
+                limit += soft / 2
             if stalled <= limit:
                 self._progress.poke()
                 continue
-            log.warning(
-                "soft timeout: no progress of the main thread for %.1f s, in:\n%s",
-                stalled,
-                _where(self._interrupter.thread_id),
+            self._record(
+                kind="soft_timeout",
+                detail=f"no progress for {stalled:.1f} s (soft_timeout {soft})",
+                section="",
+                message=f"soft timeout: no progress of the main thread for {stalled:.1f} s, in:",
             )
-            try:
-                keys.record_fault(
-                    self._store_for_reports(),
-                    FaultRecord(
-                        iteration=self._iteration,
-                        initial_rank=self._initial_rank,
-                        kind="soft_timeout",
-                        detail=f"no progress for {stalled:.1f} s "
-                        f"(soft_timeout {self._soft_timeout})",
-                        step=self._step(),
-                        time=time.time(),
-                    ),
-                )
-            except Exception as exc:
-                log.warning("monitor: could not record the soft timeout: %r", exc)
             return  # the store thread sees the fault and restarts this rank
+
+    def _tick(self) -> float:
+        if self._sections is None:
+            return self._check_interval
+        return self._sections.tick(self._check_interval)
+
+    def _section_overrun(self) -> Overrun | None:
+        """An overrun of this rank's own: a rank blocked in a collective behind a hung peer gets
+        the limit again as grace, so the hung peer (not waiting on anyone) reports first."""
+        if self._sections is None:
+            return None
+        overrun = self._sections.overrun()
+        if overrun is not None and _waiting_on_peers(self._interrupter.thread_id):
+            overrun = self._sections.overrun(grace=1.0)
+        return overrun
+
+    def _record(self, *, kind: str, detail: str, section: str, message: str) -> None:
+        log.warning("%s\n%s", message, _where(self._interrupter.thread_id))
+        try:
+            keys.record_fault(
+                self._store_for_reports(),
+                FaultRecord(
+                    iteration=self._iteration,
+                    initial_rank=self._initial_rank,
+                    kind=kind,
+                    detail=detail,
+                    step=self._step(),
+                    time=time.time(),
+                    section=section,
+                ),
+            )
+        except Exception as exc:
+            log.warning("monitor: could not record the %s: %r", kind, exc)
 
     def _store_for_reports(self) -> Any:
         """A separate client: the store thread's connection is busy in its blocking wait."""
@@ -270,11 +311,19 @@ class Monitor:
 
     def _fire(self) -> None:
         self.fired_at = time.time()
-        with self._interrupter.lock:
+        # The lock is held by an atomic block (ctx.atomic()) that the restart must not cut.
+        # Such a block is meant to be short; one that outlasts the atomic bound is a hang that
+        # nothing else could end (its heartbeats go on), so this rank ends itself as a lost one.
+        if not self._interrupter.lock.acquire(timeout=self._atomic_timeout):
+            self._end_stuck_in_atomic()
+            return
+        try:
             t0 = time.monotonic()
             self._abort()
             self.abort_s = time.monotonic() - t0
             delivered = self._interrupter.deliver()
+        finally:
+            self._interrupter.lock.release()
         redeliveries = 0
         while delivered is not False:
             if delivered is None:  # an import in progress: retry as soon as it is done
@@ -291,6 +340,20 @@ class Monitor:
                     redeliveries * self._redeliver_interval,
                 )
             delivered = self._interrupter.deliver()
+
+    def _end_stuck_in_atomic(self) -> None:
+        """Record why, then SIGKILL this process: its watchdog reports it dead, the others drop
+        it at the restart barrier and a warm reserve takes its place (found by the fault
+        matrix: a hang inside ctx.atomic() held every rank until the barrier timeout)."""
+        detail = (
+            f"still inside ctx.atomic() {self._atomic_timeout:.1f} s (atomic_timeout) after a "
+            "restart was requested: ended as a hung rank"
+        )
+        self._record(kind="atomic_timeout", detail=detail, section="", message=detail)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def close(self) -> None:
         """Stop the threads; waits at most about one ``check_interval`` (idempotent).

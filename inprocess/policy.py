@@ -20,7 +20,9 @@ from inprocess.ranks import Assignment, NotEnoughRanksError, reassign
 RETIRING_KINDS = frozenset({"unhealthy"})
 # Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop. A
 # dead or hard-timed-out rank is retired at once, so it never needs counting.
-OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout"})
+OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout", "section_timeout", "atomic_timeout"})
+# Kinds whose "demote" only swaps a slow but working rank for a reserve (inprocess.demotion).
+SWAP_ONLY_KINDS = frozenset({"straggler"})
 # Last resort only, for an exception that carries no structural evidence (e.g. user code caught
 # a failed collective and raised its own error from it): how collectives fail when a peer went
 # away (gloo, NCCL, the store).
@@ -39,11 +41,13 @@ class Observed:
 
     ``faults``: every record of the iteration, in arrival order. ``gone``: initial ranks whose
     process is known to be gone (any iteration; the decision only looks at participants).
+    ``joined``: respawned processes ready to join the reserve pool (``inprocess.respawn``).
     """
 
     iteration: int
     faults: tuple[FaultRecord, ...]
     gone: frozenset[int] = frozenset()
+    joined: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,10 @@ class Decision:
 
     def cause(self, limit: int = 4) -> str:
         """One line for logs: the counted faults, then how many were collateral."""
-        text = "; ".join(f"{f.kind} on rank {f.initial_rank}" for f in self.counted[:limit])
+        text = "; ".join(
+            f"{f.kind}{f' ({f.section})' if f.section else ''} on rank {f.initial_rank}"
+            for f in self.counted[:limit]
+        )
         if len(self.counted) > limit:
             text += f"; +{len(self.counted) - limit} more"
         if self.collateral:
@@ -165,8 +172,7 @@ def decide(
     counted, collateral = classify(observed.faults, gone=observed.gone & participants)
     retired = _retirements(observed, counted, history, participants, config)
     lost = {r.rank for r in retired}
-    asked = {f.initial_rank for f in counted if f.action == "demote"}
-    demoted = tuple(sorted(asked - lost))
+    demoted = _demotions(counted, lost, assignment)
     stop = _stop_rule(observed.iteration, counted, history, config)
     new: Assignment | None = None
     if stop is None:
@@ -176,6 +182,7 @@ def decide(
                 node_of=node_of,
                 lost=sorted(lost),
                 demoted=demoted,
+                joined=sorted(observed.joined - observed.gone),
                 granularity=config.granularity,
                 active_world_size=target,
                 min_active_world_size=min(config.min_active_world_size, target),
@@ -191,6 +198,28 @@ def decide(
         assignment=new,
         stop=stop,
     )
+
+
+def _demotions(
+    counted: Sequence[FaultRecord], lost: set[int], assignment: Assignment
+) -> tuple[int, ...]:
+    """Ranks to move to the reserve pool: those that asked, minus the lost ones.
+
+    A swap (``SWAP_ONLY_KINDS``: a working but slow rank) is granted only while a healthy
+    reserve is left to take its place after the lost active ranks took theirs: without one the
+    rank would come straight back, and the restart would have bought nothing.
+    """
+    asked = sorted({f.initial_rank for f in counted if f.action == "demote"} - lost)
+    swaps = {f.initial_rank for f in counted if f.kind in SWAP_ONLY_KINDS}
+    free = len(set(assignment.reserve) - lost) - len(set(assignment.active) & lost)
+    granted: list[int] = []
+    for r in asked:
+        if r in swaps:
+            if free <= 0:
+                continue
+            free -= 1
+        granted.append(r)
+    return tuple(granted)
 
 
 def classify(

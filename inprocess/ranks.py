@@ -1,6 +1,11 @@
 """Rank assignment: which initial ranks run ``train()``, which wait as reserves, which left.
 
 Pure functions (no I/O, no torch): every rank computes the same assignment from the same inputs.
+
+Identities: the processes the launcher starts first are initial ranks 0..W-1 (W = WORLD_SIZE).
+A process the launcher respawns in the slot of initial rank ``s`` is identity
+``respawn_identity(s, generation)`` = ``s + generation * W``: a new reserve slot on the same node
+(``node_index``), never confused with a rank that left.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def reassign(
     node_of: Sequence[int],
     lost: Collection[int],
     demoted: Collection[int] = (),
+    joined: Collection[int] = (),
     granularity: str,
     active_world_size: int,
     min_active_world_size: int,
@@ -87,7 +93,9 @@ def reassign(
     fill the holes, whole healthy nodes first under node granularity. With fewer than
     ``active_world_size`` ranks available the job shrinks (renumbered 0..n-1, survivors keeping
     their number where it is < n); below ``min_active_world_size`` it raises
-    ``NotEnoughRanksError``.
+    ``NotEnoughRanksError``. ``joined``: respawned identities (``respawn_identity``) that are
+    ready to wait as reserves; new ones join the back of the pool, before demoted ranks.
+    ``node_of`` lists the node of each initial rank (``node_index`` maps the other identities).
     """
     world_size = len(node_of)
     _check_common(world_size=world_size, node_of=node_of, granularity=granularity)
@@ -96,11 +104,25 @@ def reassign(
             f"min_active_world_size ({min_active_world_size}) must be between 1 and "
             f"active_world_size ({active_world_size}): lower min_active_world_size"
         )
+    bad_joined = sorted(r for r in joined if r < world_size)
+    if bad_joined:
+        raise ValueError(
+            f"joined ({bad_joined}) holds initial ranks: pass respawned identities (>= "
+            f"{world_size}, see respawn_identity)"
+        )
+    known = (
+        set(range(world_size))
+        | set(previous.active)
+        | set(previous.reserve)
+        | previous.retired
+        | set(joined)
+    )
     for name, ranks in (("lost", lost), ("demoted", demoted)):
-        bad = sorted(r for r in ranks if not 0 <= r < world_size)
+        bad = sorted(r for r in ranks if r not in known)
         if bad:
             raise ValueError(
-                f"{name} ({bad}) holds ranks outside 0..{world_size - 1}: pass initial ranks"
+                f"{name} ({bad}) holds ranks that are not in the job (initial ranks "
+                f"0..{world_size - 1} or joined identities): pass ranks of the job"
             )
 
     retired = previous.retired | frozenset(lost)
@@ -108,8 +130,8 @@ def reassign(
     if granularity == "node":
         # A fault on a node makes the whole node suspect (shared PCIe switch, NIC, host memory):
         # its healthy ranks step back rather than exit, so they can still fill in later.
-        bad_nodes = {node_of[r] for r in (set(lost) - previous.retired) | set(demoted)}
-        leaving |= {r for r in range(world_size) if node_of[r] in bad_nodes} - retired
+        bad_nodes = {node_index(r, node_of) for r in (set(lost) - previous.retired) | set(demoted)}
+        leaving |= {r for r in known if node_index(r, node_of) in bad_nodes} - retired
 
     # Ranks beyond active_world_size (a larger active set earlier) step back to the pool front.
     kept = [r if r not in retired and r not in leaving else None for r in previous.active]
@@ -117,10 +139,19 @@ def reassign(
     slots = kept[:active_world_size] + [None] * max(0, active_world_size - len(kept))
     # Demoted / excluded ranks go to the back, in initial-rank order so every rank agrees.
     pool = extra + [r for r in previous.reserve if r not in retired and r not in leaving]
+    in_job = set(previous.active) | set(previous.reserve)
+    pool += sorted(r for r in joined if r not in in_job and r not in retired and r not in leaving)
     pool += sorted(leaving)
 
     holes = [i for i, r in enumerate(slots) if r is None]
-    chosen = _pick_reserves(pool, len(holes), node_of=node_of, granularity=granularity)
+    chosen = _pick_reserves(
+        pool,
+        len(holes),
+        node_of=node_of,
+        members=known - retired,
+        suspect={node_index(r, node_of) for r in leaving},
+        granularity=granularity,
+    )
     for pos, rank in zip(holes, chosen, strict=False):  # fewer chosen: shrink
         slots[pos] = rank
     active = _compact(slots)
@@ -138,6 +169,22 @@ def reassign(
     )
 
 
+def respawn_identity(slot: int, generation: int, *, world_size: int) -> int:
+    """The identity of the ``generation``-th respawned process in the slot of initial rank
+    ``slot`` (generation 0 is the initial process itself)."""
+    if not 0 <= slot < world_size or generation < 0:
+        raise ValueError(
+            f"slot ({slot}) must be in [0, {world_size}) and generation ({generation}) >= 0: "
+            "pass the initial rank of the slot and how many times it was respawned"
+        )
+    return slot + generation * world_size
+
+
+def node_index(identity: int, node_of: Sequence[int]) -> int:
+    """The node of ``identity`` (an initial rank or a respawned identity): its slot's node."""
+    return node_of[identity % len(node_of)]
+
+
 def node_of_ranks(*, world_size: int, local_world_size: int) -> tuple[int, ...]:
     """Node index per initial rank when nodes are consecutive groups of ``local_world_size``."""
     if local_world_size < 1 or world_size % local_world_size:
@@ -153,21 +200,30 @@ def _pick_reserves(
     wanted: int,
     *,
     node_of: Sequence[int],
+    members: Collection[int],
+    suspect: Collection[int],
     granularity: str,
 ) -> list[int]:
-    """Up to ``wanted`` ranks from the front of ``pool``; whole healthy nodes first for "node"."""
+    """Up to ``wanted`` ranks from the front of ``pool``; whole healthy nodes first for "node".
+
+    ``members``: every rank of the job that is not retired; a node is whole when all of its
+    members wait in the pool (a node whose lost rank was respawned is whole again).
+    ``suspect`` nodes (a rank of theirs just faulted or stepped back) are never taken whole.
+    """
     if granularity == "rank" or wanted == 0:
         return list(pool[:wanted])
     groups: dict[int, list[int]] = {}
     for r in pool:
-        groups.setdefault(node_of[r], []).append(r)
+        groups.setdefault(node_index(r, node_of), []).append(r)
     node_size: dict[int, int] = {}
-    for n in node_of:
+    for r in members:
+        n = node_index(r, node_of)
         node_size[n] = node_size.get(n, 0) + 1
     chosen: list[int] = []
     # First pass: complete nodes (every rank of the node healthy and waiting) that still fit.
     for node, ranks in groups.items():
-        if len(ranks) == node_size[node] and len(chosen) + len(ranks) <= wanted:
+        whole = len(ranks) == node_size[node] and node not in suspect
+        if whole and len(chosen) + len(ranks) <= wanted:
             chosen += ranks
     # Second pass: no whole node fits any more; take single ranks front first rather than shrink.
     for r in pool:

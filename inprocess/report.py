@@ -27,25 +27,42 @@ def reports(directory: str | Path) -> list[downtime.LaunchReport]:
 
 
 def format_report(r: downtime.LaunchReport) -> str:
-    """The report as text: every figure with its unit."""
+    """The report as text: every figure with its unit, one quantity per column.
+
+    One row per fault window (see ``inprocess.downtime`` for each term's definition); the terms
+    of a row add up to its ``downtime [s]``.
+    """
+    title = f"launch {r.launch}" if r.launch else "downtime report"
     lines = [
-        f"launch {r.launch or '-'}: wall {r.wall:.2f} s = startup {r.startup:.2f} s + productive "
+        f"{title}: wall {r.wall:.2f} s = startup {r.startup:.2f} s + productive "
         f"{r.productive:.2f} s + downtime {r.downtime:.2f} s; goodput {100 * r.goodput:.1f} %",
-        f"  steps {r.steps}, restarts {r.restarts}, checkpoint stalls {r.checkpoint:.3f} s",
+        f"  highest step reached {r.steps}, restarts {r.restarts}, checkpoint stalls outside "
+        f"fault windows {r.checkpoint:.3f} s",
     ]
-    if r.windows:
-        lines.append(
-            "  fault (iteration, kind, ranks)            lost-before  detect  restart  reload"
-            "   redo  downtime [s]  tier (step)"
-        )
+    if not r.windows:
+        return "\n".join(lines)
+    lines.append(
+        f"  {'injected fault':24} {'it':>3} {'cause':14} {'initial ranks':13} "
+        f"{'lost-before [s]':>15} {'detect [s]':>10} {'restart [s]':>11} {'reload [s]':>10} "
+        f"{'redo [s]':>8} {'downtime [s]':>12}  {'tier':9} {'from step':>9} "
+        f"{'back at step':>12}"
+    )
     for w in r.windows:
         t = w.terms
-        what = f"it {w.iteration} {w.kind} {w.faulting_ranks}"
+        ranks = ",".join(map(str, w.faulting_ranks)) or "-"
+        from_step = "-" if w.restored_step is None else str(w.restored_step)
         lines.append(
-            f"  {what:40s} {t['lost_before']:10.3f} {t['detection']:7.3f} {t['restart']:8.3f} "
-            f"{t['reload']:7.3f} {t['redo']:6.3f} {t['downtime']:12.3f}  "
-            f"{w.tier or '-'} ({w.restored_step if w.restored_step is not None else '-'})"
+            f"  {w.fault or '-':24} {w.iteration:3d} {w.kind:14} {ranks:13} "
+            f"{t['lost_before']:15.3f} {t['detection']:10.3f} {t['restart']:11.3f} "
+            f"{t['reload']:10.3f} {t['redo']:8.3f} {t['downtime']:12.3f}  "
+            f"{w.tier or '-':9} {from_step:>9} {w.reached_step:>12}"
         )
+    lines += [
+        "  (it: the iteration that faulted; initial ranks: the blamed processes' RANK at launch;"
+        " from step: the checkpoint restored;",
+        "   back at step: the step reached before the fault, reached again where the window "
+        "ends; each row's terms add up to its downtime)",
+    ]
     return "\n".join(lines)
 
 
@@ -69,7 +86,8 @@ def plot(reps: list[downtime.LaunchReport], records: list[dict[str, Any]], out: 
     for rep in reps:
         for w in rep.windows:
             ax.axvspan(w.last - t0, w.back - t0, color="tab:red", alpha=0.25)
-            ax.text(w.last - t0, 0, f" {w.kind}", rotation=90, va="bottom", fontsize=7)
+            label = f" {w.fault or w.kind}"
+            ax.text(w.last - t0, 0, label, rotation=90, va="bottom", fontsize=7)
     saves = [float(r["t"]) - t0 for r in records if r["event"] == "save_durable"]
     for t in saves:
         ax.axvline(t, color="tab:green", lw=0.5, alpha=0.5)

@@ -13,6 +13,7 @@ of an earlier iteration is ever read again. Inside it:
                     ``restart/go`` is the next assignment (JSON), first writer wins, so every
                     rank reads the same one
 * ``pg/``           the prefix handed to ``init_process_group`` and to ``ctx.store``
+* ``reserves``      the iteration's warm reserves (``inprocess.demotion`` checks one is free)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
+from inprocess import journal
 from inprocess.errors import FaultRecord, StoreTimeoutError
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,10 @@ def record_fault(store: StoreLike, record: FaultRecord) -> None:
     all wake with the same answer at once. Safe to call from any process, any number of times.
     """
     it = record.iteration
-    store.append(_key(it, "faults"), json.dumps(asdict(record)) + "\n")
+    fields = asdict(record)
+    store.append(_key(it, "faults"), json.dumps(fields) + "\n")
+    fields["fault_rank"] = fields.pop("initial_rank")  # "rank" is the journal writer's own
+    journal.record("fault", **fields)
     if record.kind in GONE_KINDS:  # job-wide: no later iteration waits for this rank either
         store.append(GONE_KEY, f"{record.initial_rank},")
         _count_once(store, it, record.initial_rank)
@@ -266,6 +271,19 @@ def mark_completed(store: StoreLike, iteration: int, *, active: int) -> None:
 def set_participants(store: StoreLike, iteration: int, count: int) -> None:
     """How many ranks (active + reserve) take part in ``iteration``; every rank writes it."""
     store.set(_key(iteration, "restart/expected"), str(count))
+
+
+def set_reserves(store: StoreLike, iteration: int, reserves: Sequence[int]) -> None:
+    """The warm reserves (initial ranks) of ``iteration``; every rank writes the same value."""
+    store.set(_key(iteration, "reserves"), ",".join(map(str, reserves)))
+
+
+def reserves(store: StoreLike, iteration: int) -> tuple[int, ...]:
+    """The warm reserves of ``iteration`` (``set_reserves``; () when unknown); never blocks."""
+    key = _key(iteration, "reserves")
+    if not store.check([key]):
+        return ()
+    return tuple(int(x) for x in store.get(key).decode().split(",") if x)
 
 
 def _count_once(store: StoreLike, iteration: int, initial_rank: int) -> None:

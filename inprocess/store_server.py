@@ -71,9 +71,10 @@ def spawn_server(*, port: int, world_size: int, idle_timeout: float = 3600.0) ->
     return proc.pid
 
 
-def mark_left(store: dist.Store) -> None:
-    """This rank leaves the job (the server exits once all have)."""
-    store.add(LEFT_KEY, 1)
+def mark_left(store: dist.Store) -> int:
+    """This rank leaves the job (the server exits once all have); returns how many ranks have
+    left, this one included."""
+    return int(store.add(LEFT_KEY, 1))
 
 
 def serve(*, port: int, world_size: int, idle_timeout: float, host: str = "0.0.0.0") -> None:

@@ -48,6 +48,8 @@ class Watchdog:
         *,
         store_host: str,
         store_port: int,
+        store_url: str | None = None,
+        job_id: str | None = None,
         initial_rank: int,
         hard_timeout: float,
         termination_grace_time: float,
@@ -71,10 +73,13 @@ class Watchdog:
                 f"({hard_timeout}), or a healthy rank is killed between two beats: lower "
                 "heartbeat_interval"
             )
-        if not 0 < store_port < 65536:
+        # With the etcd store (store_url) the process connects there and the port is unused.
+        if store_url is None and not 0 < store_port < 65536:
             raise ValueError(f"store_port ({store_port}) must be a TCP port (1..65535)")
         self._store_host = store_host
         self._store_port = store_port
+        self._store_url = store_url
+        self._job_id = job_id
         self._initial_rank = initial_rank
         self._hard_timeout = hard_timeout
         self._grace = termination_grace_time
@@ -116,6 +121,10 @@ class Watchdog:
             f"--hard-timeout={self._hard_timeout}",
             f"--termination-grace-time={self._grace}",
         ]
+        if self._store_url is not None:
+            cmd.append(f"--store-url={self._store_url}")
+            if self._job_id is not None:
+                cmd.append(f"--job-id={self._job_id}")
         stderr = None
         if self._logdir is not None:
             Path(self._logdir).mkdir(parents=True, exist_ok=True)

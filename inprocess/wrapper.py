@@ -15,18 +15,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
+from inprocess import journal, respawn
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
 from inprocess.active import Outcome, RankServices, run_active
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
-from inprocess.environment import bind_to_launcher, read_env
-from inprocess.errors import ConfigError, FaultRecord, RestartAbortedError
+from inprocess.environment import bind_to_launcher, read_env, store_setting
+from inprocess.errors import ConfigError, FaultRecord, RestartAbortedError, StoreTimeoutError
+from inprocess.etcd.connect import open_store
 from inprocess.health import HealthChecker
 from inprocess.monitor import Interrupter
 from inprocess.policy import Decision, Observed, decide
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
+from inprocess.sections import section_clock
 from inprocess.store_server import client, connect, mark_left
 
 log = logging.getLogger(__name__)
@@ -113,7 +116,21 @@ class _Job:
         if self.env.launcher_pid is not None:
             bind_to_launcher(self.env.launcher_pid)
         cfg.validate_world(self.env.world_size)
-        self.me = self.env.rank
+        # The etcd store (docs/etcd.md) when the config or INPROCESS_STORE names one.
+        self.store_url = store_setting(cfg.store, self.env)
+        if self.store_url is not None and cfg.store is None:
+            cfg.check_store_timeouts(self.store_url, source="INPROCESS_STORE")
+        if cfg.store is not None and self.env.launcher_pid is not None and not self.env.store_url:
+            log.warning(
+                "store=%r is set but inprocess.launch was started without --store: the "
+                "launcher cannot see this job's keys (respawn and in-job restart will not work); "
+                "give the launcher --store %s",
+                cfg.store,
+                cfg.store,
+            )
+        # A process the launcher respawned joins under a new identity (inprocess.ranks).
+        self.me = self.env.identity
+        self.joining = self.env.respawn_generation > 0
         self.node_of = node_of_ranks(
             world_size=self.env.world_size, local_world_size=self.env.local_world_size
         )
@@ -127,6 +144,9 @@ class _Job:
         self.prewarmed = False
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
+        self.outcome = "failed"  # "done" / "stopped" once run() knows (the journal's job_end)
+        directory = journal.resolve_dir(cfg.journal_dir)
+        self.journal = None if directory is None else journal.open_journal(directory, rank=self.me)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -153,28 +173,57 @@ class _Job:
                     log.warning("closing %s failed: %r", type(owner).__name__, exc)
         if self.store is not None:
             try:
-                mark_left(self.store)
+                left = mark_left(self.store)
+                if self._owns_cleanup() and (
+                    left + len(keys.gone_ranks(self.store)) >= self.env.world_size
+                ):
+                    # The last rank out of a job without a launcher (the others left or
+                    # died): nobody reads the job's keys any more. A TCPStore's keys go with
+                    # its server; inprocess.launch deletes the keys when the whole job is over.
+                    self.store.delete_all()
+                    log.info("rank %d: last to leave; deleted the job's keys", self.me)
             except Exception as exc:
                 log.debug("could not mark this rank as left: %r", exc)
+            if self.store_url is not None:  # EtcdStore clients hold HTTP connections
+                for store in (self.store, svc.report_store if svc is not None else None):
+                    if store is not None:
+                        store.close()
+        if self.journal is not None:  # last: the job's end includes this clean-up
+            journal.record("job_end", outcome=self.outcome)
+            self.journal.close()
+
+    def _owns_cleanup(self) -> bool:
+        """Whether the last rank to leave deletes the job's keys: only on etcd and without
+        ``inprocess.launch`` (whose processes still read the keys; it deletes them itself)."""
+        return self.store_url is not None and self.env.launcher_pid is None
 
     def _start(self) -> RankServices:
         """Connect, start the watchdog and meet every rank once (the initial barrier)."""
         cfg, env = self.cfg, self.env
-        self.store = connect(env, timeout=cfg.barrier_timeout)
+        new_client: Callable[[], Any]
+        if self.store_url is not None:
+            new_client = functools.partial(
+                open_store, self.store_url, job_id=env.job_id, timeout=cfg.barrier_timeout
+            )
+            self.store = new_client()
+        else:
+            new_client = functools.partial(
+                client, env.master_addr, env.master_port, timeout=cfg.barrier_timeout
+            )
+            self.store = connect(env, timeout=cfg.barrier_timeout)
         svc = self.svc = RankServices(
             config=cfg,
             me=self.me,
             local_rank=env.local_rank,
             store=self.store,
             # Monitors record soft timeouts on their own client: the main thread's may be busy.
-            report_store=client(env.master_addr, env.master_port, timeout=cfg.barrier_timeout),
-            new_client=functools.partial(
-                client, env.master_addr, env.master_port, timeout=cfg.barrier_timeout
-            ),
+            report_store=new_client(),
+            new_client=new_client,
             progress=ProgressTracker(),
             interrupter=Interrupter(),
             abort=self.reaper.abort,
             release=self.reaper.release,
+            sections=section_clock(cfg),  # learned timeouts outlive iterations
         )
         self.health = HealthChecker(
             user_checks=cfg.health_checks, empty_cuda_cache=cfg.empty_cuda_cache
@@ -186,12 +235,22 @@ class _Job:
         self.watchdog = Watchdog(
             store_host=env.master_addr,
             store_port=env.master_port,
+            store_url=self.store_url,
+            job_id=env.job_id,
             initial_rank=self.me,
             hard_timeout=cfg.hard_timeout,
             termination_grace_time=cfg.termination_grace_time,
             heartbeat_interval=cfg.effective_heartbeat_interval,
             logdir=cfg.monitor_process_logdir,
         )
+        if self.joining:
+            # Watched from now on, so that it is a ready reserve the moment it registers; until
+            # it is admitted its death is reported for an iteration nobody waits on, which only
+            # marks it gone (it must not interrupt the ranks that train).
+            self.watchdog.set_iteration(respawn.PARKED_ITERATION)
+            self.watchdog.start()
+            respawn.register_joiner(self.store, self.me)
+            return svc
         self.watchdog.start()
         with svc.progress.paused():
             keys.initial_barrier(
@@ -205,7 +264,28 @@ class _Job:
     # ----- the loop --------------------------------------------------------------------------
 
     def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The restart loop: returns ``train()``'s value (None on a reserve or retired rank)."""
+        """The restart loop: returns ``train()``'s value (None on a reserve or retired rank).
+
+        When the loop gives up (``RestartAbortedError``, a barrier timeout) it says so in the
+        store first, so that ``inprocess.launch`` restarts the job in place.
+        """
+        journal.record(
+            "job_start",
+            world_size=self.env.world_size,
+            node=self.node_of[self.env.rank],
+            respawn_generation=self.env.respawn_generation,
+        )
+        try:
+            value = self._run(args, kwargs)
+            self.outcome = "done"
+            return value
+        except (RestartAbortedError, StoreTimeoutError) as exc:
+            self.outcome = "stopped"
+            if self.store is not None:
+                respawn.mark_stopped(self.store, str(getattr(exc, "reason", exc)))
+            raise
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._start()
         assignment = initial_assignment(
             world_size=self.env.world_size,
@@ -215,15 +295,25 @@ class _Job:
         )
         target = len(assignment.active)
         iteration = 0
+        if self.joining:
+            admitted = self._admit()
+            if admitted is None:
+                return None  # the job finished before a restart needed this process
+            iteration, assignment = admitted.iteration, admitted.assignment
         pending: _PendingRestart | None = None  # the restart being completed, logged once
         while True:
             self.watchdog.set_iteration(iteration)
+            respawn.announce_iteration(self.store, iteration)
             keys.set_participants(
                 self.store, iteration, len(assignment.active) + len(assignment.reserve)
             )
+            keys.set_reserves(self.store, iteration, assignment.reserve)  # inprocess.demotion
             if iteration == 0:
                 self._health_phase(iteration)  # later: right after each fault, below
             rank = assignment.rank_of(self.me)
+            if self.journal is not None:
+                self.journal.set_position(iteration=iteration, training_rank=rank)
+                journal.record("iteration_start", active=rank is not None)
             if rank is not None:
                 out = self._active_phase(iteration, assignment, rank, pending, args, kwargs)
             else:
@@ -262,6 +352,30 @@ class _Job:
                 return None
             assignment = decision.assignment
             iteration += 1
+
+    def _admit(self) -> respawn.Admission | None:
+        """A respawned process waits for a restart decision that admits it to the reserve pool,
+        and takes over the decisions' history (every rank decides from the same one)."""
+        assert self.svc is not None
+        admitted = respawn.wait_admission(
+            self.store, identity=self.me, decision_timeout=self.cfg.barrier_timeout
+        )
+        if admitted is None:
+            log.info("respawned rank %d: the job finished before it was needed", self.me)
+            return None
+        for d in admitted.decisions:
+            self.history.extend(d.faults)
+            self.counted.append(d.counted)
+        self.watchdog.set_iteration(admitted.iteration)
+        role = "active" if admitted.assignment.rank_of(self.me) is not None else "reserve"
+        log.info(
+            "respawned rank %d (slot %d) admitted as %s from iteration %d",
+            self.me,
+            self.env.rank,
+            role,
+            admitted.iteration,
+        )
+        return admitted
 
     # ----- phases ----------------------------------------------------------------------------
 
@@ -362,7 +476,10 @@ class _Job:
         between ranks only in what the store held at the moment each read it.
         """
         observed = Observed(
-            iteration=iteration, faults=tuple(faults), gone=frozenset(keys.gone_ranks(self.store))
+            iteration=iteration,
+            faults=tuple(faults),
+            gone=frozenset(keys.gone_ranks(self.store)),
+            joined=frozenset(respawn.ready_joiners(self.store)),
         )
         decision = decide(
             observed,
@@ -379,6 +496,7 @@ class _Job:
     def _log_restart(self, pending: _PendingRestart, *, reinit_s: float) -> RestartRecord:
         record = pending.record(reinit_s=reinit_s)
         self.last_restart = record
+        journal.record("restart", **asdict(record))
         log.info(
             "restart %s",
             json.dumps({**asdict(record), "rank": self.me}, sort_keys=True),

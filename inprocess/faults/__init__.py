@@ -7,8 +7,17 @@ and record every fault that fired (so a test can count them and a report can tim
     faults.fired(tmp)                                                   # -> [FiredFault, ...]
 """
 
-from inprocess.faults.firing import fire, fire_planned, inject, trigger
-from inprocess.faults.kinds import ALIASES, HANG_S, KINDS, InjectedFault, Kind, kind_of, kinds_help
+from inprocess.faults.firing import burn, fire, fire_planned, inject, slowdown, trigger
+from inprocess.faults.kinds import (
+    ALIASES,
+    HANG_S,
+    KINDS,
+    SLOW_FACTOR,
+    InjectedFault,
+    Kind,
+    kind_of,
+    kinds_help,
+)
 from inprocess.faults.plan import (
     ITEM_SYNTAX,
     SYNTAX,
@@ -24,11 +33,13 @@ __all__ = [
     "HANG_S",
     "ITEM_SYNTAX",
     "KINDS",
+    "SLOW_FACTOR",
     "SYNTAX",
     "FiredFault",
     "InjectedFault",
     "Kind",
     "PlannedFault",
+    "burn",
     "demo_plan",
     "fire",
     "fire_planned",
@@ -38,5 +49,6 @@ __all__ = [
     "kinds_help",
     "parse_plan",
     "plan_help",
+    "slowdown",
     "trigger",
 ]

@@ -7,11 +7,12 @@ import os
 import time
 from collections.abc import Sequence
 
+from inprocess import journal
 from inprocess.context import context
 from inprocess.errors import ConfigError
-from inprocess.faults.kinds import act, kind_of
+from inprocess.faults.kinds import SLOW_FACTOR, act, kind_of
 from inprocess.faults.plan import PlannedFault
-from inprocess.faults.record import FiredFault, record_once
+from inprocess.faults.record import FiredFault, fired, record_once
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ def trigger(
     With ``record_dir``: claim the fault (once per directory; False if it was claimed before),
     then append its record (fsynced), then fire it. Without: fire it, unrecorded, every call.
     Returns True when the fault is due and this call returns: a ``numeric`` kind (``nan``),
-    which the caller must apply now, or a ``sigterm`` that a handler caught. The other kinds do
-    not return. Needs no ``context()``: the caller says where it runs.
+    which the caller must apply now, a ``lasting`` one (``slow``), which the caller applies from
+    now on (``slowdown``), or a ``sigterm`` that a handler caught. The other kinds do not
+    return. Needs no ``context()``: the caller says where it runs.
     """
     kind = kind_of(fault.kind)
     record = FiredFault(
@@ -45,6 +47,7 @@ def trigger(
     )
     if record_dir is not None and not record_once(record_dir, record):
         return False
+    journal.record("fault_fired", fault=fault.name, kind=kind.name, iteration=iteration, step=step)
     log.warning(
         "injecting fault %s (initial rank %d, iteration %d, step %s)",
         fault.name,
@@ -52,7 +55,7 @@ def trigger(
         iteration,
         step,
     )
-    if not kind.numeric:
+    if not (kind.numeric or kind.lasting):  # those are the caller's to apply
         act(kind, detail=fault.name)
     return True
 
@@ -127,9 +130,31 @@ def fire(kind: str, *, detail: str = "") -> None:
     Prefer ``inject``/``trigger`` with a ``record_dir``: only recorded faults can be counted.
     """
     resolved = kind_of(kind)
-    if resolved.numeric:
+    if resolved.numeric or resolved.lasting:
         raise ConfigError(
             f"kind ({kind!r}) is applied by the caller to its own value, not fired: use "
             "inject() or fire_planned(), which say when it is due"
         )
     act(resolved, detail=detail or resolved.name)
+
+
+def slowdown(record_dir: str | os.PathLike[str]) -> float:
+    """How many times slower this process's compute must run: ``SLOW_FACTOR`` once a ``slow``
+    fault fired in this process (recorded in ``record_dir``), else 1.0.
+
+    Reads the record file: call it when the step's faults fired (``fire_planned``) and at the
+    start of ``train()``, not on every step. Survives in-process restarts (the record keeps the
+    pid), and a reserve that takes the slow rank's place is not slow.
+    """
+    me = os.getpid()
+    slow = any(f.kind == "slow" and f.pid == me for f in fired(record_dir))
+    return SLOW_FACTOR if slow else 1.0
+
+
+def burn(cpu_seconds: float) -> None:
+    """Keep this process's CPU busy for ``cpu_seconds`` of process CPU time (a slow rank's extra
+    compute: ``burn((slowdown(d) - 1) * compute_s)``). A sleep would not do: a straggler detector
+    times compute by CPU time, as a slow GPU's kernels take longer, not idle longer."""
+    end = time.process_time() + cpu_seconds
+    while time.process_time() < end:
+        pass

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from inprocess.errors import ConfigError
 
 HANG_S = 24 * 3600.0  # long enough to be a hang for any job; the timeouts end it
+SLOW_FACTOR = 3.0  # a `slow` rank's compute takes this many times as long (a throttled GPU)
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,15 @@ class Kind:
 
     ``loses_rank``: the rank's process is gone afterwards, so a warm reserve must take its
     place. ``numeric``: the module does not fire it; the caller corrupts its own value (the loss)
-    when told the fault is due.
+    when told the fault is due. ``lasting``: firing it only records it; from then on the caller
+    applies it to every step of this process (``slowdown``, ``burn``).
     """
 
     name: str
     description: str
     loses_rank: bool = False
     numeric: bool = False
+    lasting: bool = False
 
 
 KINDS: Mapping[str, Kind] = MappingProxyType(
@@ -41,6 +44,12 @@ KINDS: Mapping[str, Kind] = MappingProxyType(
             Kind("nan", "NaN loss, applied by the caller (the example re-runs it)", numeric=True),
             # Not loses_rank: the example handles SIGTERM (checkpoint, exit 75 on every rank).
             Kind("sigterm", "SIGTERM to the rank: a preemption notice where handled"),
+            # Applied by the caller: only it knows which part of the step is compute.
+            Kind(
+                "slow",
+                f"the rank's compute {SLOW_FACTOR:g}x slower from then on (a straggler)",
+                lasting=True,
+            ),
         )
     }
 )
@@ -81,9 +90,9 @@ def kinds_help() -> str:
 def act(kind: Kind, *, detail: str) -> None:
     """Make ``kind`` happen in this process now (returns only for ``sigterm`` with a handler).
 
-    A ``numeric`` kind is the caller's to apply: asking for it is our bug.
+    A ``numeric`` or ``lasting`` kind is the caller's to apply: asking for it is our bug.
     """
-    assert not kind.numeric, f"{kind.name} is applied by the caller, not fired"
+    assert not (kind.numeric or kind.lasting), f"{kind.name} is applied by the caller, not fired"
     if kind.name == "exception":
         raise InjectedFault(f"injected fault {detail}")
     if kind.name == "kill":

@@ -48,7 +48,7 @@ def in_train(*, rank: int, initial_rank: int, iteration: int) -> Iterator[None]:
 
 
 def test_table_holds_each_kind_and_the_old_names_are_aliases() -> None:
-    assert tuple(faults.KINDS) == (*FIRED_KINDS[:4], "nan", "sigterm")
+    assert tuple(faults.KINDS) == (*FIRED_KINDS[:4], "nan", "sigterm", "slow")
     assert {k for k, v in faults.KINDS.items() if v.loses_rank} == {"kill", "hang_gil"}
     assert [k for k, v in faults.KINDS.items() if v.numeric] == ["nan"]
     assert {old: faults.kind_of(old).name for old in faults.ALIASES} == {

@@ -47,6 +47,20 @@ from inprocess.progress import ProgressTracker
         ({"backend": ""}, "backend ('') must be a non-empty backend name"),
         ({"prewarm": 3}, "prewarm (3) must be callable"),
         ({"health_checks": [print, "x"]}, "health_checks[1] ('x') must be callable"),
+        (
+            {"rank_section_timeouts": {"steps": 10.0}},
+            "rank_section_timeouts has an unknown section ('steps'): use one of "
+            "('setup', 'step', 'checkpointing')",
+        ),
+        (
+            {"rank_section_timeouts": {"step": 0}},
+            "rank_section_timeouts['step'] (0) must be a finite number of seconds > 0",
+        ),
+        ({"rank_section_timeouts": [("step", 1.0)]}, "rank_section_timeouts ([('step', 1.0)])"),
+        ({"rank_out_of_section_timeout": -5}, "rank_out_of_section_timeout (-5) must be"),
+        ({"safety_factor": 0.5}, "safety_factor (0.5) must be a finite number > 1"),
+        ({"calculate_timeouts": "yes"}, "calculate_timeouts ('yes') must be True or False"),
+        ({"timeouts_state_path": ""}, "timeouts_state_path ('') must be a file path"),
     ],
 )
 def test_bad_values_name_field_value_rule_and_fix(options: dict, message: str) -> None:
@@ -209,3 +223,25 @@ def test_heartbeat_timeout_is_ignored_with_a_warning_and_checked_only_against_a_
     assert cfg.effective_heartbeat_interval == 30.0
     with pytest.raises(ConfigError, match=r"heartbeat_timeout \(5.0\) must be greater"):
         RestartConfig(heartbeat_interval=5.0, heartbeat_timeout=5.0)
+
+
+def test_section_timeouts_are_read_only_and_give_the_configured_bounds() -> None:
+    cfg = RestartConfig(
+        calculate_timeouts=True,
+        rank_section_timeouts={"setup": 600, "step": 180, "checkpointing": 420},
+        rank_out_of_section_timeout=300,
+        timeouts_state_path="runs/x/ft_state.json",
+    )
+    assert cfg.section_limits == {
+        "setup": 600.0,
+        "step": 180.0,
+        "checkpointing": 420.0,
+        "out_of_section": 300.0,
+    }
+    with pytest.raises(TypeError):
+        cfg.rank_section_timeouts["step"] = 1.0  # type: ignore[index]
+
+
+def test_a_state_path_without_calculate_timeouts_warns_that_it_is_ignored() -> None:
+    with pytest.warns(UserWarning, match="timeouts_state_path .* is ignored: calculate_timeouts"):
+        RestartConfig(timeouts_state_path="ft_state.json")

@@ -10,8 +10,10 @@ from inprocess.ranks import (
     Assignment,
     NotEnoughRanksError,
     initial_assignment,
+    node_index,
     node_of_ranks,
     reassign,
+    respawn_identity,
 )
 
 NODES_3X2 = node_of_ranks(world_size=6, local_world_size=2)  # (0, 0, 1, 1, 2, 2)
@@ -276,3 +278,55 @@ def test_properties_hold_over_fault_sequences(
             if waiting_whole:
                 assert not any(node_of[r] in faulty_nodes for r in b.active)
         a = b
+
+
+# ----- respawned identities (issue 14) -------------------------------------------------------
+
+
+def test_respawned_identity_names_a_new_slot_on_the_same_node() -> None:
+    assert respawn_identity(1, 0, world_size=4) == 1
+    assert respawn_identity(1, 2, world_size=4) == 9
+    assert node_index(9, NODES_3X2) == NODES_3X2[3]  # identity 9 = slot 3 of a 6-rank job
+    with pytest.raises(ValueError, match="slot"):
+        respawn_identity(4, 1, world_size=4)
+
+
+def test_joined_process_waits_at_the_back_of_the_pool_then_fills_the_next_hole() -> None:
+    a = start(4, 3)
+    b = reassign(a, node_of=range(4), lost=[1], granularity="rank",
+                 active_world_size=3, min_active_world_size=3)  # fmt: skip
+    assert (b.active, b.reserve) == ((0, 3, 2), ())
+    # The slot of rank 1 was respawned as identity 5: the next loss is covered by it.
+    c = reassign(b, node_of=range(4), lost=[3], joined=[5], granularity="rank",
+                 active_world_size=3, min_active_world_size=3)  # fmt: skip
+    assert (c.active, c.reserve, c.retired) == ((0, 5, 2), (), {1, 3})
+    # A fault with nothing lost admits a joined process as a reserve, once.
+    d = reassign(c, node_of=range(4), lost=[], joined=[5, 7], granularity="rank",
+                 active_world_size=3, min_active_world_size=3)  # fmt: skip
+    assert (d.active, d.reserve) == ((0, 5, 2), (7,))
+
+
+def test_joined_identities_must_be_respawned_ones_and_lost_ranks_must_be_in_the_job() -> None:
+    a = start(4, 3)
+    with pytest.raises(ValueError, match="joined"):
+        reassign(a, node_of=range(4), lost=[], joined=[2], granularity="rank",
+                 active_world_size=3, min_active_world_size=1)  # fmt: skip
+    with pytest.raises(ValueError, match="lost"):
+        reassign(a, node_of=range(4), lost=[9], granularity="rank",
+                 active_world_size=3, min_active_world_size=1)  # fmt: skip
+
+
+def test_node_with_its_lost_rank_respawned_is_whole_again() -> None:
+    # Nodes {0,1} {2,3} {4,5}; 2 active (node 0); rank 1 is lost and its node steps back.
+    a = initial_assignment(world_size=6, node_of=NODES_3X2, active_world_size=2,
+                           granularity="node")  # fmt: skip
+    b = reassign(a, node_of=NODES_3X2, lost=[1], granularity="node",
+                 active_world_size=2, min_active_world_size=2)  # fmt: skip
+    assert b.active == (2, 3)
+    # Identity 7 (slot 1, generation 1) lives on node 0 with rank 0: node 0 is whole again.
+    c = reassign(b, node_of=NODES_3X2, lost=[3], joined=[7], granularity="node",
+                 active_world_size=2, min_active_world_size=2)  # fmt: skip
+    assert (c.active, c.reserve) == ((4, 5), (0, 7, 2))
+    d = reassign(c, node_of=NODES_3X2, lost=[5], granularity="node",
+                 active_world_size=2, min_active_world_size=2)  # fmt: skip
+    assert d.active == (0, 7)  # taken whole, before the survivors of faulty nodes 1 and 2

@@ -1,0 +1,85 @@
+"""The launcher's exit statuses and the autoresume flag file a batch script reads to requeue.
+
+    status 0   the job finished                      -> flag removed (never requeued)
+    status 17  results failed validation (rerun)     -> flag removed (a model issue: requeueing
+                                                        would fail again)
+    status 75  requeue: in-job restarts exhausted, a node is gone, or the job was preempted
+                                                     -> flag written while job retries remain
+    other      the status of the first rank that failed in a job without ``@restartable``
+
+The flag is a small JSON file, written atomically (temporary file + rename), so a script never
+reads half of it. The attempt number comes from Slurm (``SLURM_RESTART_COUNT``, set on a requeue)
+or from the flag of the previous attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+EXIT_DONE = 0
+EXIT_VALIDATION_FAILED = 17  # rerun: the same wrong result on other hardware (not requeued)
+EXIT_RERUN_ELSEWHERE = 16  # rerun: re-run the step on other hardware (requeue)
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: try again later (also what a preempted job exits with)
+# A rank exiting with one of these speaks for the whole job: the launcher neither respawns it
+# nor restarts the job in place.
+VERDICT_STATUSES = frozenset({EXIT_VALIDATION_FAILED, EXIT_RERUN_ELSEWHERE, EXIT_REQUEUE})
+
+
+@dataclass(frozen=True)
+class Flag:
+    """What the flag file holds: why the job asks to be requeued, and for which attempt."""
+
+    reason: str
+    status: int
+    attempt: int  # 0 for the first run of the job, 1 after one requeue, ...
+    retries_left: int
+    time: float
+
+
+def attempt_number(flag_path: str | None, environ: dict[str, str] | None = None) -> int:
+    """This run's attempt (0 = first): ``SLURM_RESTART_COUNT``, else the previous flag's
+    attempt + 1, else 0."""
+    env = os.environ if environ is None else environ
+    count = env.get("SLURM_RESTART_COUNT", "")
+    if count.isdigit():
+        return int(count)
+    if flag_path and Path(flag_path).is_file():
+        try:
+            return int(json.loads(Path(flag_path).read_text())["attempt"]) + 1
+        except (ValueError, KeyError, TypeError):
+            return 0
+    return 0
+
+
+def settle(
+    flag_path: str | None, *, status: int, reason: str, attempt: int, max_retries: int
+) -> bool:
+    """Write or remove the flag for a job that ends with ``status``; True when written.
+
+    Written only for ``EXIT_REQUEUE`` / ``EXIT_RERUN_ELSEWHERE`` while ``attempt <
+    max_retries`` (``num_job_retries_on_failure``); any other end removes a stale flag, so a
+    finished job or one that failed validation is never requeued.
+    """
+    if flag_path is None:
+        return False
+    path = Path(flag_path)
+    requeue = status in (EXIT_REQUEUE, EXIT_RERUN_ELSEWHERE) and attempt < max_retries
+    if not requeue:
+        path.unlink(missing_ok=True)
+        return False
+    flag = Flag(
+        reason=reason,
+        status=status,
+        attempt=attempt,
+        retries_left=max_retries - attempt - 1,
+        time=time.time(),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(flag), sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return True

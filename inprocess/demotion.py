@@ -1,0 +1,113 @@
+"""Demotion asked from inside ``train()``: a slow rank steps back to the reserve pool.
+
+Called by ``RestartContext.replace_rank`` (the ``straggler`` package calls that, never this
+module: it imports nothing of ``inprocess``). The rank to replace records a fault of kind
+``straggler`` with action ``demote`` in the iteration, which ends the iteration like any fault:
+every rank's monitor interrupts ``train()``, and the restart decision (``inprocess.policy``)
+moves that rank to the back of the reserve pool while a reserve takes its place. Such a fault is
+not counted against the rank (``max_rank_faults``, the repeated-fault stop): it works, it is
+slow.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from inprocess import store as keys
+from inprocess.errors import FaultRecord
+
+if TYPE_CHECKING:
+    from inprocess.context import RestartContext
+
+log = logging.getLogger(__name__)
+
+STRAGGLER_KIND = "straggler"
+# How long a recorded request waits for the restart to interrupt train() (it takes
+# milliseconds: the monitor wakes on the store). Bounded so that a lost delivery cannot hang.
+INTERRUPT_WAIT_S = 30.0
+_POLL_S = 0.005
+# Under ctx.store (the iteration's user namespace): the deciding rank's answer per call.
+DECISION_PREFIX = "inprocess/demotion/"
+
+
+def free_reserves(store: Any, iteration: int) -> tuple[int, ...]:
+    """The reserves of ``iteration`` whose process is still there (initial ranks); never blocks."""
+    gone = keys.gone_ranks(store)
+    return tuple(r for r in keys.reserves(store, iteration) if r not in gone)
+
+
+def replace_rank(
+    ctx: RestartContext, rank: int, *, reason: str, tag: str, wait: float = INTERRUPT_WAIT_S
+) -> bool:
+    """Swap training rank ``rank`` (``ctx.rank`` numbering) for a warm reserve, now.
+
+    Collective in the loose sense: every active rank calls it with the same arguments (the same
+    published straggler report), and every rank gets the same answer. ``tag`` names the call
+    (e.g. the report round): unique within the iteration. The rank to replace decides: no
+    warm reserve free -> it publishes "no" and every rank returns False (the job goes on as it
+    is). Otherwise it records a fault of kind ``straggler`` with action ``demote``, which ends
+    the iteration, and every rank waits (in Python, so the restart can be delivered) until the
+    restart interrupts ``train()`` here: normally the call does not return. Why every rank
+    waits: a rank that went on into the next step's collective would block in C, where the
+    restart cannot reach it, and a gloo peer blocked there is released only by the group
+    timeout. Every wait is bounded by ``wait`` seconds (True after that: no restart came).
+    """
+    if not 0 <= rank < ctx.world_size:
+        raise ValueError(
+            f"rank ({rank}) must be a training rank of this iteration (0..{ctx.world_size - 1})"
+        )
+    job = _job_store(ctx)
+    key = f"{DECISION_PREFIX}{tag}"
+    if ctx.rank == rank:
+        granted = bool(free_reserves(job, ctx.iteration))
+        ctx.store.set(key, "yes" if granted else "no")
+        if granted:
+            keys.record_fault(
+                job,
+                FaultRecord(
+                    iteration=ctx.iteration,
+                    initial_rank=ctx.initial_rank,
+                    kind=STRAGGLER_KIND,
+                    detail=reason[:500],
+                    step=ctx.step,
+                    action="demote",
+                    time=time.time(),
+                ),
+            )
+            log.warning(
+                "rank %d (initial rank %d) to be replaced by a warm reserve in iteration %d: %s",
+                ctx.rank,
+                ctx.initial_rank,
+                ctx.iteration,
+                reason,
+            )
+    else:
+        try:
+            ctx.store.wait([key], datetime.timedelta(seconds=wait))
+        except Exception as exc:  # the store's timeout: the deciding rank is gone
+            log.warning("rank %d: no demotion decision for rank %d: %r", ctx.rank, rank, exc)
+            return False
+        granted = ctx.store.get(key) == b"yes"
+    if not granted:
+        return False
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)  # the RestartInterrupt lands between two sleeps
+    if wait > 0:
+        log.error("rank %d: no restart within %.1f s of the demotion", ctx.rank, wait)
+    return True
+
+
+def _job_store(ctx: RestartContext) -> Any:
+    """The job's store under ``ctx.store`` (the wrapper builds ``ctx.store`` as a PrefixStore
+    of the iteration's user namespace over it; fault records live outside that namespace)."""
+    store = getattr(ctx.store, "underlying_store", None)
+    if store is None:
+        raise RuntimeError(
+            "replace_rank needs the restart context that @restartable built (its store "
+            f"is a PrefixStore over the job's store), not {type(ctx.store).__name__}"
+        )
+    return store

@@ -1,0 +1,190 @@
+"""Requests to an etcd cluster through etcd3gw, with failover between the cluster's endpoints.
+
+Every endpoint of the URL gets one ``etcd3gw`` client (HTTP/JSON to etcd's gRPC gateway,
+``/v3/``). A request that fails because its endpoint is down, times out, or has no leader for a
+moment is retried on the next endpoint, with a short backoff, until the caller's deadline; any
+other answer (a malformed request, no v3 API) is an ``EtcdStoreError`` at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
+from inprocess.etcd.url import EtcdAddress
+
+if TYPE_CHECKING:
+    from etcd3gw.client import Etcd3Client
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+API_PATH = "/v3/"  # etcd >= 3.4; 3.3's /v3beta/ gateway is not supported (ours needs 3.4's)
+# Backoff between two attempts after an endpoint error: first retry at once on the next
+# endpoint (a killed member answers "connection refused" in microseconds), then wait a little so
+# that an election (~1 s with etcd's defaults) is not flooded with requests.
+_BACKOFF_FIRST_S = 0.0
+_BACKOFF_MAX_S = 0.2
+
+
+class Transient(Exception):
+    """An endpoint-level failure worth retrying elsewhere (wraps the library's error)."""
+
+
+def _client_module() -> Any:
+    try:
+        # Not `import etcd3gw.client`: the package's `client` function shadows the module.
+        return importlib.import_module("etcd3gw.client")
+    except ImportError as exc:
+        raise EtcdStoreError(
+            "the etcd store needs the etcd3gw package: pip install 'restartable[etcd]'"
+        ) from exc
+
+
+class Endpoints:
+    """The clients of every endpoint of one cluster, and the one in use (thread-safe).
+
+    ``request_timeout`` bounds one HTTP request (a member that hangs instead of refusing is left
+    after this long). Constructed by ``EtcdStore``; ``call`` is its only way to the cluster.
+    """
+
+    def __init__(self, address: EtcdAddress, *, request_timeout: float) -> None:
+        mod = _client_module()
+        self.address = address
+        self.request_timeout = request_timeout
+        self._clients: list[Etcd3Client] = [
+            mod.Etcd3Client(
+                host=h,
+                port=p,
+                timeout=request_timeout,
+                api_path=API_PATH,
+                session=_bounded_session(request_timeout),
+            )
+            for h, p in address.endpoints
+        ]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.session.close()
+
+    def current(self) -> tuple[int, Etcd3Client]:
+        """The endpoint in use (its index, for ``fail_over``) and its client."""
+        with self._lock:
+            return self._current, self._clients[self._current]
+
+    def fail_over(self, index: int) -> None:
+        """Move on from endpoint ``index`` (unless another thread already did)."""
+        with self._lock:
+            if self._current == index:
+                self._current = (index + 1) % len(self._clients)
+
+    def call(self, what: str, op: Callable[[Etcd3Client], T], *, deadline: float) -> T:
+        """Run ``op`` against a live endpoint; retry on the next endpoint until ``deadline``
+        (``time.monotonic()`` seconds). ``op`` must be safe to repeat (the store makes its
+        non-idempotent writes so). Raises ``EtcdTimeoutError`` naming every endpoint, the
+        bound and the last error; ``EtcdStoreError`` for a non-transient refusal."""
+        backoff = _BACKOFF_FIRST_S
+        tried = 0
+        while True:
+            index, client = self.current()
+            try:
+                return classify(functools.partial(op, client))
+            except Transient as exc:
+                last = exc
+                log.debug("etcd %s on %s failed: %s", what, self.address.endpoints[index], exc)
+                self.fail_over(index)
+                tried += 1
+            now = time.monotonic()
+            if now >= deadline:
+                raise EtcdTimeoutError(
+                    f"etcd {what}: no endpoint of {self.address.describe()} answered within the "
+                    f"timeout ({tried} attempts; last error: {last}): check that the etcd "
+                    "cluster is up and reachable, or raise the store timeout"
+                ) from last.__cause__
+            if tried % len(self._clients) == 0:  # a full round failed: back off
+                time.sleep(min(backoff, deadline - now))
+                backoff = min(max(2 * backoff, 0.01), _BACKOFF_MAX_S)
+
+    def probe(self, *, deadline: float) -> None:
+        """Check that some endpoint is an etcd with the v3 API (one status request).
+
+        Raises ``EtcdStoreError`` when an endpoint answers but without the v3 API (an etcd
+        older than 3.4, or not etcd at all), ``EtcdTimeoutError`` when none answers."""
+        self.call("status (v3 API check)", _status, deadline=deadline)
+
+
+# How long a watch stream may stay silent before the client gives it up; the store re-arms its
+# watches more often than this (store._WATCH_SLICE_S), so only a hung member reaches it.
+WATCH_IDLE_S = 5.0
+
+
+def _bounded_session(request_timeout: float) -> Any:
+    """A requests session whose every request is bounded, the library's watch creation too.
+
+    etcd3gw passes its timeout to unary requests but opens watch streams without one: a member
+    that accepts the connection and then hangs would block a waiter forever.
+    """
+    import requests
+    from requests.adapters import HTTPAdapter
+
+    class _Bounded(HTTPAdapter):
+        def send(self, request: Any, **kw: Any) -> Any:  # type: ignore[override]
+            if kw.get("timeout") is None:
+                kw["timeout"] = (request_timeout, WATCH_IDLE_S)
+            return super().send(request, **kw)
+
+    session = requests.Session()
+    # No proxy variables or ~/.netrc for cluster-internal endpoints: looking them up on every
+    # request cost 0.4-1.2 ms of a ~2 ms call (measured, benchmarks/store_etcd.py's setup).
+    session.trust_env = False
+    session.mount("http://", _Bounded())
+    session.mount("https://", _Bounded())
+    return session
+
+
+def _status(client: Etcd3Client) -> None:
+    result = client.post(client.get_url("/maintenance/status"), json={})
+    if not isinstance(result, dict) or "header" not in result:
+        raise EtcdStoreError(
+            f"{client.base_url} answered the v3 status request with {result!r}: it is not an "
+            "etcd with the v3 API (etcd >= 3.4 needed)"
+        )
+
+
+def classify(fn: Callable[[], T]) -> T:
+    """Run ``fn``; turn the library's endpoint-level failures into ``Transient`` and every other
+    refusal into ``EtcdStoreError``."""
+    import requests
+    from etcd3gw import exceptions as ex
+
+    try:
+        return fn()
+    except ex.WatchTimedOut:
+        raise
+    except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as e:
+        # 503 (no leader, member stopping), 504/408 (timeouts), 500 (leader changed mid-request)
+        raise Transient(_brief(e)) from e
+    except requests.exceptions.RequestException as e:  # raised unwrapped by watch creation
+        raise Transient(_brief(e)) from e
+    except ex.Etcd3Exception as e:
+        text = _brief(e)
+        if "404" in text or "not found" in text.lower():
+            raise EtcdStoreError(
+                f"etcd answered {text}: no v3 API (gRPC gateway at {API_PATH}) there; "
+                "the etcd store needs etcd >= 3.4 with the v3 API enabled"
+            ) from e
+        raise EtcdStoreError(f"etcd refused the request: {text}") from e
+
+
+def _brief(exc: BaseException) -> str:
+    text = " ".join(str(a) for a in exc.args) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:300]}"

@@ -1,0 +1,419 @@
+"""``EtcdStore``: a ``torch.distributed.Store`` whose keys live in an etcd v3 cluster.
+
+Semantics follow c10d's ``TCPStore``: ``get`` and ``wait`` block until their keys exist (at most
+the store's ``timeout``), ``add`` is an atomic counter, ``compare_set`` with an empty expected
+value means "set if absent". Waits use an etcd watch that starts at the revision of the read
+that found the key missing, so no write between the read and the watch is missed.
+
+Keys of a job live under ``restartable/jobs/<prefix>/k/``: a new job with another prefix never
+sees a key of an earlier one, and ``delete_all()`` removes a finished job's keys in one request.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from inprocess.errors import ConfigError
+from inprocess.etcd.endpoints import Endpoints, Transient, classify
+from inprocess.etcd.errors import EtcdTimeoutError
+from inprocess.etcd.url import EtcdAddress, check_prefix, parse_url
+
+if TYPE_CHECKING:
+    from etcd3gw.client import Etcd3Client
+
+log = logging.getLogger(__name__)
+
+ROOT = "restartable/jobs/"
+# A watch is re-armed this often while a wait goes on: a watch whose member died ends silently
+# in etcd3gw, so this bounds the stall a lost member adds to a waiter (the issue's "short
+# stall"), at the cost of one range + one watch request per waiter per period.
+_WATCH_SLICE_S = 1.0
+DEFAULT_TIMEOUT_S = 300.0  # c10d's default store timeout
+# One request's bound before the next endpoint is tried. A follower that lost its leader holds a
+# write until a new leader is elected or this passes; a request itself takes milliseconds.
+# Retrying early is safe (writes are guarded, see _guarded_txn).
+DEFAULT_REQUEST_TIMEOUT_S = 1.0
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """A c10d store on an etcd v3 cluster (every member of ``url`` tried; see the module doc).
+
+    ``url``: ``etcd://host:port[,host:port...][/prefix]``. ``prefix``: the job's namespace (a
+    job id); required here or in the URL. ``timeout``: bound of every call, blocking ``get`` and
+    ``wait`` included (c10d's ``set_timeout`` changes it). ``request_timeout``: bound of one
+    HTTP request before the next endpoint is tried. Connecting checks (one request) that some
+    endpoint is an etcd with the v3 API; raises ``ConfigError`` for a bad URL or prefix,
+    ``EtcdTimeoutError`` when no endpoint answers within ``timeout``, ``EtcdStoreError`` when
+    one answers without the v3 API. Safe to use from several threads; ``close()`` releases the
+    HTTP connections.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        connect_timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        address = parse_url(url)
+        prefix = prefix if prefix is not None else address.prefix
+        if not prefix:
+            raise ConfigError(
+                f"EtcdStore({url!r}) has no job prefix: pass prefix= (for example the job id) "
+                "or end the URL with /<job-id>; it keeps this job's keys apart from others'"
+            )
+        checked = check_prefix(prefix, where="EtcdStore prefix")
+        for name, value in (("timeout", timeout), ("request_timeout", request_timeout)):
+            if not value > 0:
+                raise ConfigError(
+                    f"EtcdStore {name} ({value}) must be > 0 seconds: pass a positive duration"
+                )
+        self.address = EtcdAddress(address.endpoints, checked)
+        self.prefix = checked
+        self._root = f"{ROOT}{checked}/"
+        self._data = self._root + "k/"
+        self._endpoints = Endpoints(address, request_timeout=min(request_timeout, timeout))
+        self.set_timeout(datetime.timedelta(seconds=timeout))
+        # Guard of non-idempotent writes (add, append): see _guarded_txn.
+        self._guard_key = f"{self._root}ops/{uuid.uuid4().hex}"
+        self._seq = itertools.count(1)
+        self._seq_lock = threading.Lock()
+        bound = timeout if connect_timeout is None else connect_timeout
+        self._endpoints.probe(deadline=time.monotonic() + bound)
+
+    # ----- plumbing ----------------------------------------------------------------------------
+
+    def _deadline(self, timeout: datetime.timedelta | None = None) -> float:
+        t = self.timeout if timeout is None else timeout  # type: ignore[attr-defined]
+        return time.monotonic() + t.total_seconds()
+
+    def _k(self, key: str | bytes) -> bytes:
+        return self._data.encode() + _bytes(key)
+
+    def _call(self, what: str, op: Callable[[Etcd3Client], Any], deadline: float) -> Any:
+        return self._endpoints.call(what, op, deadline=deadline)
+
+    def _txn(self, payload: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
+        return self._call(what, lambda c: c.transaction(payload), deadline)
+
+    def _range(self, key: bytes, deadline: float) -> tuple[dict[str, Any] | None, int]:
+        """The key's kv (None when absent) and the revision the read saw."""
+        r = self._call(
+            "get",
+            lambda c: c.post(c.get_url("/kv/range"), json={"key": _b64(key)}),
+            deadline,
+        )
+        kvs = r.get("kvs") or []
+        return (kvs[0] if kvs else None), int(r["header"]["revision"])
+
+    def _next_seq(self) -> int:
+        with self._seq_lock:
+            return next(self._seq)
+
+    def _guarded_txn(
+        self, build: Callable[[int], dict[str, Any]], deadline: float, what: str
+    ) -> tuple[dict[str, Any] | None, bytes | None]:
+        """Run the transaction ``build(seq)`` once, even across a lost response.
+
+        ``build`` adds to its success branch a put of this client's guard key with value
+        ``"<seq>:<result>"``. If a request fails after etcd may have committed it (the member
+        died before answering, or committed it after this client's request timeout), the guard
+        tells whether it did: then this returns ``(None, result)`` instead of applying the write
+        twice (a counter of a barrier counted twice would release it early). Otherwise returns
+        ``(response, None)``; the first failure response is the caller's own read.
+        """
+        seq = self._next_seq()
+        payload = build(seq)
+        guard = _b64(self._guard_key.encode())
+        # The failure branch also reads the guard: an earlier attempt that etcd committed late
+        # (after this client gave up on it) makes the compare fail, and must not be taken for
+        # another writer's change.
+        payload["failure"] = [*payload["failure"], {"request_range": {"key": guard}}]
+        tag = f"{seq}:".encode()
+        attempts = 0
+
+        def applied(kvs: list[dict[str, Any]] | None) -> bytes | None:
+            value = base64.b64decode(kvs[0].get("value", "")) if kvs else b""
+            return value[len(tag) :] if value.startswith(tag) else None
+
+        def attempt(c: Etcd3Client) -> tuple[dict[str, Any] | None, bytes | None]:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:  # an earlier attempt failed, maybe after etcd committed it
+                r = c.post(c.get_url("/kv/range"), json={"key": guard})
+                done = applied(r.get("kvs"))
+                if done is not None:
+                    return None, done
+            resp: dict[str, Any] = dict(c.transaction(payload))
+            if not resp.get("succeeded"):
+                responses: list[dict[str, Any]] = resp.get("responses") or []
+                last = responses[-1].get("response_range", {}) if responses else {}
+                done = applied(last.get("kvs"))
+                if done is not None:
+                    return None, done
+            return resp, None
+
+        return self._call(what, attempt, deadline)
+
+    def _guard_put(self, seq: int, result: bytes) -> dict[str, Any]:
+        return {
+            "request_put": {
+                "key": _b64(self._guard_key.encode()),
+                "value": _b64(f"{seq}:".encode() + result),
+            }
+        }
+
+    # ----- c10d Store API ----------------------------------------------------------------------
+
+    def set(self, key: str, value: str | bytes) -> None:
+        k, v = _b64(self._k(key)), _b64(_bytes(value))
+        self._call(
+            "set",
+            lambda c: c.post(c.get_url("/kv/put"), json={"key": k, "value": v}),
+            self._deadline(),
+        )
+
+    def get(self, key: str) -> bytes:
+        """The key's value; blocks until it exists (at most the store's timeout)."""
+        deadline = self._deadline()
+        while True:
+            kv, revision = self._range(self._k(key), deadline)
+            if kv is not None:
+                return base64.b64decode(kv.get("value", ""))
+            value = self._wait_one(key, revision, deadline, self.timeout.total_seconds())  # type: ignore[attr-defined]
+            if value is not None:
+                return value
+
+    def add(self, key: str, value: int) -> int:
+        """Add ``value`` to the integer at ``key`` (0 when absent); return the new value."""
+        n = int(value)
+        return int(self._update(key, lambda old: str(int(old or b"0") + n).encode(), "add", True))
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the key's bytes (creating it); atomic, like ``add``."""
+        tail = _bytes(value)
+        self._update(key, lambda old: (old or b"") + tail, "append", False)
+
+    def _update(
+        self, key: str, modify: Callable[[bytes | None], bytes], what: str, record: bool
+    ) -> bytes:
+        """Atomically replace the key's value ``old`` (None: absent) by ``modify(old)``.
+
+        One transaction when the key is absent, else a compare-and-swap on the key's mod
+        revision: a failed compare returns the current value in the same round trip, and the
+        loop retries with it (contention costs one more). Applied once even across a lost
+        answer (``_guarded_txn``); ``record``: the guard keeps the new value so that a retry can
+        return it (``add``'s result). Returns the value written (``b""`` for a retry that found
+        an unrecorded write already applied).
+        """
+        k = _b64(self._k(key))
+        deadline = self._deadline()
+        mod, old = 0, None  # guess: absent (etcd compares a missing key's mod revision as 0)
+        while True:
+            body = modify(old)
+
+            def build(seq: int, m: int = mod, body: bytes = body) -> dict[str, Any]:
+                return {
+                    "compare": [{"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": m}],
+                    "success": [
+                        {"request_put": {"key": k, "value": _b64(body)}},
+                        self._guard_put(seq, body if record else b""),
+                    ],
+                    "failure": [{"request_range": {"key": k}}],
+                }
+
+            resp, done = self._guarded_txn(build, deadline, what)
+            if done is not None:
+                return done
+            assert resp is not None
+            if resp.get("succeeded"):
+                return body
+            kv = _failure_kv(resp)
+            mod = int(kv["mod_revision"]) if kv else 0
+            old = base64.b64decode(kv.get("value", "")) if kv else None
+            if time.monotonic() > deadline:
+                raise EtcdTimeoutError(
+                    f"etcd {what}({key!r}): the key kept changing under this client until the "
+                    "timeout: raise the store timeout"
+                )
+
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        """c10d semantics: set ``desired`` when the current value equals ``expected`` (an empty
+        ``expected`` matches an absent key) and return it; otherwise return the current value
+        (``expected`` when the key is absent). Repeating it after a lost answer is harmless."""
+        k = self._k(key)
+        expected, desired = _bytes(expected_value), _bytes(desired_value)
+        if expected:
+            compare: dict[str, Any] = {
+                "key": _b64(k),
+                "result": "EQUAL",
+                "target": "VALUE",
+                "value": _b64(expected),
+            }
+        else:
+            compare = {"key": _b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        payload = {
+            "compare": [compare],
+            "success": [{"request_put": {"key": _b64(k), "value": _b64(desired)}}],
+            "failure": [{"request_range": {"key": _b64(k)}}],
+        }
+        resp = self._txn(payload, self._deadline(), "compare_set")
+        if resp.get("succeeded"):
+            return desired
+        kv = _failure_kv(resp)
+        if kv is None:
+            return expected
+        current = base64.b64decode(kv.get("value", ""))
+        if not expected and current == b"":  # present but empty matches "" too (TCPStore)
+            self.set(key, desired)
+            return desired
+        return current
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists (one request, never blocks on absent keys)."""
+        if not keys:
+            return True
+        payload = {
+            "compare": [],
+            "success": [
+                {"request_range": {"key": _b64(self._k(k)), "count_only": True}} for k in keys
+            ],
+            "failure": [],
+        }
+        resp = self._txn(payload, self._deadline(), "check")
+        return all(
+            int(r.get("response_range", {}).get("count", 0)) > 0 for r in resp.get("responses", [])
+        )
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
+        """Block until every key exists; ``EtcdTimeoutError`` after ``timeout`` (default: the
+        store's timeout)."""
+        deadline = self._deadline(timeout)
+        bound = (self.timeout if timeout is None else timeout).total_seconds()  # type: ignore[attr-defined]
+        for key in keys:
+            while True:
+                kv, revision = self._range(self._k(key), deadline)
+                if kv is not None:
+                    break
+                if self._wait_one(key, revision, deadline, bound) is not None:
+                    break
+
+    def delete_key(self, key: str) -> bool:
+        k = _b64(self._k(key))
+        r = self._call(
+            "delete_key",
+            lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": k}),
+            self._deadline(),
+        )
+        return int(r.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        """How many keys this job holds (not counting the store's own bookkeeping)."""
+        start = self._data.encode()
+        payload = {"key": _b64(start), "range_end": _b64(_prefix_end(start)), "count_only": True}
+        r = self._call(
+            "num_keys", lambda c: c.post(c.get_url("/kv/range"), json=payload), self._deadline()
+        )
+        return int(r.get("count", 0))
+
+    # ----- beyond c10d -------------------------------------------------------------------------
+
+    def delete_all(self) -> int:
+        """Delete every key of this job (the end of a job; any rank may call it once all have
+        left). Returns how many keys were deleted. Other jobs' keys are untouched."""
+        start = self._root.encode()
+        payload = {"key": _b64(start), "range_end": _b64(_prefix_end(start))}
+        r = self._call(
+            "delete_all",
+            lambda c: c.post(c.get_url("/kv/deleterange"), json=payload),
+            self._deadline(),
+        )
+        return int(r.get("deleted", 0))
+
+    def close(self) -> None:
+        """Release the HTTP connections (idempotent); the keys stay (see ``delete_all``)."""
+        self._endpoints.close()
+
+    def __enter__(self) -> EtcdStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.address.describe()!r}, prefix={self.prefix!r})"
+
+    # ----- waiting -----------------------------------------------------------------------------
+
+    def _wait_one(self, key: str, revision: int, deadline: float, bound: float) -> bytes | None:
+        """Wait until ``key`` is put after ``revision``; return the value put, or None after one
+        watch slice or a failed watch (the caller reads again). ``EtcdTimeoutError`` once
+        ``deadline`` passed."""
+        from etcd3gw.exceptions import WatchTimedOut
+
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EtcdTimeoutError(
+                f"etcd store {self.address.describe()}: key {key!r} (prefix {self.prefix!r}) did "
+                f"not appear within the timeout ({bound:.3g} s)"
+            )
+        index, client = self._endpoints.current()
+        try:
+            event = classify(
+                lambda: client.watch_once(
+                    self._k(key),
+                    timeout=min(left, _WATCH_SLICE_S),
+                    start_revision=revision + 1,
+                    filters=["NODELETE"],
+                )
+            )
+        except WatchTimedOut:
+            return None
+        except Transient as exc:
+            log.debug("etcd watch on %s failed: %s", self.address.endpoints[index], exc)
+            self._endpoints.fail_over(index)
+            return None
+        # A put event (deletes are filtered out) carries the value: no second read needed.
+        value = event.get("kv", {}).get("value", b"")
+        return value if isinstance(value, bytes) else _bytes(value)
+
+
+def _failure_kv(resp: dict[str, Any]) -> dict[str, Any] | None:
+    """The kv read by a transaction's failure branch (None: the key is absent)."""
+    responses = resp.get("responses") or [{}]
+    kvs = responses[0].get("response_range", {}).get("kvs") or []
+    return kvs[0] if kvs else None
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key after every key that starts with ``prefix`` (etcd range_end)."""
+    b = bytearray(prefix)
+    while b:
+        if b[-1] < 0xFF:
+            b[-1] += 1
+            return bytes(b)
+        b.pop()
+    return b"\0"

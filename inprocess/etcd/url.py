@@ -1,0 +1,89 @@
+"""Parsing of ``etcd://host:port,host:port,.../prefix`` store URLs (pure, no I/O)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from inprocess.errors import ConfigError
+
+SCHEME = "etcd://"
+DEFAULT_PORT = 2379
+# A job prefix becomes part of every key: keep it to characters that need no escaping anywhere.
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+
+
+@dataclass(frozen=True)
+class EtcdAddress:
+    """Where the cluster is (``endpoints``, each ``(host, port)``, tried in order) and the job's
+    key prefix from the URL's path (None when the URL has none)."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str | None = None
+
+    def describe(self) -> str:
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    def to_url(self, prefix: str | None = None) -> str:
+        """The URL of these endpoints with ``prefix`` as its path (none when None)."""
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
+        return f"{SCHEME}{hosts}" + (f"/{prefix}" if prefix else "")
+
+
+def is_etcd_url(value: str) -> bool:
+    """True when ``value`` selects the etcd backend (starts with ``etcd://``)."""
+    return value.strip().lower().startswith(SCHEME)
+
+
+def parse_url(url: str) -> EtcdAddress:
+    """Parse ``etcd://host1:2379,host2:2379,host3[/prefix]`` (port 2379 when omitted; IPv6 hosts
+    in brackets). Raises ``ConfigError`` naming the URL, the bad part and the expected form."""
+    form = "expected etcd://host:port[,host:port...][/job-prefix]"
+    if not isinstance(url, str) or not is_etcd_url(url):
+        raise ConfigError(f"store URL ({url!r}) must start with {SCHEME}: {form}")
+    rest = url.strip()[len(SCHEME) :]
+    hosts, _, prefix = rest.partition("/")
+    if not hosts:
+        raise ConfigError(f"store URL ({url!r}) names no endpoint: {form}")
+    endpoints = tuple(_endpoint(url, part, form) for part in hosts.split(","))
+    prefix = prefix.strip("/")
+    if prefix:
+        check_prefix(prefix, where=f"store URL ({url!r}): the job prefix")
+    return EtcdAddress(endpoints=endpoints, prefix=prefix or None)
+
+
+def check_prefix(prefix: str, *, where: str = "prefix") -> str:
+    """Return ``prefix`` without outer slashes; ``ConfigError`` unless it is a non-empty run of
+    letters, digits, '.', '_', '-' with single '/' between them (``where`` names the field)."""
+    stripped = prefix.strip("/") if isinstance(prefix, str) else prefix
+    if not isinstance(stripped, str) or not _PREFIX_RE.match(stripped):
+        raise ConfigError(
+            f"{where} {prefix!r} must be non-empty and hold only letters, digits, '.', '_', '-' "
+            "and '/' between them: use the job id, for example 'job-4711'"
+        )
+    return stripped
+
+
+def _endpoint(url: str, part: str, form: str) -> tuple[str, int]:
+    part = part.strip()
+    if part.startswith("["):  # [v6::addr]:port
+        host, sep, port_s = part[1:].partition("]")
+        port_s = port_s[1:] if port_s.startswith(":") else port_s
+        if not sep or not host:
+            raise ConfigError(f"store URL ({url!r}): endpoint {part!r} is malformed: {form}")
+    else:
+        host, _, port_s = part.partition(":")
+    if not host or any(c in host for c in " @?#"):
+        raise ConfigError(f"store URL ({url!r}): endpoint {part!r} has no valid host: {form}")
+    if not port_s:
+        return host, DEFAULT_PORT
+    try:
+        port = int(port_s)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ConfigError(
+            f"store URL ({url!r}): endpoint {part!r} has port {port_s!r}, not a TCP port "
+            f"(1..65535): {form}"
+        )
+    return host, port

@@ -1,0 +1,278 @@
+"""How the launchers of one job agree on the job's rounds: the store each round's ranks use, and
+what happens when a round ends (an in-job restart, or the end of the job with a status).
+
+Keys live under ``launch/`` in the control store, hosted by node 0's launcher on
+``--master-port`` for the whole job (round 0's ranks use that store too; every later round gets a
+fresh store, so no key of an earlier round is ever read again):
+
+* ``launch/r{k}/port``      the port of round ``k``'s store (node 0 publishes it)
+* ``launch/r{k}/arrived``   launchers ready to start round ``k`` (all must arrive)
+* ``launch/r{k}/action``    what ends round ``k`` for every node: JSON ``{"kind": "restart" |
+                            "end", "status", "reason"}``; first writer wins
+* ``launch/r{k}/live/{n}``  processes node ``n`` still runs or will respawn
+* ``launch/beat/{n}``       node ``n``'s launcher was alive at this time.time() (while it runs)
+* ``launch/left/{n}``       node ``n``'s launcher is leaving (node 0 waits for the live ones)
+
+With ``--store etcd://...`` (``store_url``) the control store stays as above, but the ranks'
+store of round ``k`` is the etcd namespace ``job_prefix(url, job_id, round_=k)`` instead of a
+TCPStore: the launchers host no round store, every launcher opens its own etcd client of the
+round (``round_store_env`` tells the ranks which), and node 0 deletes the job's keys before
+round 0 (a requeued Slurm job keeps its job id) and when the job is over (``delete_job_keys``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from inprocess.autoresume import EXIT_REQUEUE
+
+log = logging.getLogger(__name__)
+
+
+class NodeLostError(Exception):
+    """Another launcher (a node) did not answer in time, or node 0's store is gone."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """What ends a round on every node: ``kind`` "restart" (round k+1 follows) or "end"."""
+
+    kind: str
+    status: int
+    reason: str
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "status": self.status, "reason": self.reason})
+
+    @classmethod
+    def from_json(cls, text: str) -> Action:
+        d = json.loads(text)
+        return cls(kind=d["kind"], status=int(d["status"]), reason=d["reason"])
+
+
+class JobControl:
+    """This launcher's side of the control store (node 0 hosts it; close() drops it).
+
+    Call order per round ``k``: ``open_round(k)`` (every launcher; blocks at most
+    ``node_timeout`` for the others) -> supervise -> ``request(k, ...)`` by whichever launcher
+    decides -> ``action(k)`` read by all. ``leave()`` once at the end.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_rank: int,
+        nnodes: int,
+        addr: str,
+        port: int | None,
+        node_timeout: float,
+        beat_stale: float = 5.0,
+        store_url: str | None = None,
+        job_id: str | None = None,
+    ) -> None:
+        import torch.distributed as dist
+
+        self.node_rank, self.nnodes, self.addr = node_rank, nnodes, addr
+        self.node_timeout = node_timeout
+        self.store_url, self.job_id = store_url, job_id
+        if store_url is not None and node_rank == 0:
+            self.delete_job_keys()  # before any rank of this job can exist: only stale keys
+        self.beat_stale = beat_stale  # a launcher silent this long is gone (same-host clocks)
+        self._round_stores: dict[int, Any] = {}
+        self.store: Any
+        if node_rank == 0:
+            # Outside every training process: losing any rank loses no coordination state.
+            self.store = dist.TCPStore(
+                "0.0.0.0", port or 0, is_master=True, wait_for_workers=False, use_libuv=True
+            )
+            self.port = int(self.store.port)
+        else:
+            assert port is not None
+            self.store = _client(addr, port, node_timeout)
+            self.port = port
+
+    # ----- rounds ----------------------------------------------------------------------------
+
+    def open_round(self, k: int) -> tuple[int, Any]:
+        """Meet every launcher for round ``k``; returns the round store's port and a client of
+        it. Raises ``NodeLostError`` when a launcher does not arrive within ``node_timeout``."""
+        try:
+            self.store.add(f"launch/r{k}/arrived", 1)
+            if self.node_rank == 0:
+                if self.store_url is not None:  # the ranks' store is on etcd; no server here
+                    round_store, port = self._etcd_round_store(k), self.port
+                else:
+                    round_store = self.store if k == 0 else self._new_round_store(k)
+                    port = int(round_store.port)
+                self.store.set(f"launch/r{k}/port", str(port))
+            deadline = time.monotonic() + self.node_timeout
+            while self.store.add(f"launch/r{k}/arrived", 0) < self.nnodes:
+                if time.monotonic() > deadline:
+                    n = self.store.add(f"launch/r{k}/arrived", 0)
+                    raise NodeLostError(
+                        f"only {n} of {self.nnodes} launchers arrived for round {k} within "
+                        f"--node-timeout ({self.node_timeout} s): a node is gone"
+                    )
+                time.sleep(0.05)
+            if self.node_rank != 0:
+                self.store.wait([f"launch/r{k}/port"], datetime.timedelta(seconds=30))
+                port = int(self.store.get(f"launch/r{k}/port"))
+                if self.store_url is not None:
+                    round_store = self._etcd_round_store(k)
+                else:
+                    round_store = self.store if k == 0 else _client(self.addr, port, 30.0)
+        except NodeLostError:
+            raise
+        except Exception as exc:
+            raise _store_lost(exc) from exc
+        return port, round_store
+
+    def _new_round_store(self, k: int) -> Any:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        # The previous round's processes are gone; its store goes (round 0's is the control).
+        self._round_stores.pop(k - 1, None)
+        self._round_stores[k] = store
+        return store
+
+    def _etcd_round_store(self, k: int) -> Any:
+        from inprocess.etcd.connect import open_store
+
+        assert self.store_url is not None
+        store = open_store(self.store_url, job_id=self.job_id, timeout=self.node_timeout, round_=k)
+        old = self._round_stores.pop(k - 1, None)
+        if old is not None:
+            old.close()
+        self._round_stores[k] = store
+        return store
+
+    def round_store_env(self, k: int) -> dict[str, str]:
+        """The ranks' store variables of round ``k``: none with the TCPStore; with etcd the
+        endpoints (INPROCESS_STORE) and the round's own key namespace (INPROCESS_JOB_ID), so a
+        restarted round never reads a key of an earlier one."""
+        if self.store_url is None:
+            return {}
+        from inprocess.etcd.connect import job_prefix
+        from inprocess.etcd.url import parse_url
+
+        return {
+            "INPROCESS_STORE": parse_url(self.store_url).to_url(),
+            "INPROCESS_JOB_ID": job_prefix(self.store_url, self.job_id, round_=k),
+        }
+
+    def delete_job_keys(self) -> None:
+        """Node 0, with etcd: delete every key of the job, all rounds (never raises)."""
+        if self.store_url is None:
+            return
+        from inprocess.etcd.connect import open_store
+
+        try:
+            with open_store(self.store_url, job_id=self.job_id, timeout=self.node_timeout) as s:
+                n = s.delete_all()
+            log.debug("deleted %d keys of job %s on etcd", n, s.prefix)
+        except Exception as exc:
+            log.warning("could not delete the job's keys on etcd (%s): %r", self.store_url, exc)
+
+    def request(self, k: int, action: Action) -> Action:
+        """Propose what ends round ``k``; returns the action that won (first writer)."""
+        key = f"launch/r{k}/action"
+        try:
+            self.store.compare_set(key, "", action.to_json())
+            return Action.from_json(self.store.get(key).decode())
+        except Exception as exc:
+            raise _store_lost(exc) from exc
+
+    def action(self, k: int) -> Action | None:
+        """The action that ends round ``k``, or None while it runs. Raises ``NodeLostError``."""
+        key = f"launch/r{k}/action"
+        try:
+            return (
+                Action.from_json(self.store.get(key).decode()) if self.store.check([key]) else None
+            )
+        except Exception as exc:
+            raise _store_lost(exc) from exc
+
+    def report_live(self, k: int, n: int) -> None:
+        """Node's processes still running in round ``k`` (live or due for respawn); also this
+        launcher's heartbeat. Raises ``NodeLostError`` when the control store is gone."""
+        try:
+            self.store.set(f"launch/r{k}/live/{self.node_rank}", str(n))
+            self.store.set(f"launch/beat/{self.node_rank}", repr(time.time()))
+        except Exception as exc:
+            raise _store_lost(exc) from exc
+
+    def job_gone(self, k: int) -> bool:
+        """True when every node reported no process left in round ``k``."""
+        keys = [f"launch/r{k}/live/{n}" for n in range(self.nnodes)]
+        try:
+            if not self.store.check(keys):
+                return False
+            return all(int(self.store.get(key)) == 0 for key in keys)
+        except Exception as exc:
+            raise _store_lost(exc) from exc
+
+    def leave(self) -> None:
+        """This launcher is done; node 0 waits (at most ``node_timeout``) for the others that
+        are still alive (their beat is fresher than ``beat_stale``), so its store outlives every
+        reader."""
+        try:
+            self.store.set(f"launch/left/{self.node_rank}", "1")
+            if self.node_rank != 0:
+                return
+            deadline = time.monotonic() + self.node_timeout
+            waiting = list(range(1, self.nnodes))
+            while waiting and time.monotonic() < deadline:
+                waiting = [n for n in waiting if self._still_there(n)]
+                time.sleep(0.05)
+        except Exception as exc:
+            log.debug("leaving the control store: %r", exc)
+
+    def _still_there(self, node: int) -> bool:
+        if self.store.check([f"launch/left/{node}"]):
+            return False
+        beat = f"launch/beat/{node}"
+        if not self.store.check([beat]):
+            return True  # not started yet: the deadline bounds the wait
+        return time.time() - float(self.store.get(beat)) < self.beat_stale
+
+    def close(self) -> None:
+        """Drop the stores (node 0: the servers stop)."""
+        for store in self._round_stores.values():
+            if self.store_url is not None:
+                store.close()
+        self._round_stores.clear()
+        self.store = None
+
+
+def restart_or_end(k: int, *, max_restarts: int, reason: str) -> Action:
+    """The proposal after the in-process path of round ``k`` stopped: restart while the budget
+    (``--max-restarts``) lasts, else end the job asking for a requeue."""
+    if k < max_restarts:
+        return Action("restart", 0, reason)
+    return Action(
+        "end",
+        EXIT_REQUEUE,
+        f"{reason}; in-job restarts exhausted ({k} of --max-restarts {max_restarts})",
+    )
+
+
+def _store_lost(exc: BaseException) -> NodeLostError:
+    return NodeLostError(f"the control store (node 0's launcher) is gone: {exc}")
+
+
+def _client(addr: str, port: int, timeout: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        addr,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )

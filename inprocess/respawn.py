@@ -1,0 +1,155 @@
+"""The job-level keys the launcher and the ranks share: a respawned process joining the reserve
+pool, the current iteration, and how the in-process path ended (done or stopped).
+
+Keys (under ``restartable/``, next to ``inprocess.store``'s): ``iteration`` (the iteration the
+ranks are in), ``joiners`` (respawned identities that are ready to wait as reserves, appended),
+``stopped`` (why the in-process path gave up; first writer wins). The launcher
+(``inprocess.supervisor``) reads them to choose between a respawn and an in-job restart.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from inprocess import store as keys
+from inprocess.errors import RestartAbortedError, StoreTimeoutError
+from inprocess.policy import Decision
+from inprocess.ranks import Assignment
+
+log = logging.getLogger(__name__)
+
+ITERATION_KEY = keys.ROOT + "iteration"
+JOINERS_KEY = keys.ROOT + "joiners"
+STOPPED_KEY = keys.ROOT + "stopped"
+INIT_DONE_KEY = keys.ROOT + "init/go"  # released by the initial barrier: the job is restartable
+# The iteration a respawned process's watchdog reports for until it is admitted: no rank ever
+# reaches it, so a report there only marks the process gone (``store.GONE_KEY``).
+PARKED_ITERATION = 2**31 - 1
+
+JOB_NOT_STARTED = "not_started"  # no rank passed the initial barrier (yet): not a @restartable job
+JOB_RUNNING = "running"
+JOB_DONE = "done"
+JOB_STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A respawned process's place in the job: it takes part from ``iteration`` on, with the
+    roles of ``assignment``; ``decisions`` are every earlier restart decision, oldest first (the
+    history every rank keeps, so this one decides like the others)."""
+
+    iteration: int
+    assignment: Assignment
+    decisions: tuple[Decision, ...]
+
+
+def announce_iteration(store: keys.StoreLike, iteration: int) -> None:
+    """Every rank, at the start of each iteration: where a newcomer starts looking."""
+    store.set(ITERATION_KEY, str(iteration))
+
+
+def current_iteration(store: keys.StoreLike) -> int:
+    """The iteration the ranks last announced (0 before the first); never blocks."""
+    return int(store.get(ITERATION_KEY)) if store.check([ITERATION_KEY]) else 0
+
+
+def register_joiner(store: keys.StoreLike, identity: int) -> None:
+    """A respawned process is connected and ready: the next restart decision may admit it."""
+    store.append(JOINERS_KEY, f"{identity},")
+
+
+def registered_joiners(store: keys.StoreLike) -> set[int]:
+    """Every respawned identity that ever registered (alive or not); never blocks."""
+    if not store.check([JOINERS_KEY]):
+        return set()
+    return {int(x) for x in store.get(JOINERS_KEY).decode().split(",") if x}
+
+
+def ready_joiners(store: keys.StoreLike) -> set[int]:
+    """Registered respawned identities whose process is not known to be gone; never blocks."""
+    return registered_joiners(store) - keys.gone_ranks(store)
+
+
+def mark_gone(store: keys.StoreLike, identity: int) -> None:
+    """The launcher saw ``identity``'s process exit: no barrier or decision waits for it.
+
+    Unlike a watchdog's report this ends no iteration: a respawned process that dies before it
+    is admitted (a crash loop) must not interrupt the ranks that train.
+    """
+    store.append(keys.GONE_KEY, f"{identity},")
+
+
+def mark_stopped(store: keys.StoreLike, reason: str) -> None:
+    """The in-process path gave up (``RestartAbortedError``, a barrier timeout): the launcher
+    restarts the job in place. First writer wins; never blocks."""
+    store.compare_set(STOPPED_KEY, "", reason[:2000])
+
+
+def job_state(store: keys.StoreLike) -> str:
+    """``JOB_NOT_STARTED``, ``JOB_RUNNING``, ``JOB_DONE`` or ``JOB_STOPPED``; never blocks."""
+    if store.check([STOPPED_KEY]):
+        return JOB_STOPPED
+    if not store.check([INIT_DONE_KEY]):
+        return JOB_NOT_STARTED
+    return (
+        JOB_DONE
+        if keys.outcome(store, current_iteration(store)) == keys.OUTCOME_DONE
+        else (JOB_RUNNING)
+    )
+
+
+def stop_reason(store: keys.StoreLike) -> str | None:
+    """Why the in-process path stopped, or None."""
+    return store.get(STOPPED_KEY).decode() if store.check([STOPPED_KEY]) else None
+
+
+def wait_admission(
+    store: keys.StoreLike,
+    *,
+    identity: int,
+    decision_timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> Admission | None:
+    """Called once by a respawned process after ``register_joiner``: wait until a restart
+    decision puts ``identity`` in the reserve pool (or the active set).
+
+    Returns None when the job finishes first. Blocks while the ranks train (the next restart
+    admits it); each decision is awaited at most ``decision_timeout`` seconds once its
+    iteration faulted (``StoreTimeoutError``). Raises ``RestartAbortedError`` when the job stops.
+    """
+    it = current_iteration(store)
+    while True:
+        if keys.wait_outcome(store, it, timeout=None, clock=clock) == keys.OUTCOME_DONE:
+            return None
+        decision = Decision.from_json(_wait_get(store, _go_key(it), decision_timeout, clock))
+        if decision.stop is not None or decision.assignment is None:
+            raise RestartAbortedError(decision.stop or "no assignment")
+        a = decision.assignment
+        if identity in a.active or identity in a.reserve:
+            earlier = tuple(
+                Decision.from_json(store.get(_go_key(k)).decode()) for k in range(it + 1)
+            )
+            return Admission(iteration=it + 1, assignment=a, decisions=earlier)
+        it += 1  # registered after this decision was taken: the next one admits it
+
+
+def _go_key(iteration: int) -> str:
+    return keys.iteration_prefix(iteration) + "restart/go"
+
+
+def _wait_get(store: keys.StoreLike, key: str, timeout: float, clock: Callable[[], float]) -> str:
+    deadline = clock() + timeout
+    while not store.check([key]):
+        left = deadline - clock()
+        if left <= 0:
+            raise StoreTimeoutError(f"{key} was not published within {timeout} s")
+        try:
+            store.wait([key], datetime.timedelta(seconds=min(left, 1.0)))
+        except Exception as exc:
+            if "timeout" not in str(exc).lower() and not isinstance(exc, TimeoutError):
+                raise
+    return store.get(key).decode()

@@ -1,0 +1,183 @@
+"""Rank script for the launcher-recovery tests: a small all_reduce loop under ``@restartable``
+that checkpoints to a JSON file, resumes from it on every call of ``train()`` (in-process
+restart, respawn, in-job restart alike), and loses processes on cue.
+
+    python -m inprocess.launch ... tests/dist/workers_launcher_recovery.py '<json options>'
+    python tests/dist/workers_launcher_recovery.py two_nodes '<json options>'   # test driver
+
+Files in ``dir``: ``ckpt.json`` (the newest checkpoint, written by ctx.rank 0 with a rename),
+``steps.jsonl`` (ctx.rank 0: one line per finished step, with its pid), ``kills.jsonl`` (one line
+per planned SIGKILL, written just before it), ``result.<identity>.json`` (train's return value).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _append(path: Path, line: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def clean_loss(steps: int, world: int) -> float:
+    """The final value of ``total`` in a run without faults."""
+    return float(sum(world * (s + 1) for s in range(steps)))
+
+
+def _waiting_joiners(active: tuple[int, ...]) -> int:
+    """Respawned processes registered, alive and not active: the refilled part of the pool."""
+    from inprocess import respawn
+    from inprocess.store_server import client
+
+    store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
+    return len(respawn.ready_joiners(store) - set(active))
+
+
+def main(opts: dict[str, Any]) -> None:
+    """``opts``: dir, steps, step_time, ckpt_every, config (RestartConfig keywords),
+    kills ([{iteration, rank, step}]: SIGKILL ctx.rank at that step, waiting first until a
+    respawned process waits in the pool when ``refill``), raise_at ({step, rank, once}: raise at
+    that step), crash_respawned (a respawned process exits 3 at start-up), plain (no
+    ``@restartable``: one process group from the environment, as under torchrun)."""
+    if opts.get("crash_respawned") and os.environ.get("INPROCESS_RESPAWN_GENERATION"):
+        print("respawned process crashes at start-up (simulated bad environment)", flush=True)
+        sys.exit(3)
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from inprocess import restartable
+    from inprocess.context import context
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    d = Path(opts["dir"])
+    ckpt = d / "ckpt.json"
+
+    def train() -> dict[str, Any]:
+        ctx: Any = _PlainContext() if opts.get("plain") else context()
+        state = json.loads(ckpt.read_text()) if ckpt.exists() else {"step": -1, "total": 0.0}
+        total = float(state["total"])
+        for step in range(state["step"] + 1, opts["steps"]):
+            ctx.step = step
+            time.sleep(opts.get("step_time", 0.0))
+            for k in opts.get("kills", []):
+                if (k["iteration"], k["rank"], k["step"]) == (ctx.iteration, ctx.rank, step):
+                    waiting = 0
+                    if k.get("refill"):
+                        end = time.monotonic() + 60
+                        while (waiting := _waiting_joiners(ctx.active_ranks)) < 1:
+                            assert time.monotonic() < end, "no respawned process joined in 60 s"
+                            time.sleep(0.05)
+                    _append(d / "kills.jsonl", {**k, "identity": ctx.initial_rank,
+                                                "waiting_joiners": waiting, "pid": os.getpid(),
+                                                "time": time.time()})  # fmt: skip
+                    os.kill(os.getpid(), signal.SIGKILL)
+            r = opts.get("raise_at")
+            if r and (r["step"], r["rank"]) == (step, ctx.rank):
+                marker = d / "raised"
+                if not (r.get("once") and marker.exists()):
+                    marker.write_text(repr(time.time()))
+                    raise RuntimeError(f"simulated bug at step {step}")
+            t = torch.full((1,), float(step + 1))
+            dist.all_reduce(t)
+            total += t.item()
+            if ctx.rank == 0:
+                _append(d / "steps.jsonl", {"step": step, "pid": os.getpid(), "time": time.time(),
+                                            "iteration": ctx.iteration})  # fmt: skip
+                if (step + 1) % opts.get("ckpt_every", 1) == 0:
+                    tmp = d / f"ckpt.{os.getpid()}.tmp"
+                    tmp.write_text(json.dumps({"step": step, "total": total}))
+                    os.replace(tmp, ckpt)
+        return {"total": total, "world_size": ctx.world_size, "initial_rank": ctx.initial_rank}
+
+    if opts.get("plain"):
+        # torchrun's agent store keeps the keys of earlier attempts: a group built on them after
+        # a restart reads its dead predecessors' addresses. A prefix per attempt avoids that.
+        import datetime
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"attempt{attempt}", agent),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+        result = train()
+        dist.destroy_process_group()
+    else:
+        result = restartable(**opts["config"])(train)()
+    if result is not None:
+        (d / f"result.{result['initial_rank']}.json").write_text(json.dumps(result))
+
+
+class _PlainContext:
+    """What the loop reads from ``inprocess.context()``, for a run without ``@restartable``."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.iteration = 0
+        self.rank = self.initial_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.active_ranks = tuple(range(self.world_size))
+        self.step: int | None = None
+
+
+def two_nodes(opts: dict[str, Any]) -> int:
+    """Test driver: two launchers playing two nodes of ``nproc`` ranks on this machine; once
+    ``kill_after_step`` is logged, SIGKILL node 1's launcher; print node 0's output and return
+    its status (node 1's output goes to ``dir/node1.log``)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = Path(opts["dir"])
+    procs, logs = [], []
+    for node in (0, 1):
+        log = open(d / f"node{node}.log", "wb")  # noqa: SIM115 - closed below
+        logs.append(log)
+        cmd = [
+            sys.executable, "-m", "inprocess.launch", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc-per-node", str(opts["nproc"]), "--master-port", str(port),
+            *opts["launcher_args"], __file__, json.dumps(opts["job"]),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    steps = d / "steps.jsonl"
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        lines = steps.read_text().splitlines() if steps.exists() else []
+        if any(json.loads(x)["step"] >= opts["kill_after_step"] for x in lines):
+            break
+        time.sleep(0.05)
+    procs[1].kill()
+    procs[1].wait()
+    try:
+        rc = procs[0].wait(opts.get("deadline", 90))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
+    sys.stdout.write((d / "node0.log").read_text())
+    return rc
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "two_nodes":
+        sys.exit(two_nodes(json.loads(sys.argv[2])))
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,130 @@
+"""Issue 14, single process: the autoresume flag, the restart-or-end rule, the launcher's flag
+checks, and the admission of a respawned process on an in-memory store (HashStore)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from inprocess import autoresume, respawn
+from inprocess import store as keys
+from inprocess.errors import RestartAbortedError
+from inprocess.job_control import restart_or_end
+from inprocess.launch import parse_args, rank_env
+from inprocess.policy import Decision
+from inprocess.ranks import Assignment
+
+
+def test_flag_written_for_requeue_while_retries_remain(tmp_path: Path) -> None:
+    flag = tmp_path / "f.json"
+    assert autoresume.settle(str(flag), status=75, reason="node gone", attempt=1, max_retries=2)
+    data = json.loads(flag.read_text())
+    assert (data["status"], data["attempt"], data["retries_left"]) == (75, 1, 0)
+    assert autoresume.attempt_number(str(flag), environ={}) == 2  # the next attempt
+    assert autoresume.attempt_number(str(flag), environ={"SLURM_RESTART_COUNT": "5"}) == 5
+    # No retry left: the stale flag goes, the job is not requeued again.
+    assert not autoresume.settle(str(flag), status=75, reason="x", attempt=2, max_retries=2)
+    assert not flag.exists()
+
+
+@pytest.mark.parametrize("status", [0, 17, 1])
+def test_finished_or_invalid_job_removes_the_flag(tmp_path: Path, status: int) -> None:
+    flag = tmp_path / "f.json"
+    flag.write_text("{}")
+    assert not autoresume.settle(str(flag), status=status, reason="r", attempt=0, max_retries=2)
+    assert not flag.exists()
+
+
+def test_restart_while_budget_lasts_then_requeue() -> None:
+    assert restart_or_end(0, max_restarts=2, reason="r").kind == "restart"
+    assert restart_or_end(1, max_restarts=2, reason="r").kind == "restart"
+    end = restart_or_end(2, max_restarts=2, reason="stopped")
+    assert (end.kind, end.status) == ("end", autoresume.EXIT_REQUEUE)
+    assert "in-job restarts exhausted (2 of --max-restarts 2)" in end.reason
+    assert restart_or_end(0, max_restarts=0, reason="r").kind == "end"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-respawns", "-1"], "--max-respawns (-1) must be >= 0"),
+        (["--max-restarts", "-2"], "--max-restarts (-2) must be >= 0"),
+        (["--monitor-interval", "0"], "--monitor-interval (0.0) must be > 0"),
+        (["--simulated-fault-rank", "5"], "--simulated-fault-rank (5) must be in [0, 2)"),
+    ],
+)
+def test_bad_launcher_flags_name_the_flag_and_value(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc-per-node", "2", *flags, "train.py"])
+    assert message in capsys.readouterr().err
+
+
+def test_respawned_process_keeps_its_slot_rank_and_gets_a_generation() -> None:
+    args = parse_args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "t.py"])
+    env = rank_env(args, 1, 1234, generation=2)
+    assert (env["RANK"], env["WORLD_SIZE"], env["INPROCESS_RESPAWN_GENERATION"]) == ("3", "4", "2")
+    assert "INPROCESS_RESPAWN_GENERATION" not in rank_env(args, 1, 1234)
+
+
+def _decision(iteration: int, active: tuple[int, ...], reserve: tuple[int, ...]) -> str:
+    a = Assignment(active=active, reserve=reserve, retired=frozenset())
+    return Decision(iteration, (), (), (), (), a, None).to_json()
+
+
+def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
+    store = dist.HashStore()
+    store.set(keys.ROOT + "init/go", "ok")
+    respawn.announce_iteration(store, 1)
+    respawn.register_joiner(store, 5)
+    assert respawn.ready_joiners(store) == {5}
+    got: list[respawn.Admission | None] = []
+    t = threading.Thread(
+        target=lambda: got.append(respawn.wait_admission(store, identity=5, decision_timeout=5))
+    )
+    t.start()
+    # Iteration 1 faults; its decision was taken before 5 registered; iteration 2's admits it.
+    store.set(keys.iteration_prefix(0) + "restart/go", _decision(0, (0, 3), ()))
+    store.set(keys.end_key(1), keys.OUTCOME_FAULT)
+    store.set(keys.iteration_prefix(1) + "restart/go", _decision(1, (0, 3), ()))
+    store.set(keys.end_key(2), keys.OUTCOME_FAULT)
+    store.set(keys.iteration_prefix(2) + "restart/go", _decision(2, (0, 3), (5,)))
+    t.join(10)
+    admitted = got[0]
+    assert admitted is not None
+    assert (admitted.iteration, admitted.assignment.reserve) == (3, (5,))
+    assert [d.iteration for d in admitted.decisions] == [0, 1, 2]  # the shared history
+    respawn.mark_gone(store, 5)
+    assert respawn.ready_joiners(store) == set()
+
+
+def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
+    store = dist.HashStore()
+    respawn.announce_iteration(store, 0)
+    store.set(keys.end_key(0), keys.OUTCOME_DONE)
+    assert respawn.wait_admission(store, identity=5, decision_timeout=1) is None
+    store = dist.HashStore()
+    store.set(keys.end_key(0), keys.OUTCOME_FAULT)
+    stop = Decision(0, (), (), (), (), None, "not enough healthy ranks").to_json()
+    store.set(keys.iteration_prefix(0) + "restart/go", stop)
+    with pytest.raises(RestartAbortedError, match="not enough healthy ranks"):
+        respawn.wait_admission(store, identity=5, decision_timeout=1)
+
+
+def test_job_state_tells_the_launcher_what_the_ranks_did() -> None:
+    store = dist.HashStore()
+    assert respawn.job_state(store) == respawn.JOB_NOT_STARTED
+    store.set(keys.ROOT + "init/go", "ok")
+    respawn.announce_iteration(store, 2)
+    assert respawn.job_state(store) == respawn.JOB_RUNNING
+    store.set(keys.end_key(2), keys.OUTCOME_DONE)
+    assert respawn.job_state(store) == respawn.JOB_DONE
+    respawn.mark_stopped(store, "max_iterations (1) reached")
+    respawn.mark_stopped(store, "a later reason")  # first writer wins
+    assert respawn.job_state(store) == respawn.JOB_STOPPED
+    assert respawn.stop_reason(store) == "max_iterations (1) reached"
