@@ -152,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
         plan = faults.parse_plan(args.faults, steps=args.steps, world_size=active)
     except ValueError as e:
         raise UsageError(f"--faults: {e}") from None
+    if any(f.kind == "slow" for f in plan):
+        raise UsageError(
+            "--faults: kind 'slow' needs a straggler detector in the training loop, and this "
+            "example does not run one: see docs/straggler.md (tests/dist/test_straggler.py "
+            "plays slow@rank1 with a detector)"
+        )
     if active > world:
         raise UsageError(
             f"--active ({active}) must be <= the number of processes ({world}): lower --active "

@@ -75,6 +75,8 @@ class LaunchReport:
     windows: list[Window] = field(default_factory=list)
     restarts: int = 0
     steps: int = 0  # the highest step rank 0 reached (``ctx.ping``): steps - 1 were complete
+    respawns: int = 0  # processes the launcher started again (its journal, when it keeps one)
+    in_job_restarts: int = 0
 
     @property
     def wall(self) -> float:
@@ -102,6 +104,8 @@ class LaunchReport:
             "checkpoint_s": self.checkpoint,
             "goodput": self.goodput,
             "restarts": self.restarts,
+            "respawns": self.respawns,
+            "in_job_restarts": self.in_job_restarts,
             "steps": self.steps,
             "faults": [
                 {
@@ -154,6 +158,8 @@ def build(records: list[dict[str, Any]], launch: str = "") -> LaunchReport:
         checkpoint=checkpoint,
         windows=windows,
         restarts=len({int(r["iteration"]) for r in ev.get("restart", [])}),
+        respawns=len(ev.get("respawn", [])),
+        in_job_restarts=len(ev.get("in_job_restart", [])),
         steps=max(s for _, s in progress),
     )
 

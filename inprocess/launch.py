@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from inprocess import autoresume
+from inprocess import autoresume, journal
 from inprocess.drill import FAULT_TYPES, FaultDrill
 from inprocess.job_control import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
@@ -240,6 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the job's rounds on this node; returns the exit status (module docstring)."""
     args = parse_args(argv)
     _log_to_stdout(args.node_rank)
+    # The launcher's part of the run journal (respawns, in-job restarts, the exit), when the
+    # environment names a directory; its file is rank-1-... for node 0, -2 for node 1, ...
+    directory = journal.resolve_dir(None)
+    jr = None if directory is None else journal.open_journal(directory, rank=-1 - args.node_rank)
+    try:
+        return _main(args)
+    finally:
+        if jr is not None:
+            jr.close()
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         control = JobControl(
             node_rank=args.node_rank,
@@ -275,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.max_restarts,
                     action.reason,
                 )
+                journal.record("in_job_restart", round=k + 1, reason=action.reason)
                 k += 1
                 if signals_seen:  # a SIGINT / SIGTERM between two rounds: start nothing more
                     return _finish(args, autoresume.EXIT_REQUEUE, "signalled during a restart")
@@ -375,6 +388,7 @@ def _finish(args: argparse.Namespace, status: int, reason: str) -> int:
     )
     # A clean finish says nothing: the job's own output ends the story (each recovery action
     # was logged when it happened).
+    journal.record("launcher_exit", status=status, reason=reason, requeue_flag=flagged)
     log.log(
         logging.DEBUG if status == 0 else logging.WARNING,
         "exit %d (%s): %s%s",

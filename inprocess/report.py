@@ -39,6 +39,8 @@ def format_report(r: downtime.LaunchReport) -> str:
         f"  highest step reached {r.steps}, restarts {r.restarts}, checkpoint stalls outside "
         f"fault windows {r.checkpoint:.3f} s",
     ]
+    if r.respawns or r.in_job_restarts:  # only in a journal the launcher wrote to as well
+        lines.append(f"  respawned processes {r.respawns}, in-job restarts {r.in_job_restarts}")
     if not r.windows:
         return "\n".join(lines)
     lines.append(

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from inprocess import respawn
+from inprocess import journal, respawn
 from inprocess.autoresume import VERDICT_STATUSES
 from inprocess.ranks import respawn_identity
 
@@ -269,6 +269,7 @@ class NodeSupervisor:
                 cfg.max_respawns,
                 "" if cfg.max_respawns else " (respawn is off: --max-respawns 0)",
             )
+            journal.record("slot_retired", slot_rank=rank, identity=c.identity, how=how)
             return
         delay = 0.0
         if slot.short_deaths:  # it never got going: wait, longer each time in a row
@@ -285,6 +286,7 @@ class NodeSupervisor:
             slot.respawns + 1,
             cfg.max_respawns,
         )
+        journal.record("respawn", slot_rank=rank, identity=c.identity, how=how, delay_s=delay)
 
     def _respawn_due(self, state: str) -> None:
         now = time.monotonic()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -20,6 +21,8 @@ from straggler.schedule import Plan, first_plan, next_plan
 from straggler.timing import Section, cuda_timing
 
 log = logging.getLogger(__name__)
+# The run journal's channel (see inprocess/journal.py; a name: straggler does not import it).
+_journal = logging.getLogger("restartable.journal")
 
 
 class Detector:
@@ -277,6 +280,8 @@ class Detector:
         self._streaks = dict(report.streaks)
         self.last_report = report
         log.info("rank %d: %s", self.rank, report.format(self.config.num_gpu_perf_scores_to_print))
+        if _journal.handlers:  # the run journal (inprocess/journal.py), when one is open
+            _journal.debug("straggler_report", extra={"journal": dataclasses.asdict(report)})
         if self.on_report is not None:
             self.on_report(report)
         if report.stop:

@@ -179,6 +179,7 @@ def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -
         (["--active", "5"], "--active (5) must be <= the number of processes (2)"),
         (["--local-dir", "/nonexistent"], "pass --local-dir none to keep the local tier in"),
         (["--faults", "exception@rank9:step10"], "targets rank 9, but only 2 rank(s) train"),
+        (["--faults", "slow@rank1:step5"], "kind 'slow' needs a straggler detector"),
     ],
 )
 def test_bad_input_is_one_line_once_and_exit_2(
