@@ -229,13 +229,13 @@ def _call_train(
             call.in_collective = isinstance(e, dist.DistError) or waits_on_peers(call.where)
             _drop_frames(e)
         finally:
-            call.delivered = _disarm(svc.interrupter)
+            call.delivered = disarm(svc.interrupter)
     except RestartInterrupt:
         call.interrupted = True
         call.t_unwind = call.t_unwind or time.monotonic()
-        call.delivered = _disarm(svc.interrupter)
+        call.delivered = disarm(svc.interrupter)
     except BaseException:
-        _disarm(svc.interrupter)
+        disarm(svc.interrupter)
         raise
     return call
 
@@ -340,7 +340,7 @@ def _break_if_gone(store: Any, iteration: int, active: tuple[int, ...]) -> bool:
     return bool(dead)
 
 
-def _disarm(interrupter: Interrupter) -> bool:
+def disarm(interrupter: Interrupter) -> bool:
     """Stop the monitor's deliveries; a delivery racing with this call is absorbed."""
     while True:
         try:

@@ -49,6 +49,12 @@ def init_iteration_group(
     # init_process_group wraps sys.excepthook with a "[rankN]:" prefix each time it is called:
     # once per iteration would stack the prefixes. Keep the process's own hook.
     excepthook = sys.excepthook
+    # Group names come from a per-process counter that destroying the default group resets,
+    # unless that destroy failed half-way (a restart that interrupted a group's creation on one
+    # rank: found by the fault matrix). Ranks whose counters differ wait forever for each
+    # other's connect keys; this iteration's keys are under their own prefix, so start at 0.
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
     try:
         dist.init_process_group(
             backend=backend,

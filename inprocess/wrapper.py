@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,11 +19,17 @@ from typing import Any, TypeVar, overload
 from inprocess import journal, respawn
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
-from inprocess.active import Outcome, RankServices, run_active
+from inprocess.active import Outcome, RankServices, disarm, run_active
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
 from inprocess.environment import bind_to_launcher, read_env, store_setting
-from inprocess.errors import ConfigError, FaultRecord, RestartAbortedError, StoreTimeoutError
+from inprocess.errors import (
+    ConfigError,
+    FaultRecord,
+    RestartAbortedError,
+    RestartInterrupt,
+    StoreTimeoutError,
+)
 from inprocess.etcd.connect import open_store
 from inprocess.health import HealthChecker
 from inprocess.monitor import Interrupter
@@ -403,8 +410,39 @@ class _Job:
         assert self.svc is not None
         if self.cfg.prewarm is not None and not self.prewarmed:
             self.prewarmed = True
+            self._prewarm(iteration, self.cfg.prewarm)
+        with self.svc.progress.paused():
+            result = keys.wait_outcome(self.store, iteration, timeout=None, clock=time.monotonic)
+        if result == keys.OUTCOME_DONE:
+            return Outcome(done=True)
+        return Outcome(done=False, noticed=time.time())
+
+    def _prewarm(self, iteration: int, prewarm: Callable[[], Any]) -> None:
+        """Run the user's ``prewarm`` on this reserve, interrupted if the iteration ends first.
+
+        Found by the fault matrix: a prewarm that hung kept the reserve, and so the whole job,
+        from ever exiting after training finished. The end of the iteration (the job done, or a
+        restart that may need this reserve) is delivered like a restart; a prewarm that raises
+        makes this reserve unhealthy (retired at the next decision).
+        """
+        svc = self.svc
+        assert svc is not None
+        ended = threading.Event()
+
+        def watch() -> None:
             try:
-                self.cfg.prewarm()
+                keys.wait_outcome(svc.new_client(), iteration, timeout=None, clock=time.monotonic)
+            except Exception as exc:
+                log.debug("prewarm watcher: store unreachable: %r", exc)
+                return
+            if not ended.is_set():
+                svc.interrupter.deliver()
+
+        svc.interrupter.arm()
+        threading.Thread(target=watch, name="inprocess-prewarm-watch", daemon=True).start()
+        try:
+            try:
+                prewarm()
             except Exception as exc:
                 log.exception("prewarm failed on reserve rank %d", self.me)
                 keys.report_fault(
@@ -414,11 +452,16 @@ class _Job:
                     kind="unhealthy",
                     detail=f"prewarm raised {exc!r}",
                 )
-        with self.svc.progress.paused():
-            result = keys.wait_outcome(self.store, iteration, timeout=None, clock=time.monotonic)
-        if result == keys.OUTCOME_DONE:
-            return Outcome(done=True)
-        return Outcome(done=False, noticed=time.time())
+            finally:
+                ended.set()
+                disarm(svc.interrupter)
+        except RestartInterrupt:
+            disarm(svc.interrupter)
+            log.warning(
+                "reserve rank %d: iteration %d ended during prewarm: prewarm abandoned",
+                self.me,
+                iteration,
+            )
 
     def _active_phase(
         self,
