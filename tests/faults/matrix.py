@@ -126,11 +126,9 @@ def full_matrix() -> list[Row]:
 SUBSET = (
     "exception-collective-r1",
     "exception-restore-r0",  # the peers are setting up load_latest's group
-    "hang-step-r0",
     "hang_gil-atomic-r1",
     "kill-startup-r1-it1",  # during the restart itself
     "kill-persistent_before_commit-r1",
-    "sigterm-step-r1",
     "corrupt_local-step-r1",
     "store_loss-step-r0",
 )
