@@ -100,8 +100,12 @@ def act(kind: Kind, *, detail: str) -> None:
     elif kind.name == "hang":
         time.sleep(HANG_S)
     elif kind.name == "hang_gil":
-        # PyDLL keeps the GIL during the call: no Python thread of this process runs again.
-        ctypes.PyDLL(None).sleep(int(HANG_S))
+        # PyDLL keeps the GIL during the call: no Python thread of this process runs again. A
+        # signal (the watchdog's SIGTERM) ends sleep() early; a frozen process would not wake
+        # up, so sleep again (found by the fault matrix: the "hang" ended at the SIGTERM).
+        libc = ctypes.PyDLL(None)
+        while True:
+            libc.sleep(int(HANG_S))
     elif kind.name == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
     else:
