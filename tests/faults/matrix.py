@@ -63,7 +63,9 @@ class Row:
     @property
     def id(self) -> str:
         it = f"-it{self.iteration}" if self.iteration else ""
-        return f"{self.kind}-{self.phase}-r{self.rank}{it}".replace(":", "_")
+        also = self.extra.get("also")
+        pair = f"+{also['kind']}-r{also['rank']}" if also else ""
+        return f"{self.kind}-{self.phase}-r{self.rank}{it}{pair}".replace(":", "_")
 
     def spec(self) -> dict[str, Any]:
         step_bound = self.phase in ("step", "collective", "atomic", "local_save")
