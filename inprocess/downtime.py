@@ -212,13 +212,11 @@ def _windows(
             if r.get("training_rank") == 0 and r.get("iteration") == new_it
         ]
         restored = float(restores[0]["t"]) if restores else reentered
-        back_at = [t for t, s in progress if t > reentered and s >= reached]
-        back = back_at[0] if back_at else restored
         if out and last < out[-1].back:  # a fault before the previous window closed: merge
             prev = out.pop()
             last, sign, reached, fault = prev.last, prev.sign, prev.reached_step, prev.fault
-            back_at = [t for t, s in progress if t > reentered and s >= reached]
-            back = back_at[0] if back_at else restored
+        back_at = [t for t, s in progress if t > reentered and s >= reached]
+        back = back_at[0] if back_at else restored
         out.append(
             Window(
                 iteration=faulted,
