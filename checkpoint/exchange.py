@@ -14,10 +14,12 @@ keys live under a namespace that every rank derives identically for one save att
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
@@ -32,6 +34,16 @@ _POLL_FAST_MAX_S = 0.004
 _FAST_WINDOW_S = 0.2
 _POLL_MAX_S = 0.05
 _ABANDONED = "abandoned"  # the key a rank sets when it abandons an attempt (see abandon())
+# torch's C++ store wrappers (the default group's PrefixStore) do not pass delete_key on to a
+# store written in Python (inprocess.etcd.EtcdStore): "Tried to call pure virtual function
+# ::c10d::Store::deleteKey". They do pass set on, so such a store deletes a key that is set to
+# this value (EtcdStore.set); without it every exchange key would stay until the job's end.
+DELETE_VALUE = b"\x00restartable:delete-key\x00"
+# Job-wide bound of the polls every waiting rank sends together (per second): each rank's pause
+# is at least world / this, so a job of thousands of ranks cannot flood the store server (one
+# poll is one small request) and the waits grow linearly with the job, not faster
+# (docs/scale.md). Small jobs keep the pauses above.
+_JOB_POLLS_PER_S = 20_000.0
 
 
 class StoreExchange:
@@ -66,13 +78,19 @@ class StoreExchange:
         if self._store is None:
             return [obj]
         self._store.set(self._key(name, self.rank), pickle.dumps(obj))
+        # Arrivals are counted after the value is stored, so rank 0 polls ONE counter (a poll
+        # of every rank's key costs the server O(world) per poll), then reads all values at once.
+        count = self._key(name, None) + "/n"
+        self._store.add(count, 1)
         if self.rank != 0:
             return None
         keys = [self._key(name, r) for r in range(self.world)]
-        self._wait(keys, name)
-        out = [pickle.loads(self._store.get(k)) for k in keys]
-        for k in keys:
-            self._store.delete_key(k)
+        self._wait(keys, name, ready=lambda: int(self._store.get(count)) >= self.world)
+        multi_get = getattr(self._store, "multi_get", None)
+        blobs = multi_get(keys) if multi_get is not None else [self._store.get(k) for k in keys]
+        out = [pickle.loads(b) for b in blobs]
+        for k in [*keys, count]:
+            self._delete(k)
         return out
 
     def publish(self, name: str, obj: Any, *, to: int | None = None) -> None:
@@ -91,7 +109,7 @@ class StoreExchange:
         self._wait([key], name, from_rank=0)
         value = pickle.loads(self._store.get(key))
         if mine:
-            self._store.delete_key(key)
+            self._delete(key)
         return value
 
     def abandon(self) -> None:
@@ -115,17 +133,34 @@ class StoreExchange:
     def discard(self, name: str) -> None:
         """Rank 0: delete a value published to every rank once all of them have read it."""
         if self._store is not None:
-            self._store.delete_key(self._key(name, None))
+            self._delete(self._key(name, None))
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._store.delete_key(key)
+        except RuntimeError:  # a Python store behind a C++ wrapper: see DELETE_VALUE
+            self._store.set(key, DELETE_VALUE)
 
     def _key(self, name: str, rank: int | None) -> str:
         return f"{self.namespace}/{name}" if rank is None else f"{self.namespace}/{name}/{rank}"
 
-    def _wait(self, keys: list[str], name: str, *, from_rank: int | None = None) -> None:
+    def _wait(
+        self,
+        keys: list[str],
+        name: str,
+        *,
+        from_rank: int | None = None,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        """Poll until ``ready()`` (default: every key of ``keys`` exists); bounded as above."""
         start = time.monotonic()
         end = start + self._timeout
         pause = _POLL_FIRST_S
+        floor = self.world / _JOB_POLLS_PER_S
         abandoned = [self._key(_ABANDONED, None)]
-        while not self._store.check(keys):
+        if ready is None:
+            ready = functools.partial(self._store.check, keys)
+        while not ready():
             if self.cancel.is_set():
                 raise CheckpointAbandoned(f"abandoned while waiting for '{name}'")
             # Only in the slow phase: a peer's abandon is rare, a per-step agreement is not.
@@ -138,7 +173,7 @@ class StoreExchange:
                     f"{self._timeout:.0f} s (timeout): a rank stopped or its storage hung"
                 )
             # Wait on the event, not time.sleep: cancel() wakes the worker at once.
-            self.cancel.wait(pause)
+            self.cancel.wait(max(pause, floor))
             fast = time.monotonic() - start < _FAST_WINDOW_S
             pause = min(pause * 2, _POLL_FAST_MAX_S if fast else _POLL_MAX_S)
 

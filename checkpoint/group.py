@@ -18,9 +18,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Arrival polls before a group is created: from 1 ms, doubling up to 50 ms.
+# Arrival polls before a group is created: from 1 ms, doubling up to 50 ms, and at least
+# world / _JOB_POLLS_PER_S apart, so that the polls of a job of thousands of ranks stay a bounded
+# load on the store server (docs/scale.md).
 _ARRIVE_POLL_FIRST_S = 0.001
 _ARRIVE_POLL_MAX_S = 0.05
+_JOB_POLLS_PER_S = 20_000.0
 
 
 def _arrive(store: Any, key: str, *, world: int, timeout: float) -> None:
@@ -35,13 +38,15 @@ def _arrive(store: Any, key: str, *, world: int, timeout: float) -> None:
     store.add(key, 1)
     end = time.monotonic() + timeout
     pause = _ARRIVE_POLL_FIRST_S
-    while (arrived := store.add(key, 0)) < world:
+    # A read, not add(key, 0): on etcd an add is a compare-and-swap written through raft,
+    # which every poll of every rank would cost (measured: 17.7 s of etcd CPU, 64 ranks).
+    while (arrived := int(store.get(key))) < world:
         if time.monotonic() > end:
             raise CheckpointError(
                 f"only {arrived} of {world} ranks reached the checkpoint group set-up within "
                 f"{timeout:.0f} s (timeout): a rank stopped or skipped a collective call"
             )
-        time.sleep(pause)
+        time.sleep(max(pause, world / _JOB_POLLS_PER_S))
         pause = min(pause * 2, _ARRIVE_POLL_MAX_S)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
-from inprocess.ranks import Assignment, NotEnoughRanksError, reassign
+from inprocess.ranks import Assignment, NotEnoughRanksError, decode_ranks, encode_ranks, reassign
 
 # Kinds that remove a rank for good (besides its process being gone).
 RETIRING_KINDS = frozenset({"unhealthy"})
@@ -23,6 +23,12 @@ RETIRING_KINDS = frozenset({"unhealthy"})
 OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout", "section_timeout", "atomic_timeout"})
 # Kinds whose "demote" only swaps a slow but working rank for a reserve (inprocess.demotion).
 SWAP_ONLY_KINDS = frozenset({"straggler"})
+# Collateral faults the published decision lists in full; the others are only counted
+# (``collateral_omitted``). Every rank reads the decision, and when a fault releases every
+# blocked collective at once, each rank may record one: listing them all would make the
+# restart's bytes grow with the square of the job (docs/scale.md). The full list stays in
+# the store (``it<n>/faults``) and in each recording rank's journal.
+PUBLISHED_COLLATERAL = 8
 # Last resort only, for an exception that carries no structural evidence (e.g. user code caught
 # a failed collective and raised its own error from it): how collectives fail when a peer went
 # away (gloo, NCCL, the store).
@@ -84,6 +90,7 @@ class Decision:
     demoted: tuple[int, ...]
     assignment: Assignment | None
     stop: str | None
+    collateral_omitted: int = 0  # collateral faults left out of the published form
 
     @property
     def faults(self) -> tuple[FaultRecord, ...]:
@@ -105,24 +112,35 @@ class Decision:
             text += f"; +{len(self.counted) - limit} more"
         if self.collateral:
             ranks = sorted({c.fault.initial_rank for c in self.collateral})
-            text += f" (collateral, not counted: rank(s) {', '.join(map(str, ranks))})"
+            more = f" and {self.collateral_omitted} more" if self.collateral_omitted else ""
+            text += f" (collateral, not counted: rank(s) {', '.join(map(str, ranks))}{more})"
         return text
 
     def to_json(self) -> str:
-        """The form published in the store (first writer wins)."""
+        """The form published in the store (first writer wins): its size does not grow with the
+        job (rank lists as runs, at most ``PUBLISHED_COLLATERAL`` collateral faults)."""
         a = self.assignment
         return json.dumps(
             {
                 "iteration": self.iteration,
                 "counted": [asdict(f) for f in self.counted],
                 "collateral": [
-                    {"fault": asdict(c.fault), "reason": c.reason} for c in self.collateral
+                    {"fault": asdict(c.fault), "reason": c.reason}
+                    for c in self.collateral[:PUBLISHED_COLLATERAL]
                 ],
+                "collateral_omitted": self.collateral_omitted
+                + max(0, len(self.collateral) - PUBLISHED_COLLATERAL),
                 "retired": [[r.rank, r.reason] for r in self.retired],
                 "demoted": list(self.demoted),
+                # Runs of ranks (ranks.encode_ranks): every rank reads this document, so its
+                # size must not grow with the job (docs/scale.md).
                 "assignment": None
                 if a is None
-                else {"active": a.active, "reserve": a.reserve, "retired": sorted(a.retired)},
+                else {
+                    "active": encode_ranks(a.active),
+                    "reserve": encode_ranks(a.reserve),
+                    "retired": encode_ranks(sorted(a.retired)),
+                },
                 "stop": self.stop,
             }
         )
@@ -143,12 +161,18 @@ class Decision:
             assignment=None
             if a is None
             else Assignment(
-                active=tuple(a["active"]),
-                reserve=tuple(a["reserve"]),
-                retired=frozenset(a["retired"]),
+                active=_ranks(a["active"]),
+                reserve=_ranks(a["reserve"]),
+                retired=frozenset(_ranks(a["retired"])),
             ),
             stop=d["stop"],
+            collateral_omitted=int(d.get("collateral_omitted", 0)),
         )
+
+
+def _ranks(value: str | list[int]) -> tuple[int, ...]:
+    """A rank list of a published decision: runs (``encode_ranks``), or a list (older form)."""
+    return decode_ranks(value) if isinstance(value, str) else tuple(value)
 
 
 def decide(

@@ -195,6 +195,47 @@ def node_of_ranks(*, world_size: int, local_world_size: int) -> tuple[int, ...]:
     return tuple(r // local_world_size for r in range(world_size))
 
 
+def encode_ranks(ranks: Sequence[int]) -> str:
+    """``ranks`` in order as comma-separated runs: ``(0, 1, 2, 3, 7, 5, 6)`` -> ``"0-3,7,5-6"``.
+
+    Why: an assignment of a large job is a few runs of consecutive ranks (survivors keep their
+    numbers, reserves fill holes), and every rank reads the published decision; as runs its size
+    grows with the number of faults, not with the number of ranks. Order is kept (it is the rank
+    numbering). Inverse: ``decode_ranks``.
+    """
+    runs: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        runs.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+def decode_ranks(text: str) -> tuple[int, ...]:
+    """Inverse of ``encode_ranks``; also reads a plain list (``"1,2,3,"``, the older form).
+
+    Raises ``ValueError`` naming the bad part for anything else.
+    """
+    out: list[int] = []
+    for part in text.split(","):
+        if not part:
+            continue
+        first, sep, last = part.partition("-")
+        try:
+            lo, hi = int(first), int(last) if sep else int(first)
+        except ValueError:
+            raise ValueError(
+                f"rank list {text!r}: part {part!r} is neither a rank nor a run 'a-b'"
+            ) from None
+        if hi < lo:
+            raise ValueError(f"rank list {text!r}: run {part!r} ends before it starts")
+        out.extend(range(lo, hi + 1))
+    return tuple(out)
+
+
 def _pick_reserves(
     pool: Sequence[int],
     wanted: int,

@@ -9,11 +9,19 @@ of an earlier iteration is ever read again. Inside it:
 * ``join/*``        the barrier active ranks pass before creating the process group
 * ``ready/*``       the barrier they pass after it, before ``train()``; a fault breaks both
 * ``done/*``        the completion counter
-* ``restart/*``     the barrier after a fault (live ranks and death reports count once each);
-                    ``restart/go`` is the next assignment (JSON), first writer wins, so every
-                    rank reads the same one
+* ``restart/*``     the barrier after a fault (live ranks and death reports count once each:
+                    ``counted/<rank>``, ``n``); ``full`` names who completed the count, who
+                    takes the decision (``decider``: the claim when a death report
+                    completed it); ``go`` is the decision (JSON), first writer wins, so
+                    every rank reads the same one; every waiter blocks on ``go`` alone
 * ``pg/``           the prefix handed to ``init_process_group`` and to ``ctx.store``
-* ``reserves``      the iteration's warm reserves (``inprocess.demotion`` checks one is free)
+* ``reserves``      the iteration's warm reserves (``inprocess.demotion`` checks one is free),
+                    as ranges (``ranks.encode_ranks``)
+
+Cost at scale (docs/scale.md, ``benchmarks/restart_scale.py``): every rank makes a constant
+number of calls per restart and reads no value that lists every rank, except the decision, whose
+assignment is run-length encoded; exactly one rank takes the decision; every wait is a blocking
+``wait`` on one key (re-checked every ``_RECHECK_S`` for the rare races), never a poll.
 """
 
 from __future__ import annotations
@@ -22,12 +30,14 @@ import datetime
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
 from inprocess import journal
 from inprocess.errors import FaultRecord, StoreTimeoutError
+from inprocess.ranks import decode_ranks, encode_ranks
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +50,8 @@ GONE_KINDS = frozenset({"dead", "hard_timeout"})
 # How long one blocking wait lasts before a waiter re-checks for a rank that died meanwhile
 # (only in rare races; c10d logs a warning for every timed-out wait, so not shorter).
 _RECHECK_S = 1.0
+# ``restart/full``'s value when a death report, not a live rank, completed the restart barrier.
+REPORT_COMPLETED = "report"
 
 
 class StoreLike(Protocol):
@@ -54,6 +66,21 @@ class StoreLike(Protocol):
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
 
 
+def peek(store: StoreLike, key: str) -> bytes | None:
+    """The value of ``key``, or None when it is absent; never blocks, never writes.
+
+    A store with ``try_get`` (etcd: one range request) answers in one round trip; any other
+    takes two (``check``, then ``get``). Not a compare-and-set with an impossible expected
+    value: on a TCPStore that wakes every client waiting on the key (measured: a monitor
+    woke with an empty outcome and missed the fault).
+    """
+    try_get = getattr(store, "try_get", None)
+    if try_get is not None:
+        value = try_get(key)
+        return None if value is None else bytes(value)
+    return store.get(key) if store.check([key]) else None
+
+
 def iteration_prefix(iteration: int) -> str:
     """The key prefix of restart iteration ``iteration`` (for ``PrefixStore`` and tests)."""
     return f"{ROOT}it{iteration}/"
@@ -66,21 +93,35 @@ def _key(iteration: int, name: str) -> str:
 def record_fault(store: StoreLike, record: FaultRecord) -> None:
     """Append ``record`` to its iteration's fault list and end that iteration (wake everyone).
 
-    Two writes that never block: an append, then first-writer-wins sets of the iteration's
-    outcome and of its join barrier, so ranks waiting there (monitors, barriers, reserves)
-    all wake with the same answer at once. Safe to call from any process, any number of times.
+    Writes that never block: an append, then first-writer-wins sets of the iteration's
+    outcome and of its join and ready barriers, so ranks waiting there (monitors, barriers,
+    reserves) all wake with the same answer at once. A store with ``record_fault_batch`` (etcd)
+    does the appends and the sets in one transaction. A death (``GONE_KINDS``) also counts the
+    rank at the restart barrier, after its record is appended (the decider reads the records
+    once the count is full). Safe to call from any process, any number of times.
     """
     it = record.iteration
     fields = asdict(record)
-    store.append(_key(it, "faults"), json.dumps(fields) + "\n")
+    gone = record.kind in GONE_KINDS
+    batch = getattr(store, "record_fault_batch", None)
+    if batch is not None:  # one transaction on etcd (inprocess.etcd.EtcdStore)
+        batch(
+            append=[(_key(it, "faults"), json.dumps(fields) + "\n")]
+            + ([(GONE_KEY, f"{record.initial_rank},")] if gone else []),
+            set_if_absent=[(_key(it, k), OUTCOME_FAULT) for k in ("end", "join/go", "ready/go")],
+        )
+    else:
+        store.append(_key(it, "faults"), json.dumps(fields) + "\n")
+        if gone:
+            store.append(GONE_KEY, f"{record.initial_rank},")
     fields["fault_rank"] = fields.pop("initial_rank")  # "rank" is the journal writer's own
     journal.record("fault", **fields)
-    if record.kind in GONE_KINDS:  # job-wide: no later iteration waits for this rank either
-        store.append(GONE_KEY, f"{record.initial_rank},")
+    if gone:  # job-wide: no later iteration waits for this rank either
         _count_once(store, it, record.initial_rank)
-    store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
-    store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
-    store.compare_set(_key(it, "ready/go"), "", OUTCOME_FAULT)
+    if batch is None:
+        store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
+        store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
+        store.compare_set(_key(it, "ready/go"), "", OUTCOME_FAULT)
 
 
 def report_fault(
@@ -115,24 +156,23 @@ def report_fault(
 
 def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
     """Every fault recorded for ``iteration`` so far, in arrival order."""
-    key = _key(iteration, "faults")
-    if not store.check([key]):
+    raw = peek(store, _key(iteration, "faults"))
+    if raw is None:
         return []
-    lines = store.get(key).decode().splitlines()
+    lines = raw.decode().splitlines()
     return [FaultRecord(**json.loads(line)) for line in lines if line]
 
 
 def gone_ranks(store: StoreLike) -> set[int]:
     """Initial ranks whose process is known to be gone (any iteration); never blocks."""
-    if not store.check([GONE_KEY]):
-        return set()
-    return {int(x) for x in store.get(GONE_KEY).decode().split(",") if x}
+    raw = peek(store, GONE_KEY)
+    return set() if raw is None else {int(x) for x in raw.decode().split(",") if x}
 
 
 def outcome(store: StoreLike, iteration: int) -> str | None:
     """``"fault"``, ``"done"`` or None (the iteration is still running); never blocks."""
-    key = _key(iteration, "end")
-    return store.get(key).decode() if store.check([key]) else None
+    raw = peek(store, _key(iteration, "end"))
+    return None if raw is None else raw.decode()
 
 
 def end_key(iteration: int) -> str:
@@ -154,12 +194,35 @@ def wait_outcome(
         if left <= 0:
             return None
         try:
-            store.wait([key], datetime.timedelta(seconds=min(left, 3600.0)))
+            return _wait_value(store, key, min(left, 3600.0)).decode()
         except Exception as exc:  # DistStoreError on timeout; anything else is fatal
             if not _is_timeout(exc):
                 raise
-            continue
-        return store.get(key).decode()
+
+
+def _arrive(store: StoreLike, counter: str, member: str) -> int:
+    """Count one arrival of ``member`` at ``counter``; return how many have arrived.
+
+    ``add`` on the TCPStore (one round trip); ``count_arrival`` where the store has it (etcd:
+    one transaction per arrival instead of a compare-and-swap loop on one hot counter).
+    """
+    arrive = getattr(store, "count_arrival", None)
+    if arrive is not None:
+        return int(arrive(counter, member))
+    return store.add(counter, 1)
+
+
+def _wait_value(store: StoreLike, key: str, seconds: float) -> bytes:
+    """Block until ``key`` exists (at most ``seconds``: the store's timeout error), return it.
+
+    A store with ``wait_value`` (etcd) answers in one step: its watch event carries the value.
+    """
+    timeout = datetime.timedelta(seconds=seconds)
+    wait_value = getattr(store, "wait_value", None)
+    if wait_value is not None:
+        return bytes(wait_value(key, timeout))
+    store.wait([key], timeout)
+    return store.get(key)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -182,14 +245,12 @@ def _wait_released(
             raise StoreTimeoutError(f"{what} did not complete within its timeout")
         step = left if recheck is None else min(left, _RECHECK_S)
         try:
-            store.wait([go_key], datetime.timedelta(seconds=step))
+            return _wait_value(store, go_key, step).decode()
         except Exception as exc:
             if not _is_timeout(exc):
                 raise
             if recheck is not None:
                 recheck()
-            continue
-        return store.get(go_key).decode()
 
 
 def counting_barrier(
@@ -209,7 +270,7 @@ def counting_barrier(
     """
     go = f"{name}/go"
     deadline = clock() + timeout
-    if store.add(f"{name}/n", 1) >= expected:
+    if _arrive(store, f"{name}/n", uuid.uuid4().hex) >= expected:
         store.compare_set(go, "", "ok")
     return _wait_released(
         store, go, deadline=deadline, clock=clock, what=f"barrier {name!r}", recheck=recheck
@@ -274,30 +335,53 @@ def set_participants(store: StoreLike, iteration: int, count: int) -> None:
 
 
 def set_reserves(store: StoreLike, iteration: int, reserves: Sequence[int]) -> None:
-    """The warm reserves (initial ranks) of ``iteration``; every rank writes the same value."""
-    store.set(_key(iteration, "reserves"), ",".join(map(str, reserves)))
+    """The warm reserves (initial ranks) of ``iteration``; every rank writes the same value.
+
+    Run-length encoded (``ranks.encode_ranks``): reserves are mostly consecutive ranks, so the
+    value stays a few bytes however many ranks the job has, and every rank writes it."""
+    store.set(_key(iteration, "reserves"), encode_ranks(reserves))
 
 
 def reserves(store: StoreLike, iteration: int) -> tuple[int, ...]:
     """The warm reserves of ``iteration`` (``set_reserves``; () when unknown); never blocks."""
-    key = _key(iteration, "reserves")
-    if not store.check([key]):
-        return ()
-    return tuple(int(x) for x in store.get(key).decode().split(",") if x)
+    raw = peek(store, _key(iteration, "reserves"))
+    return () if raw is None else decode_ranks(raw.decode())
 
 
-def _count_once(store: StoreLike, iteration: int, initial_rank: int) -> None:
-    """Count ``initial_rank`` at the restart barrier of ``iteration`` (once, alive or gone).
+def _count_once(
+    store: StoreLike,
+    iteration: int,
+    initial_rank: int,
+    *,
+    expected: int | None = None,
+    by: str = REPORT_COMPLETED,
+) -> bool:
+    """Count ``initial_rank`` at the restart barrier of ``iteration`` (once, alive or gone);
+    True when this call completed the barrier.
 
-    A live rank counts itself when it arrives; a rank reported gone is counted by the report
-    (its watchdog arrives on its behalf), so the last of either completes the barrier at once.
+    A live rank counts itself when it arrives (``by``: its own rank, ``expected``: the number of
+    participants, which it knows); a rank reported gone is counted by the report (its watchdog
+    arrives on its behalf; ``expected`` is read from the store, None before
+    ``set_participants``), so the last of either completes the barrier at once. Whoever
+    completes it writes ``restart/full`` = ``by`` (first writer wins): that rank decides.
+    Two ``add`` calls (one ``count_arrival`` transaction on etcd), plus one read for a report.
     """
-    if store.add(_key(iteration, f"restart/counted/{initial_rank}"), 1) != 1:
-        return
-    n = store.add(_key(iteration, "restart/n"), 1)
-    expected = _key(iteration, "restart/expected")
-    if store.check([expected]) and n >= int(store.get(expected)):
-        store.set(_key(iteration, "restart/full"), "1")
+    counter = _key(iteration, "restart/n")
+    arrive = getattr(store, "count_arrival", None)
+    if arrive is not None:  # etcd: one transaction, idempotent (see _arrive)
+        n = int(arrive(counter, str(initial_rank)))
+    elif store.add(_key(iteration, f"restart/counted/{initial_rank}"), 1) != 1:
+        return False
+    else:
+        n = store.add(counter, 1)
+    if expected is None:
+        raw = peek(store, _key(iteration, "restart/expected"))
+        if raw is None:
+            return False  # no live rank has started the iteration: one of them completes it
+        expected = int(raw)
+    if n < expected:
+        return False
+    return store.compare_set(_key(iteration, "restart/full"), "", by).decode() == by
 
 
 def restart_barrier(
@@ -312,40 +396,62 @@ def restart_barrier(
 ) -> str:
     """Every live participant meets after iteration ``iteration`` faulted; returns the decision.
 
-    ``participants``: the initial ranks of the iteration (active and reserve; their number was
-    published with ``set_participants``). A rank reported gone (``GONE_KINDS``) is counted by
-    the report itself, so nobody waits for it, whichever comes first. Once all are counted,
-    ranks call ``decide(faults)``; the first published decision wins (compare-and-set), so all
-    ranks continue with the same one even if more faults are recorded later. A re-check every
-    ``_RECHECK_S`` covers a report that came before ``set_participants``. Raises
-    ``StoreTimeoutError`` after ``timeout`` seconds.
+    Called by every live participant (active and reserve) once its part of the iteration is
+    over; blocks until the decision is published, at most ``timeout`` seconds
+    (``StoreTimeoutError``). ``participants``: the initial ranks of the iteration (their number
+    was published with ``set_participants``). A rank reported gone (``GONE_KINDS``) is counted
+    by the report itself, so nobody waits for it, whichever comes first.
+
+    Exactly one rank runs ``decide(faults)``: the live rank whose arrival completed the count.
+    Everyone else blocks on ``go``, the decision; the first decision published wins
+    (compare-and-set), so all ranks continue with the same one even if more faults are
+    recorded later. Per rank: two ``add``, one ``wait`` and one ``get``, whatever the number of
+    ranks; no value that lists every rank is read except the decision (run-length encoded).
+
+    Rare cases, handled by the re-check every ``_RECHECK_S`` of a waiter (so they cost up to
+    that much more): a death report completed the count (the dying rank was the last to come:
+    the first waiter to claim ``restart/decider`` decides); the decider died before publishing
+    (reported gone: a waiter decides in its place); a participant whose death was reported
+    for an earlier iteration (it died during the previous restart) is counted by the waiter.
     """
-    who, full, go = (_key(iteration, f"restart/{k}") for k in ("who", "full", "go"))
-    store.append(who, f"{initial_rank},")
-    _count_once(store, iteration, initial_rank)
+    full, go, claim = (_key(iteration, f"restart/{k}") for k in ("full", "go", "decider"))
+    me, members = str(initial_rank), set(participants)
     deadline = clock() + timeout
+
+    def publish() -> str:
+        return store.compare_set(go, "", decide(read_faults(store, iteration))).decode()
+
+    if _count_once(store, iteration, initial_rank, expected=len(members), by=me):
+        return publish()
 
     def recheck() -> bool:
         gone = gone_ranks(store)
-        arrived = {int(x) for x in store.get(who).decode().split(",") if x}
-        if set(participants) - gone <= arrived:
-            store.set(full, "1")
+        for r in sorted(gone & members):
+            if _count_once(store, iteration, r, expected=len(members), by=me):
+                publish()
+                return True
+        decider = peek(store, full)
+        if decider is None:
+            return False  # still incomplete: someone has not arrived yet
+        who = decider.decode()
+        if who == REPORT_COMPLETED:
+            who = store.compare_set(claim, "", me).decode()  # the first claim decides
+            if who == me:
+                publish()
+                return True
+        if who.isdigit() and int(who) in gone:  # the decider died before publishing
+            publish()
             return True
-        return False
+        return False  # the decider is alive and deciding
 
-    if not store.check([full]):
-        recheck()
-    _wait_released(
+    return _wait_released(
         store,
-        full,
+        go,
         deadline=deadline,
         clock=clock,
         what=f"restart barrier {iteration}",
         recheck=recheck,
     )
-    if not store.check([go]):
-        store.compare_set(go, "", decide(read_faults(store, iteration)))
-    return store.get(go).decode()
 
 
 def pg_prefix(iteration: int) -> str:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from checkpoint.exchange import DELETE_VALUE
 from inprocess.errors import ConfigError
 from inprocess.etcd.endpoints import Endpoints, Transient, classify
 from inprocess.etcd.errors import EtcdTimeoutError
@@ -187,6 +188,11 @@ class EtcdStore(dist.Store):
     # ----- c10d Store API ----------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
+        """Put ``value``; ``checkpoint.exchange.DELETE_VALUE`` deletes the key instead (the
+        delete that torch's C++ wrappers of this store cannot pass on)."""
+        if value == DELETE_VALUE:
+            self.delete_key(key)
+            return
         k, v = _b64(self._k(key)), _b64(_bytes(value))
         self._call(
             "set",
@@ -340,6 +346,129 @@ class EtcdStore(dist.Store):
         return int(r.get("count", 0))
 
     # ----- beyond c10d -------------------------------------------------------------------------
+
+    def record_fault_batch(
+        self,
+        *,
+        append: Sequence[tuple[str, str | bytes]],
+        set_if_absent: Sequence[tuple[str, str | bytes]],
+    ) -> None:
+        """``append`` to each key and set each ``set_if_absent`` key unless present: ONE
+        transaction (one round trip when the appended keys did not change under this client).
+
+        ``inprocess.store.record_fault`` uses it (found through ``getattr``): a fault's record,
+        the gone list and the iteration's three release keys, which on etcd were five sequential
+        requests (docs/scale.md). The appends are a compare-and-swap on every appended key's mod
+        revision, retried with the values the failure branch read (as ``append``); the
+        set-if-absent puts are nested transactions, each with its own condition, so a key that
+        is already set (an earlier fault) does not fail the others. Applied once even across a
+        lost answer (``_guarded_txn``). Keys must be distinct.
+        """
+        keys = [_b64(self._k(k)) for k, _ in append]
+        tails = [_bytes(v) for _, v in append]
+        nested = [
+            {
+                "request_txn": {
+                    "compare": [
+                        {
+                            "key": _b64(self._k(k)),
+                            "result": "EQUAL",
+                            "target": "CREATE",
+                            "create_revision": 0,
+                        }
+                    ],
+                    "success": [
+                        {"request_put": {"key": _b64(self._k(k)), "value": _b64(_bytes(v))}}
+                    ],
+                    "failure": [],
+                }
+            }
+            for k, v in set_if_absent
+        ]
+        deadline = self._deadline()
+        mods = [0] * len(keys)  # guess: absent (etcd compares a missing key's mod revision as 0)
+        olds: list[bytes] = [b""] * len(keys)
+        while True:
+
+            def build(seq: int, mods: list[int] = mods, olds: list[bytes] = olds) -> dict[str, Any]:
+                return {
+                    "compare": [
+                        {"key": k, "result": "EQUAL", "target": "MOD", "mod_revision": m}
+                        for k, m in zip(keys, mods, strict=True)
+                    ],
+                    "success": [
+                        *(
+                            {"request_put": {"key": k, "value": _b64(old + tail)}}
+                            for k, old, tail in zip(keys, olds, tails, strict=True)
+                        ),
+                        *nested,
+                        self._guard_put(seq, b""),
+                    ],
+                    "failure": [{"request_range": {"key": k}} for k in keys],
+                }
+
+            resp, done = self._guarded_txn(build, deadline, "record_fault")
+            if done is not None or (resp is not None and resp.get("succeeded")):
+                return
+            assert resp is not None
+            responses = resp.get("responses") or []
+            mods, olds = [], []
+            for i in range(len(keys)):
+                kvs = responses[i].get("response_range", {}).get("kvs") or []
+                mods.append(int(kvs[0]["mod_revision"]) if kvs else 0)
+                olds.append(base64.b64decode(kvs[0].get("value", "")) if kvs else b"")
+            if time.monotonic() > deadline:
+                raise EtcdTimeoutError(
+                    "etcd record_fault: the fault keys kept changing under this client until "
+                    "the timeout: raise the store timeout"
+                )
+
+    def count_arrival(self, key: str, member: str) -> int:
+        """Count ``member`` once under ``key`` and return how many members are counted: ONE
+        transaction, without contention.
+
+        ``inprocess.store``'s barriers use it (through ``getattr``) instead of ``add``: on etcd
+        an ``add`` is a compare-and-swap on one counter, two round trips on an existing key and
+        one more per concurrent writer, so N ranks arriving together cost O(N^2) requests. Here
+        each member puts its own key ``<key>/<member>`` (if absent) and the same transaction
+        counts the keys under ``<key>/`` (a count-only range). Repeating it (a lost answer)
+        counts nothing twice.
+        """
+        base = self._k(key) + b"/"
+        mine = _b64(base + member.encode())
+        count = {
+            "request_range": {
+                "key": _b64(base),
+                "range_end": _b64(_prefix_end(base)),
+                "count_only": True,
+            }
+        }
+        payload = {
+            "compare": [{"key": mine, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+            "success": [{"request_put": {"key": mine, "value": _b64(b"1")}}, count],
+            "failure": [count],
+        }
+        resp = self._txn(payload, self._deadline(), "count_arrival")
+        return int(resp["responses"][-1].get("response_range", {}).get("count", 0))
+
+    def try_get(self, key: str) -> bytes | None:
+        """The key's value, or None when it is absent: one range request, never blocks
+        (``inprocess.store.peek`` uses it instead of ``check`` + ``get``, two requests)."""
+        kv, _ = self._range(self._k(key), self._deadline())
+        return None if kv is None else base64.b64decode(kv.get("value", ""))
+
+    def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
+        """``wait([key], timeout)`` then ``get(key)`` in one step: the read that finds the key,
+        or the watch event that reports its put, carries the value (one round trip fewer per
+        released waiter; ``inprocess.store`` uses it through ``getattr``)."""
+        deadline = self._deadline(timeout)
+        while True:
+            kv, revision = self._range(self._k(key), deadline)
+            if kv is not None:
+                return base64.b64decode(kv.get("value", ""))
+            value = self._wait_one(key, revision, deadline, timeout.total_seconds())
+            if value is not None:
+                return value
 
     def delete_all(self) -> int:
         """Delete every key of this job (the end of a job; any rank may call it once all have

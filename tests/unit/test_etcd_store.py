@@ -7,12 +7,14 @@ import importlib.util
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from inprocess.errors import ConfigError, StoreTimeoutError
 from inprocess.etcd import EtcdStore, EtcdStoreError
+from inprocess.etcd.errors import EtcdTimeoutError
 from inprocess.etcd.url import parse_url
 from tests.etcd_cluster import EtcdCluster, skip_reason
 from tests.multiproc import free_port
@@ -325,3 +327,75 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     with EtcdStore(cluster.url, prefix="wd-job", timeout=10) as job:
         assert keys.gone_ranks(job) == {3}
         job.delete_all()
+
+
+# ----- the restart protocol's batched calls (docs/scale.md) -----------------------------------
+
+
+@needs_etcd
+def test_record_fault_batch_is_one_transaction_and_loses_no_concurrent_append(
+    s: EtcdStore, cluster: EtcdCluster
+) -> None:
+    client = s._endpoints.current()[1]
+    real = client.transaction
+    txns: list[Any] = []
+
+    def counting(payload: Any) -> Any:
+        txns.append(payload)
+        return real(payload)
+
+    client.transaction = counting  # type: ignore[method-assign,assignment]
+    s.record_fault_batch(append=[("f", "a\n"), ("g", "1,")], set_if_absent=[("end", "fault")])
+    assert len(txns) == 1  # fresh keys: one round trip for the appends and the release
+    other = EtcdStore(cluster.url, prefix=s.prefix, timeout=20.0)
+    with ThreadPoolExecutor(4) as pool:  # concurrent writers: every append lands once
+        list(
+            pool.map(
+                lambda i: (other if i % 2 else s).record_fault_batch(
+                    append=[("f", f"r{i}\n")], set_if_absent=[("end", f"late{i}")]
+                ),
+                range(8),
+            )
+        )
+    other.close()
+    lines = s.get("f").decode().splitlines()
+    assert sorted(lines) == sorted(["a", *(f"r{i}" for i in range(8))])
+    assert s.get("g") == b"1," and s.get("end") == b"fault"  # set if absent: the first stays
+
+
+@needs_etcd
+def test_wait_value_returns_the_value_a_watch_saw_or_times_out(s: EtcdStore) -> None:
+    threading.Timer(0.2, s.set, args=("late", "v")).start()
+    assert s.wait_value("late", datetime.timedelta(seconds=5)) == b"v"
+    assert s.wait_value("late", datetime.timedelta(seconds=5)) == b"v"  # present: one read
+    with pytest.raises(EtcdTimeoutError, match="never"):
+        s.wait_value("never", datetime.timedelta(seconds=0.2))
+
+
+@needs_etcd
+def test_count_arrival_counts_each_member_once_in_one_transaction(
+    s: EtcdStore, cluster: EtcdCluster
+) -> None:
+    from inprocess import store as keys
+
+    other = EtcdStore(cluster.url, prefix=s.prefix, timeout=20.0)
+    with ThreadPoolExecutor(8) as pool:  # 12 arrivals of 8 members, from two clients at once
+        list(
+            pool.map(lambda i: (other if i % 2 else s).count_arrival("b/n", f"m{i % 8}"), range(12))
+        )
+    other.close()
+    assert s.count_arrival("b/n", "m0") == 8  # a repeated arrival counts nothing
+    # The restart barrier counts a live rank and a death report of the same rank once.
+    s.set(keys.iteration_prefix(0) + "restart/expected", "2")
+    keys.report_fault(s, iteration=0, initial_rank=1, kind="dead", detail="x")
+    keys.report_fault(s, iteration=0, initial_rank=1, kind="dead", detail="again")
+    assert s.count_arrival(keys.iteration_prefix(0) + "restart/n", "1") == 1
+    got = keys.restart_barrier(
+        s,
+        0,
+        initial_rank=0,
+        participants=[0, 1],
+        decide=lambda f: f"{len(f)} faults",
+        timeout=10.0,
+    )
+    assert got == "2 faults"

@@ -55,6 +55,8 @@ class FakeStore:
         current = self.data.get(key)
         if (current is None and expected_value == "") or current == expected_value.encode():
             self.data[key] = desired_value.encode()
+        elif current is None:  # c10d: an absent key and a non-empty expected value
+            return expected_value.encode()
         return self.data[key]
 
     def check(self, keys_: list[str]) -> bool:
@@ -167,14 +169,14 @@ def test_restart_barrier_does_not_wait_for_gone_ranks(store: FakeStore) -> None:
     assert calls.count(1) == 1  # decided once, from the one fault record
 
 
-def test_a_death_during_the_restart_wait_completes_it_at_once(
+def test_a_death_during_the_restart_wait_completes_it_within_one_recheck(
     store: FakeStore, clock: FakeClock
 ) -> None:
     # Ranks 0 and 1 wait for rank 2, which dies: its watchdog's report counts it at the
-    # barrier, which releases without any re-check or timeout.
+    # barrier; the report cannot decide, so the first waiter to re-check claims the decision
+    # (waiters block on the decision alone: two round trips instead of four for every rank).
     keys.set_participants(store, 0, 3)
-    store.append(keys.iteration_prefix(0) + "restart/who", "1,")
-    keys._count_once(store, 0, 1)
+    keys._count_once(store, 0, 1, expected=3, by="1")  # rank 1 arrived and waits
     store.events.append(
         lambda: keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
     )
@@ -188,7 +190,7 @@ def test_a_death_during_the_restart_wait_completes_it_at_once(
         clock=clock,
     )
     assert got == "1 faults"
-    assert clock.now == 1000.0
+    assert clock.now == 1000.0 + keys._RECHECK_S
 
 
 def test_a_rank_reported_twice_is_counted_once(store: FakeStore, clock: FakeClock) -> None:
