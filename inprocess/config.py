@@ -14,6 +14,8 @@ from inprocess.errors import ConfigError
 from inprocess.timeouts import SECTIONS
 
 GRANULARITIES = ("rank", "node")
+# The fault drill's kinds (Megatron-Bridge's FaultToleranceConfig names; inprocess.drill).
+SIMULATED_FAULT_TYPES = ("rank_hung", "rank_killed", "random")
 # NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
 _HEARTBEAT_INTERVAL_CAP = 30.0
 # Smallest soft_timeout with the etcd store: an etcd leader election stalls the store 1-2 s
@@ -71,6 +73,13 @@ class RestartConfig:
       leader stalls the store for 1-2 s).
     * ``timeouts_state_path``: the ``ft_state.json`` that keeps computed timeouts across
       launches (read at launch and at every restart, written by the active rank 0).
+    * ``simulate_fault``: a fault drill (Megatron-Bridge's ``FaultToleranceConfig`` names): once
+      per job, ``simulated_fault_base_delay`` plus up to as much again (seconds, at random)
+      after every rank met, rank ``simulated_fault_rank`` (the initial RANK; None: one drawn at
+      random, the same on every rank) sends itself SIGKILL (``simulated_fault_type`` =
+      "rank_killed") or SIGSTOP ("rank_hung": only the hard timeout ends it); "random" picks
+      one of the two. Not again after a restart, in a respawned process or in a later round
+      of ``inprocess.launch`` (``inprocess.drill``). The launcher has the same drill as flags.
     """
 
     soft_timeout: float = 60.0
@@ -99,6 +108,10 @@ class RestartConfig:
     timeouts_state_path: str | os.PathLike[str] | None = None
     journal_dir: str | os.PathLike[str] | None = None
     store: str | None = None
+    simulate_fault: bool = False
+    simulated_fault_type: str = "random"
+    simulated_fault_rank: int | None = None
+    simulated_fault_base_delay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.journal_dir is not None and not isinstance(self.journal_dir, (str, os.PathLike)):
@@ -165,6 +178,53 @@ class RestartConfig:
                 )
         object.__setattr__(self, "health_checks", checks)
         self._check_section_timeouts()
+        self._check_drill()
+
+    def _check_drill(self) -> None:
+        if not isinstance(self.simulate_fault, bool):
+            raise ConfigError(
+                f"simulate_fault ({self.simulate_fault!r}) must be True or False: True runs the "
+                "fault drill (simulated_fault_type, simulated_fault_rank, "
+                "simulated_fault_base_delay)"
+            )
+        if self.simulated_fault_type not in SIMULATED_FAULT_TYPES:
+            raise ConfigError(
+                f"simulated_fault_type ({self.simulated_fault_type!r}) must be one of "
+                f"{SIMULATED_FAULT_TYPES}: 'rank_killed' sends SIGKILL, 'rank_hung' SIGSTOP, "
+                "'random' picks one of them"
+            )
+        rank = self.simulated_fault_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConfigError(
+                f"simulated_fault_rank ({rank!r}) must be an integer >= 0 (a RANK of the job) "
+                "or None: None draws the rank at random"
+            )
+        delay = self.simulated_fault_base_delay
+        ok = isinstance(delay, (int, float)) and not isinstance(delay, bool)
+        if not ok or not (delay >= 0) or math.isinf(delay):
+            raise ConfigError(
+                f"simulated_fault_base_delay ({delay!r}) must be a finite number of seconds "
+                ">= 0: the drill fires after this delay plus up to as much again"
+            )
+        if self.simulate_fault:
+            return
+        ignored = [
+            f"{name} ({getattr(self, name)!r})"
+            for name, default in (
+                ("simulated_fault_type", "random"),
+                ("simulated_fault_rank", None),
+                ("simulated_fault_base_delay", 0.0),
+            )
+            if getattr(self, name) != default
+        ]
+        if ignored:
+            warnings.warn(
+                f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored: "
+                "simulate_fault is False; set "
+                "simulate_fault=True to run the fault drill",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _check_section_timeouts(self) -> None:
         if not isinstance(self.calculate_timeouts, bool):
@@ -286,6 +346,12 @@ class RestartConfig:
             raise ConfigError(
                 f"min_active_world_size ({self.min_active_world_size}) must be <= WORLD_SIZE "
                 f"({world_size}): lower min_active_world_size or start more ranks"
+            )
+        rank = self.simulated_fault_rank
+        if self.simulate_fault and rank is not None and rank >= world_size:
+            raise ConfigError(
+                f"simulated_fault_rank ({rank}) must be < WORLD_SIZE ({world_size}): name a "
+                "rank of the job, or None to draw one at random"
             )
 
 

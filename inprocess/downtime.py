@@ -6,24 +6,42 @@ called ``ctx.ping(s)``), so step s - 1 was complete.
 
     wall       = job_end - job_start (the launch's first "job_start", last "job_end")
     startup    = first step reached - job_start
-    per fault window (one per in-process restart; a restart that starts before the previous
-    window closed extends it):
+    per fault window (one per in-process restart, and one per in-job restart of
+    ``inprocess.launch``; a restart that starts before the previous window closed extends it):
       last     = the last step reached before the fault's first sign
       sign     = the injected fault's "fault_fired" stamp, else the first "fault" record
       fault    = the name of that injected fault (e.g. "hang@rank0:step150"), else None
-      detected = the blamed rank's own "fault" record; without one (a dead rank), the first
-                 "fault" record of the iteration or the restart record's estimate
-      reentered= the first "iteration_start" of the next iteration
+      detected = in-process: the blamed rank's own "fault" record; without one (a dead rank),
+                 the first "fault" record of the iteration or the restart record's estimate.
+                 in-job: when the launcher saw the decision to restart every rank
+                 ("in_job_restart"'s ``decided``)
+      reentered= the first "iteration_start" of the next iteration (in-job: of the new round)
       restored = the "restore" record of rank 0 in that iteration (so ``reload`` holds the
                  set-up of the new iteration too: model, DDP, a joining reserve's first steps)
       back     = the first time rank 0 reaches again the step it had reached at ``last``
       terms    : lost_before = sign - last, detection = detected - sign,
                  restart = reentered - detected, reload = restored - reentered,
                  redo = back - restored;  downtime = back - last (their sum)
+      recovery = rank 0's first step after ``reentered`` - detected (reported, not summed)
     checkpoint = the save stalls of rank 0 outside fault windows
     downtime   = checkpoint + sum of the windows' downtime
     productive = wall - startup - downtime                 (so the three add up to wall)
     goodput    = productive / wall
+
+Rounds: an in-job restart starts new processes whose iterations count from 0 again; a process
+belongs to round n when n "in_job_restart" rounds began before its first record.
+
+Respawns (the launcher's "respawn" records) are windows of their own, outside the downtime sum:
+the ranks that train go on meanwhile (the in-process window of the same death, if the process
+was active, holds the training's downtime), but the reserve pool is short by one:
+      sign     = the dead process's own "fault_fired" of a process-ending kind (an injected
+                 kill or GIL-held hang), else the first "fault" record that blames it written
+                 after its last record, else ``detected``
+      detected = the launcher saw the process exit ("respawn")
+      spawned  = the launcher started the new process ("respawn_started")
+      ready    = the new process registered as a reserve ("reserve_ready")
+      terms    : detection = detected - sign, start = spawned - detected (backoff included),
+                 join = ready - spawned;  recovery = ready - detected
 """
 
 from __future__ import annotations
@@ -31,12 +49,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+IN_PROCESS = "in-process"
+IN_JOB = "in-job"
+# Injected faults (inprocess.faults, inprocess.drill) after which the process is gone: the
+# first sign of a respawn's death. A process may die between its own record and the signal,
+# but never write another record after it, so its last one of these is the one.
+_PROCESS_ENDING = frozenset({"kill", "hang_gil", "rank_killed", "rank_hung"})
+
 
 @dataclass
 class Window:
     """One fault's downtime window and its terms (seconds)."""
 
-    iteration: int  # the iteration that faulted
+    iteration: int  # the iteration that faulted (of its round)
     cause: str
     faulting_ranks: list[int]
     kind: str
@@ -50,6 +75,9 @@ class Window:
     restored_step: int | None
     reached_step: int
     fault: str | None = None  # the injected fault whose "fault_fired" record is ``sign``
+    level: str = IN_PROCESS  # or IN_JOB: inprocess.launch restarted every rank
+    round: int = 0  # the in-job restart round the fault happened in
+    resumed: float | None = None  # rank 0's first step after ``reentered``
 
     @property
     def terms(self) -> dict[str, float]:
@@ -60,6 +88,36 @@ class Window:
             "reload": self.restored - self.reentered,
             "redo": self.back - self.restored,
             "downtime": self.back - self.last,
+        }
+
+    @property
+    def recovery(self) -> float | None:
+        """Detection to rank 0's first step after it (None without a step)."""
+        return None if self.resumed is None else self.resumed - self.detected
+
+
+@dataclass
+class RespawnWindow:
+    """A process the launcher replaced: from its death until the new one is a ready reserve."""
+
+    slot_rank: int  # the slot's RANK
+    identity: int  # the dead process's identity (``inprocess.ranks.respawn_identity``)
+    how: str  # e.g. "was killed by SIGKILL"
+    sign: float
+    detected: float
+    spawned: float | None  # None: not started (the job ended first)
+    ready: float | None  # None: it never registered (died at start-up, or the job ended)
+    new_identity: int | None = None
+    fault: str | None = None  # the injected fault that killed it
+
+    @property
+    def terms(self) -> dict[str, float | None]:
+        spawned, ready = self.spawned, self.ready
+        return {
+            "detection": self.detected - self.sign,
+            "start": None if spawned is None else spawned - self.detected,
+            "join": None if spawned is None or ready is None else ready - spawned,
+            "recovery": None if ready is None else ready - self.detected,
         }
 
 
@@ -77,6 +135,7 @@ class LaunchReport:
     steps: int = 0  # the highest step rank 0 reached (``ctx.ping``): steps - 1 were complete
     respawns: int = 0  # processes the launcher started again (its journal, when it keeps one)
     in_job_restarts: int = 0
+    respawn_windows: list[RespawnWindow] = field(default_factory=list)
 
     @property
     def wall(self) -> float:
@@ -109,10 +168,15 @@ class LaunchReport:
             "steps": self.steps,
             "faults": [
                 {
-                    **{k: v for k, v in asdict(w).items()},
+                    **asdict(w),
                     **{f"{k}_s": v for k, v in w.terms.items()},
+                    "recovery_s": w.recovery,
                 }
                 for w in self.windows
+            ],
+            "respawn_windows": [
+                {**asdict(w), **{f"{k}_s": v for k, v in w.terms.items()}}
+                for w in self.respawn_windows
             ],
         }
 
@@ -143,7 +207,8 @@ def build(records: list[dict[str, Any]], launch: str = "") -> LaunchReport:
     start = min(float(r["t"]) for r in ev.get("job_start", records[:1]))
     ends = ev.get("job_end") or records[-1:]
     end = max(float(r["t"]) for r in ends)
-    windows = _windows(ev, progress)
+    rounds = _rounds(records)
+    windows = _windows(rounds, ev.get("in_job_restart", []), progress)
     stalls = [
         (float(r["t"]), float(r.get("stall_s", 0.0)))
         for r in ev.get("save", [])
@@ -157,10 +222,13 @@ def build(records: list[dict[str, Any]], launch: str = "") -> LaunchReport:
         startup=progress[0][0] - start,
         checkpoint=checkpoint,
         windows=windows,
-        restarts=len({int(r["iteration"]) for r in ev.get("restart", [])}),
+        restarts=sum(
+            len({int(r["iteration"]) for r in ev_r.get("restart", [])}) for ev_r in rounds
+        ),
         respawns=len(ev.get("respawn", [])),
-        in_job_restarts=len(ev.get("in_job_restart", [])),
+        in_job_restarts=len({int(r.get("round", 0)) for r in ev.get("in_job_restart", [])}),
         steps=max(s for _, s in progress),
+        respawn_windows=_respawn_windows(records, ev, rounds),
     )
 
 
@@ -171,13 +239,124 @@ def _by_event(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return ev
 
 
+def _process(r: dict[str, Any]) -> tuple[Any, ...]:
+    # journal.read names each record's file (one per process); synthetic records may not.
+    return (r["_file"],) if "_file" in r else (r.get("host"), r.get("pid"), r.get("rank"))
+
+
+def _round_starts(records: list[dict[str, Any]]) -> list[float]:
+    """When each in-job restart round began (the first launcher to record it), in order."""
+    first: dict[int, float] = {}
+    for r in records:
+        if r["event"] == "in_job_restart":
+            k = int(r.get("round", len(first) + 1))
+            first[k] = min(first.get(k, float(r["t"])), float(r["t"]))
+    return [first[k] for k in sorted(first)]
+
+
+def _rounds(records: list[dict[str, Any]]) -> list[dict[str, list[dict[str, Any]]]]:
+    """The ranks' records by event, one map per round (a process's round: the number of
+    in-job restart rounds that began before its first record). Launcher records (rank < 0)
+    are left out."""
+    starts = _round_starts(records)
+    born: dict[tuple[Any, ...], float] = {}
+    for r in records:
+        born.setdefault(_process(r), float(r["t"]))
+    out: list[dict[str, list[dict[str, Any]]]] = [{} for _ in range(len(starts) + 1)]
+    for r in records:
+        if isinstance(r.get("rank"), int) and r["rank"] < 0:
+            continue
+        k = sum(t <= born[_process(r)] for t in starts)
+        out[k].setdefault(str(r["event"]), []).append(r)
+    return out
+
+
+@dataclass
+class _Candidate:
+    """A restart before merging with the window it may fall into."""
+
+    iteration: int
+    round: int
+    level: str
+    rec: dict[str, Any]  # the restart record, or the launcher's in_job_restart record
+    faults: list[dict[str, Any]]
+    detected: float
+    fired: list[tuple[float, str | None]]
+    reentered: float
+    restores: list[dict[str, Any]]
+
+
 def _windows(
-    ev: dict[str, list[dict[str, Any]]], progress: list[tuple[float, int]]
+    rounds: list[dict[str, list[dict[str, Any]]]],
+    in_job: list[dict[str, Any]],
+    progress: list[tuple[float, int]],
 ) -> list[Window]:
+    cands: list[_Candidate] = []
+    for k, ev in enumerate(rounds):
+        cands += _in_process(ev, k)
+        if k + 1 < len(rounds):
+            cand = _in_job(ev, rounds[k + 1], in_job, k)
+            if cand is not None:
+                cands.append(cand)
+    out: list[Window] = []
+    for c in cands:
+        sign, fault = c.fired[0] if c.fired else (c.detected, None)
+        before = [(t, s) for t, s in progress if t <= sign]
+        last, reached = before[-1] if before else (sign, 0)
+        restored = float(c.restores[0]["t"]) if c.restores else c.reentered
+        if out and last < out[-1].back:  # a fault before the previous window closed: merge
+            prev = out.pop()
+            last, sign, reached, fault = prev.last, prev.sign, prev.reached_step, prev.fault
+        back_at = [t for t, s in progress if t > c.reentered and s >= reached]
+        back = back_at[0] if back_at else restored
+        resumed = next((t for t, _ in progress if t > c.reentered), None)
+        in_job_level = c.level == IN_JOB
+        out.append(
+            Window(
+                iteration=c.iteration,
+                cause=str(c.rec.get("reason" if in_job_level else "cause", "")),
+                faulting_ranks=list(c.rec.get("faulting_ranks", []))
+                if not in_job_level
+                else sorted({int(r["fault_rank"]) for r in c.faults if "fault_rank" in r}),
+                kind="in_job_restart" if in_job_level else _kind_from(c.rec),
+                last=last,
+                sign=sign,
+                detected=c.detected,
+                reentered=c.reentered,
+                restored=restored,
+                back=back,
+                tier=c.restores[0].get("tier") if c.restores else None,
+                restored_step=c.restores[0].get("step") if c.restores else None,
+                reached_step=reached,
+                fault=fault,
+                level=c.level,
+                round=c.round,
+                resumed=resumed,
+            )
+        )
+    return out
+
+
+def _fired_before(ev: dict[str, list[dict[str, Any]]], it: int, t: float) -> list[Any]:
+    return sorted(
+        (float(r["t"]), r.get("fault"))
+        for r in ev.get("fault_fired", [])
+        if int(r.get("iteration", -1)) == it and float(r["t"]) <= t
+    )
+
+
+def _restores(ev: dict[str, list[dict[str, Any]]], it: int) -> list[dict[str, Any]]:
+    return [
+        r for r in ev.get("restore", []) if r.get("training_rank") == 0 and r.get("iteration") == it
+    ]
+
+
+def _in_process(ev: dict[str, list[dict[str, Any]]], k: int) -> list[_Candidate]:
+    """The in-process restarts of one round, oldest first."""
     restarts: dict[int, dict[str, Any]] = {}
     for r in ev.get("restart", []):  # every rank logs it: keep the first of each iteration
         restarts.setdefault(int(r["iteration"]), r)
-    out: list[Window] = []
+    out = []
     for new_it in sorted(restarts):
         rec = restarts[new_it]
         faulted = new_it - 1
@@ -191,47 +370,116 @@ def _windows(
         # Without the blamed rank's own record (a dead rank: its watchdog wrote to the store,
         # not to a journal), the earliest sign any rank left, or the restart's own estimate.
         detected = min(own) if own else min([float(r["t"]) for r in faults] + [_detected_from(rec)])
-        fired = sorted(
-            (
-                (float(r["t"]), r.get("fault"))
-                for r in ev.get("fault_fired", [])
-                if int(r.get("iteration", -1)) == faulted and float(r["t"]) <= detected
-            ),
-            key=lambda f: f[0],
-        )
-        sign, fault = fired[0] if fired else (detected, None)
-        before = [(t, s) for t, s in progress if t <= sign]
-        last, reached = before[-1] if before else (sign, 0)
         reentered = min(
             (float(r["t"]) for r in ev.get("iteration_start", []) if int(r["iteration"]) == new_it),
             default=float(rec["t"]),
         )
-        restores = [
-            r
-            for r in ev.get("restore", [])
-            if r.get("training_rank") == 0 and r.get("iteration") == new_it
-        ]
-        restored = float(restores[0]["t"]) if restores else reentered
-        if out and last < out[-1].back:  # a fault before the previous window closed: merge
-            prev = out.pop()
-            last, sign, reached, fault = prev.last, prev.sign, prev.reached_step, prev.fault
-        back_at = [t for t, s in progress if t > reentered and s >= reached]
-        back = back_at[0] if back_at else restored
         out.append(
-            Window(
+            _Candidate(
                 iteration=faulted,
-                cause=str(rec.get("cause", "")),
-                faulting_ranks=list(rec.get("faulting_ranks", [])),
-                kind=_kind_from(rec),
-                last=last,
+                round=k,
+                level=IN_PROCESS,
+                rec=rec,
+                faults=faults,
+                detected=detected,
+                fired=_fired_before(ev, faulted, detected),
+                reentered=reentered,
+                restores=_restores(ev, new_it),
+            )
+        )
+    return out
+
+
+def _in_job(
+    ev: dict[str, list[dict[str, Any]]],
+    nxt: dict[str, list[dict[str, Any]]],
+    in_job: list[dict[str, Any]],
+    k: int,
+) -> _Candidate | None:
+    """The in-job restart that ended round ``k`` (None when the next round never trained)."""
+    recs = [r for r in in_job if int(r.get("round", k + 1)) == k + 1]
+    starts = [float(r["t"]) for r in nxt.get("iteration_start", []) if int(r["iteration"]) == 0]
+    if not recs or not starts:
+        return None
+    decided = min(float(r.get("decided", r["t"])) for r in recs)
+    its = [int(r["iteration"]) for r in ev.get("iteration_start", [])]
+    faulted = max(its, default=0)
+    faults = [
+        r
+        for r in ev.get("fault", [])
+        if int(r.get("iteration", -1)) == faulted and float(r["t"]) <= decided
+    ]
+    fired = _fired_before(ev, faulted, decided)
+    if not fired and faults:  # the first sign is the first fault record of the iteration
+        fired = [(min(float(r["t"]) for r in faults), None)]
+    return _Candidate(
+        iteration=faulted,
+        round=k,
+        level=IN_JOB,
+        rec=min(recs, key=lambda r: float(r.get("decided", r["t"]))),
+        faults=faults,
+        detected=decided,
+        fired=fired,
+        reentered=min(starts),
+        restores=_restores(nxt, 0),
+    )
+
+
+def _respawn_windows(
+    records: list[dict[str, Any]],
+    ev: dict[str, list[dict[str, Any]]],
+    rounds: list[dict[str, list[dict[str, Any]]]],
+) -> list[RespawnWindow]:
+    starts = _round_starts(records)
+    last_of: dict[Any, float] = {}  # each rank process's last record
+    killed_by: dict[Any, dict[str, Any]] = {}  # its last injected fault that ends a process
+    for r in records:
+        if r.get("pid") is None or (isinstance(r.get("rank"), int) and r["rank"] < 0):
+            continue
+        last_of[(r.get("host"), r["pid"])] = float(r["t"])
+        if r["event"] == "fault_fired" and r.get("kind") in _PROCESS_ENDING:
+            killed_by[(r.get("host"), r["pid"])] = r
+    out = []
+    for rec in ev.get("respawn", []):
+        detected, identity = float(rec["t"]), int(rec["identity"])
+        k = sum(t <= detected for t in starts)
+        proc = (rec.get("host"), rec.get("proc_pid"))
+        fired = killed_by.get(proc)
+        if fired is not None and float(fired["t"]) <= detected:
+            sign, fault = float(fired["t"]), fired.get("fault")
+        else:  # a fault record that blames it, written after its own last record
+            after = last_of.get(proc, float("-inf"))
+            blamed = [
+                float(r["t"])
+                for r in rounds[k].get("fault", [])
+                if r.get("fault_rank") == identity and after <= float(r["t"]) <= detected
+            ]
+            sign, fault = min(blamed, default=detected), None
+        started = [
+            r
+            for r in ev.get("respawn_started", [])
+            if r.get("replaces") == identity and float(r["t"]) >= detected
+        ]
+        spawned = float(started[0]["t"]) if started else None
+        new = int(started[0]["identity"]) if started else None
+        ready = next(
+            (
+                float(r["t"])
+                for r in ev.get("reserve_ready", [])
+                if new is not None and int(r["identity"]) == new
+            ),
+            None,
+        )
+        out.append(
+            RespawnWindow(
+                slot_rank=int(rec.get("slot_rank", identity)),
+                identity=identity,
+                how=str(rec.get("how", "")),
                 sign=sign,
                 detected=detected,
-                reentered=reentered,
-                restored=restored,
-                back=back,
-                tier=restores[0].get("tier") if restores else None,
-                restored_step=restores[0].get("step") if restores else None,
-                reached_step=reached,
+                spawned=spawned,
+                ready=ready,
+                new_identity=new,
                 fault=fault,
             )
         )

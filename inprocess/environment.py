@@ -37,6 +37,9 @@ class LaunchEnv:
     # SLURM_JOB_ID, else TORCHELASTIC_RUN_ID); see docs/etcd.md.
     store_url: str | None = None
     job_id: str | None = None
+    # The in-job restart round of inprocess.launch (INPROCESS_LAUNCH_ROUND) or torchrun's
+    # restart count (TORCHELASTIC_RESTART_COUNT): 0 for the job's first start.
+    launch_round: int = 0
 
     @property
     def identity(self) -> int:
@@ -88,6 +91,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         respawn_generation=_generation(get_int("INPROCESS_RESPAWN_GENERATION", default=0)),
         store_url=_store_url(env.get("INPROCESS_STORE", "")),
         job_id=_job_id(env),
+        launch_round=get_int("INPROCESS_LAUNCH_ROUND", "TORCHELASTIC_RESTART_COUNT", default=0),
     )
 
 

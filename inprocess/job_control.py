@@ -1,23 +1,29 @@
 """How the launchers of one job agree on the job's rounds: the store each round's ranks use, and
 what happens when a round ends (an in-job restart, or the end of the job with a status).
 
-Keys live under ``launch/`` in the control store, hosted by node 0's launcher on
-``--master-port`` for the whole job (round 0's ranks use that store too; every later round gets a
-fresh store, so no key of an earlier round is ever read again):
+The control keys live under ``launch/`` (``<ns>`` below) in the control store. Without
+``--store``, node 0's launcher hosts it, a TCPStore on ``--master-port``, for the whole job
+(round 0's ranks use that store too; every later round gets a fresh store, so no key of an
+earlier round is ever read again):
 
-* ``launch/r{k}/port``      the port of round ``k``'s store (node 0 publishes it)
-* ``launch/r{k}/arrived``   launchers ready to start round ``k`` (all must arrive)
-* ``launch/r{k}/action``    what ends round ``k`` for every node: JSON ``{"kind": "restart" |
-                            "end", "status", "reason"}``; first writer wins
-* ``launch/r{k}/live/{n}``  processes node ``n`` still runs or will respawn
-* ``launch/beat/{n}``       node ``n``'s launcher was alive at this time.time() (while it runs)
-* ``launch/left/{n}``       node ``n``'s launcher is leaving (node 0 waits for the live ones)
+* ``<ns>id``               the launch id (node 0 draws it; RESTARTABLE_LAUNCH_ID of every rank)
+* ``<ns>r{k}/port``        the port of round ``k``'s store (node 0 publishes it)
+* ``<ns>r{k}/arrived``     launchers ready to start round ``k`` (all must arrive)
+* ``<ns>r{k}/action``      what ends round ``k`` for every node: JSON ``{"kind": "restart" |
+                           "end", "status", "reason"}``; first writer wins
+* ``<ns>r{k}/live/{n}``    processes node ``n`` still runs or will respawn
+* ``<ns>beat/{n}``         node ``n``'s launcher was alive at this time.time() (while it runs)
+* ``<ns>left/{n}``         node ``n``'s launcher is leaving (node 0 waits for the live ones)
 
-With ``--store etcd://...`` (``store_url``) the control store stays as above, but the ranks'
-store of round ``k`` is the etcd namespace ``job_prefix(url, job_id, round_=k)`` instead of a
-TCPStore: the launchers host no round store, every launcher opens its own etcd client of the
-round (``round_store_env`` tells the ranks which), and node 0 deletes the job's keys before
-round 0 (a requeued Slurm job keeps its job id) and when the job is over (``delete_job_keys``).
+With ``--store etcd://...`` (``store_url``) no launcher hosts anything: the control keys are on
+etcd too, in the job's namespace under ``launch/<launch id>/`` (so losing any one node, node 0
+included, loses no coordination state), and the ranks' store of round ``k`` is the etcd
+namespace ``job_prefix(url, job_id, round_=k)``: every launcher opens its own etcd clients
+(``round_store_env`` tells the ranks which namespace). Node 0 deletes the job's stale keys
+(a requeued Slurm job keeps its job id) and then publishes ``launch/token`` (the launch id and
+when it was drawn); the other launchers wait for a token drawn after they started (less
+``node_timeout`` of clock skew), so they never join a crashed earlier run's keys. The last
+launcher to leave deletes every key of the job (``leave``).
 """
 
 from __future__ import annotations
@@ -26,12 +32,20 @@ import datetime
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from inprocess.autoresume import EXIT_REQUEUE
 
 log = logging.getLogger(__name__)
+
+TOKEN_KEY = "launch/token"  # with etcd: {"id": launch id, "t": time.time() when drawn}
+
+
+def new_launch_id() -> str:
+    """A fresh launch id, readable in a directory listing: ``20261122-203815-1a2b3c``."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
 
 
 class NodeLostError(Exception):
@@ -56,7 +70,8 @@ class Action:
 
 
 class JobControl:
-    """This launcher's side of the control store (node 0 hosts it; close() drops it).
+    """This launcher's side of the control store (node 0 hosts it, or the etcd cluster holds
+    it with ``store_url``; close() drops it).
 
     Call order per round ``k``: ``open_round(k)`` (every launcher; blocks at most
     ``node_timeout`` for the others) -> supervise -> ``request(k, ...)`` by whichever launcher
@@ -74,27 +89,74 @@ class JobControl:
         beat_stale: float = 5.0,
         store_url: str | None = None,
         job_id: str | None = None,
+        launch_id: str | None = None,
     ) -> None:
+        """Connect to (node 0: host, or with etcd: open) the control store and settle the
+        launch id: ``launch_id`` on node 0 (default: a new one), node 0's on the others, who
+        wait for it at most ``node_timeout`` (``NodeLostError`` after that)."""
         import torch.distributed as dist
 
         self.node_rank, self.nnodes, self.addr = node_rank, nnodes, addr
         self.node_timeout = node_timeout
         self.store_url, self.job_id = store_url, job_id
-        if store_url is not None and node_rank == 0:
-            self.delete_job_keys()  # before any rank of this job can exist: only stale keys
         self.beat_stale = beat_stale  # a launcher silent this long is gone (same-host clocks)
         self._round_stores: dict[int, Any] = {}
         self.store: Any
+        self.ns = "launch/"
+        if store_url is not None:
+            from inprocess.etcd.connect import open_store
+
+            # Nothing lives on node 0: the control keys are on the etcd cluster too.
+            self.port = port or 0
+            if node_rank == 0:
+                self.delete_job_keys()  # before any rank of this job can exist: only stale keys
+            self.store = open_store(store_url, job_id=job_id, timeout=node_timeout)
+            self.launch_id = self._settle_token(launch_id)
+            self.ns = f"launch/{self.launch_id}/"
+            return
         if node_rank == 0:
             # Outside every training process: losing any rank loses no coordination state.
             self.store = dist.TCPStore(
                 "0.0.0.0", port or 0, is_master=True, wait_for_workers=False, use_libuv=True
             )
             self.port = int(self.store.port)
+            self.launch_id = launch_id or new_launch_id()
+            self.store.set(self._k("id"), self.launch_id)
         else:
             assert port is not None
             self.store = _client(addr, port, node_timeout)
             self.port = port
+            try:
+                self.store.wait([self._k("id")], datetime.timedelta(seconds=node_timeout))
+                self.launch_id = self.store.get(self._k("id")).decode()
+            except Exception as exc:
+                raise _store_lost(exc) from exc
+
+    def _k(self, name: str) -> str:
+        return self.ns + name
+
+    def _settle_token(self, launch_id: str | None) -> str:
+        """With etcd: node 0 publishes the launch (after deleting stale keys); the others wait
+        for a token drawn after they started (less ``node_timeout`` for clock skew)."""
+        if self.node_rank == 0:
+            token = {"id": launch_id or new_launch_id(), "t": time.time()}
+            self.store.set(TOKEN_KEY, json.dumps(token))
+            return str(token["id"])
+        oldest = time.time() - self.node_timeout
+        deadline = time.monotonic() + self.node_timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([TOKEN_KEY]):
+                    token = json.loads(self.store.get(TOKEN_KEY))
+                    if float(token["t"]) >= oldest:
+                        return str(token["id"])
+            except Exception as exc:
+                raise _store_lost(exc) from exc
+            time.sleep(0.05)
+        raise NodeLostError(
+            f"node 0's launcher did not open the job within --node-timeout ({self.node_timeout}"
+            " s): start it, or check that it uses the same --store and --job-id"
+        )
 
     # ----- rounds ----------------------------------------------------------------------------
 
@@ -102,30 +164,26 @@ class JobControl:
         """Meet every launcher for round ``k``; returns the round store's port and a client of
         it. Raises ``NodeLostError`` when a launcher does not arrive within ``node_timeout``."""
         try:
-            self.store.add(f"launch/r{k}/arrived", 1)
-            if self.node_rank == 0:
-                if self.store_url is not None:  # the ranks' store is on etcd; no server here
-                    round_store, port = self._etcd_round_store(k), self.port
-                else:
-                    round_store = self.store if k == 0 else self._new_round_store(k)
-                    port = int(round_store.port)
-                self.store.set(f"launch/r{k}/port", str(port))
+            self.store.add(self._k(f"r{k}/arrived"), 1)
+            if self.store_url is not None:  # the ranks' store is on etcd; no server anywhere
+                round_store, port = self._etcd_round_store(k), self.port
+            elif self.node_rank == 0:
+                round_store = self.store if k == 0 else self._new_round_store(k)
+                port = int(round_store.port)
+                self.store.set(self._k(f"r{k}/port"), str(port))
             deadline = time.monotonic() + self.node_timeout
-            while self.store.add(f"launch/r{k}/arrived", 0) < self.nnodes:
+            while self.store.add(self._k(f"r{k}/arrived"), 0) < self.nnodes:
                 if time.monotonic() > deadline:
-                    n = self.store.add(f"launch/r{k}/arrived", 0)
+                    n = self.store.add(self._k(f"r{k}/arrived"), 0)
                     raise NodeLostError(
                         f"only {n} of {self.nnodes} launchers arrived for round {k} within "
                         f"--node-timeout ({self.node_timeout} s): a node is gone"
                     )
                 time.sleep(0.05)
-            if self.node_rank != 0:
-                self.store.wait([f"launch/r{k}/port"], datetime.timedelta(seconds=30))
-                port = int(self.store.get(f"launch/r{k}/port"))
-                if self.store_url is not None:
-                    round_store = self._etcd_round_store(k)
-                else:
-                    round_store = self.store if k == 0 else _client(self.addr, port, 30.0)
+            if self.node_rank != 0 and self.store_url is None:
+                self.store.wait([self._k(f"r{k}/port")], datetime.timedelta(seconds=30))
+                port = int(self.store.get(self._k(f"r{k}/port")))
+                round_store = self.store if k == 0 else _client(self.addr, port, 30.0)
         except NodeLostError:
             raise
         except Exception as exc:
@@ -167,7 +225,8 @@ class JobControl:
         }
 
     def delete_job_keys(self) -> None:
-        """Node 0, with etcd: delete every key of the job, all rounds (never raises)."""
+        """With etcd: delete every key of the job, all rounds and the launchers' (never
+        raises). Node 0 before the job starts; the last launcher out at the end."""
         if self.store_url is None:
             return
         from inprocess.etcd.connect import open_store
@@ -181,7 +240,7 @@ class JobControl:
 
     def request(self, k: int, action: Action) -> Action:
         """Propose what ends round ``k``; returns the action that won (first writer)."""
-        key = f"launch/r{k}/action"
+        key = self._k(f"r{k}/action")
         try:
             self.store.compare_set(key, "", action.to_json())
             return Action.from_json(self.store.get(key).decode())
@@ -190,7 +249,7 @@ class JobControl:
 
     def action(self, k: int) -> Action | None:
         """The action that ends round ``k``, or None while it runs. Raises ``NodeLostError``."""
-        key = f"launch/r{k}/action"
+        key = self._k(f"r{k}/action")
         try:
             return (
                 Action.from_json(self.store.get(key).decode()) if self.store.check([key]) else None
@@ -202,14 +261,14 @@ class JobControl:
         """Node's processes still running in round ``k`` (live or due for respawn); also this
         launcher's heartbeat. Raises ``NodeLostError`` when the control store is gone."""
         try:
-            self.store.set(f"launch/r{k}/live/{self.node_rank}", str(n))
-            self.store.set(f"launch/beat/{self.node_rank}", repr(time.time()))
+            self.store.set(self._k(f"r{k}/live/{self.node_rank}"), str(n))
+            self.store.set(self._k(f"beat/{self.node_rank}"), repr(time.time()))
         except Exception as exc:
             raise _store_lost(exc) from exc
 
     def job_gone(self, k: int) -> bool:
         """True when every node reported no process left in round ``k``."""
-        keys = [f"launch/r{k}/live/{n}" for n in range(self.nnodes)]
+        keys = [self._k(f"r{k}/live/{n}") for n in range(self.nnodes)]
         try:
             if not self.store.check(keys):
                 return False
@@ -218,11 +277,17 @@ class JobControl:
             raise _store_lost(exc) from exc
 
     def leave(self) -> None:
-        """This launcher is done; node 0 waits (at most ``node_timeout``) for the others that
-        are still alive (their beat is fresher than ``beat_stale``), so its store outlives every
-        reader."""
+        """This launcher is done (never raises; waits at most ``node_timeout``).
+
+        TCPStore: node 0 waits for the others that are still alive (their beat is fresher than
+        ``beat_stale``), so its store outlives every reader. etcd: the last launcher out (every
+        other one left, or its beat is stale) deletes every key of the job.
+        """
         try:
-            self.store.set(f"launch/left/{self.node_rank}", "1")
+            self.store.set(self._k(f"left/{self.node_rank}"), "1")
+            if self.store_url is not None:
+                self._last_out_cleans()
+                return
             if self.node_rank != 0:
                 return
             deadline = time.monotonic() + self.node_timeout
@@ -233,20 +298,45 @@ class JobControl:
         except Exception as exc:
             log.debug("leaving the control store: %r", exc)
 
+    def _last_out_cleans(self) -> None:
+        deadline = time.monotonic() + self.node_timeout
+        others = [n for n in range(self.nnodes) if n != self.node_rank]
+        cleanup = self._k("cleanup")
+        while time.monotonic() < deadline:
+            # Another launcher cleans (or did: the token is gone with every other key).
+            if self.store.check([cleanup]) or not self.store.check([TOKEN_KEY]):
+                return
+            others = [n for n in others if self._still_there(n)]
+            if not others:
+                # Two launchers leaving at once may both see the other gone: one deletes.
+                won = self.store.compare_set(cleanup, "", str(self.node_rank))
+                if won.decode() == str(self.node_rank):
+                    self.delete_job_keys()
+                return
+            time.sleep(0.05)
+        log.warning(
+            "node(s) %s still running after --node-timeout (%s s): the job's keys on etcd are "
+            "left for them to delete",
+            others,
+            self.node_timeout,
+        )
+
     def _still_there(self, node: int) -> bool:
-        if self.store.check([f"launch/left/{node}"]):
+        if self.store.check([self._k(f"left/{node}")]):
             return False
-        beat = f"launch/beat/{node}"
+        beat = self._k(f"beat/{node}")
         if not self.store.check([beat]):
             return True  # not started yet: the deadline bounds the wait
         return time.time() - float(self.store.get(beat)) < self.beat_stale
 
     def close(self) -> None:
-        """Drop the stores (node 0: the servers stop)."""
+        """Drop the stores (node 0: the servers stop; etcd: the clients close)."""
         for store in self._round_stores.values():
             if self.store_url is not None:
                 store.close()
         self._round_stores.clear()
+        if self.store_url is not None and self.store is not None:
+            self.store.close()
         self.store = None
 
 
@@ -263,7 +353,7 @@ def restart_or_end(k: int, *, max_restarts: int, reason: str) -> Action:
 
 
 def _store_lost(exc: BaseException) -> NodeLostError:
-    return NodeLostError(f"the control store (node 0's launcher) is gone: {exc}")
+    return NodeLostError(f"the control store is gone (node 0's launcher, or etcd): {exc}")
 
 
 def _client(addr: str, port: int, timeout: float) -> Any:

@@ -122,8 +122,13 @@ def resolve_dir(configured: str | os.PathLike[str] | None) -> Path | None:
     return None if value is None else Path(value)
 
 
-def open_journal(directory: str | os.PathLike[str], *, rank: int) -> Journal:
+def open_journal(
+    directory: str | os.PathLike[str], *, rank: int, launch: str | None = None
+) -> Journal:
     """Open ``directory/rank<rank>-<host>-<pid>.jsonl`` for appending and start recording.
+
+    ``launch``: the launch id stamped on every record (default ``$RESTARTABLE_LAUNCH_ID``; a
+    launcher passes the id it gives its ranks).
 
     Raises ``ValueError`` naming the directory when it cannot be created or written.
     """
@@ -144,7 +149,7 @@ def open_journal(directory: str | os.PathLike[str], *, rank: int) -> Journal:
         "host": host,
         "pid": os.getpid(),
         "rank": rank,
-        "launch": os.environ.get(ENV_LAUNCH, ""),
+        "launch": os.environ.get(ENV_LAUNCH, "") if launch is None else launch,
     }
     handler = _Handler(stream, identity)
     _log.addHandler(handler)

@@ -36,8 +36,9 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
-from inprocess import autoresume, journal
+from inprocess import autoresume, journal, respawn
 from inprocess.drill import FAULT_TYPES, FaultDrill
 from inprocess.job_control import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
@@ -195,12 +196,19 @@ def rank_env(
     port: int,
     generation: int = 0,
     store_env: Mapping[str, str] | None = None,
+    *,
+    round_: int = 0,
+    launch_id: str | None = None,
 ) -> dict[str, str]:
     """The environment of one rank (the launcher's own environment plus the job variables).
 
     ``generation`` > 0: a process respawned in the slot of ``local_rank``; it keeps the slot's
     RANK and joins the job under a new identity (``inprocess.ranks.respawn_identity``).
     ``store_env``: the round's INPROCESS_STORE / INPROCESS_JOB_ID with ``--store``.
+    ``round_``: the in-job restart round (INPROCESS_LAUNCH_ROUND; the config's fault drill
+    fires in round 0 only). ``launch_id``: RESTARTABLE_LAUNCH_ID, the same on every node and
+    in every round (the journal groups a launch's records by it; the example names its
+    directories after it).
     """
     n = args.nproc_per_node
     inherited = dict(os.environ)
@@ -220,7 +228,10 @@ def rank_env(
         # The ranks die with us (the store we host dies with us too): see bind_to_launcher().
         "INPROCESS_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
+        "INPROCESS_LAUNCH_ROUND": str(round_),
     }
+    if launch_id is not None:
+        env[journal.ENV_LAUNCH] = launch_id
     if generation:
         env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
     else:
@@ -240,18 +251,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the job's rounds on this node; returns the exit status (module docstring)."""
     args = parse_args(argv)
     _log_to_stdout(args.node_rank)
-    # The launcher's part of the run journal (respawns, in-job restarts, the exit), when the
-    # environment names a directory; its file is rank-1-... for node 0, -2 for node 1, ...
-    directory = journal.resolve_dir(None)
-    jr = None if directory is None else journal.open_journal(directory, rank=-1 - args.node_rank)
+    jr = _LauncherJournal(args.node_rank)
     try:
-        return _main(args)
+        return _main(args, jr)
     finally:
-        if jr is not None:
-            jr.close()
+        jr.close()
 
 
-def _main(args: argparse.Namespace) -> int:
+class _LauncherJournal:
+    """The launcher's part of the run journal (respawns, in-job restarts, the exit); its file is
+    rank-1-... for node 0, rank-2-... for node 1, ...
+
+    In ``$RESTARTABLE_JOURNAL_DIR`` when the environment names one; otherwise in the directory
+    the ranks journal to (``RestartConfig.journal_dir``), once they published it in the round's
+    store (``respawn.publish_journal_dir``): a record before that is not kept.
+    """
+
+    def __init__(self, node_rank: int) -> None:
+        self.rank = -1 - node_rank
+        self.launch: str | None = None
+        self.jr: journal.Journal | None = None
+
+    def start(self, launch: str) -> None:
+        """The launch id is known (``JobControl``): open the environment's directory, if any."""
+        self.launch = launch
+        directory = journal.resolve_dir(None)
+        if directory is not None:
+            self.jr = journal.open_journal(directory, rank=self.rank, launch=launch)
+
+    def follow(self, store: Any) -> None:
+        """Open the ranks' directory once they published it (one store look per call until)."""
+        if self.jr is not None or store is None or self.launch is None:
+            return
+        try:
+            directory = respawn.journal_dir(store)
+        except Exception as exc:  # the store is gone: the round ends through poll_action
+            log.debug("journal directory unreadable: %r", exc)
+            return
+        if directory is None:
+            return
+        try:
+            self.jr = journal.open_journal(directory, rank=self.rank, launch=self.launch)
+        except ValueError as exc:  # not writable from here: the ranks' journals go on alone
+            log.warning("the launcher keeps no journal: %s", exc)
+            self.launch = None  # stop looking
+
+    def close(self) -> None:
+        if self.jr is not None:
+            self.jr.close()
+            self.jr = None
+
+
+def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     try:
         control = JobControl(
             node_rank=args.node_rank,
@@ -262,9 +313,13 @@ def _main(args: argparse.Namespace) -> int:
             beat_stale=max(2.0, 20 * args.monitor_interval),
             store_url=args.store,
             job_id=args.job_id,
+            launch_id=os.environ.get(journal.ENV_LAUNCH) or None,
         )
     except Exception as exc:
-        return _finish(args, autoresume.EXIT_REQUEUE, f"cannot reach node 0's launcher: {exc}")
+        return _finish(
+            args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
+        )
+    jr.start(control.launch_id)
     current: list[NodeSupervisor] = []
     signals_seen = 0
 
@@ -278,7 +333,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         k = 0
         while True:
-            end, action = _run_round(args, control, k, current)
+            end, action = _run_round(args, control, k, current, jr)
             if action is not None and action.kind == "restart":
                 log.warning(
                     "in-job restart %d/%d: %s; every rank restarts and resumes from its newest "
@@ -287,15 +342,15 @@ def _main(args: argparse.Namespace) -> int:
                     args.max_restarts,
                     action.reason,
                 )
-                journal.record("in_job_restart", round=k + 1, reason=action.reason)
+                # t: the old ranks are gone and the new round begins; decided: when this node
+                # saw the decision (the report's detection of an in-job restart).
+                journal.record("in_job_restart", round=k + 1, reason=action.reason, decided=end.at)
                 k += 1
                 if signals_seen:  # a SIGINT / SIGTERM between two rounds: start nothing more
                     return _finish(args, autoresume.EXIT_REQUEUE, "signalled during a restart")
                 continue
             status, reason = _status(end, action)
-            control.leave()
-            if args.node_rank == 0:  # every launcher left (or is gone): nobody reads them
-                control.delete_job_keys()
+            control.leave()  # with etcd, the last launcher out deletes the job's keys
             return _finish(args, status, reason)
     except NodeLostError as exc:
         return _finish(args, autoresume.EXIT_REQUEUE, str(exc))
@@ -306,11 +361,16 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _run_round(
-    args: argparse.Namespace, control: JobControl, k: int, current: list[NodeSupervisor]
+    args: argparse.Namespace,
+    control: JobControl,
+    k: int,
+    current: list[NodeSupervisor],
+    jr: _LauncherJournal,
 ) -> tuple[RoundEnd, Action | None]:
     """One round on this node: start the ranks, supervise them, stop them; the round's end and
     the action (restart or end) every node agreed on, if any."""
     port, store = control.open_round(k)
+    launch_id = control.launch_id
     cfg = SupervisorConfig(
         script=[args.script, *args.args],
         node_rank=args.node_rank,
@@ -333,12 +393,15 @@ def _run_round(
     sup = NodeSupervisor(
         cfg=cfg,
         store=store,
-        env_of=lambda local, gen: rank_env(args, local, port, gen, control.round_store_env(k)),
+        env_of=lambda local, gen: rank_env(
+            args, local, port, gen, control.round_store_env(k), round_=k, launch_id=launch_id
+        ),
         out=sys.stdout.buffer,
         poll_action=poll_action,
         on_stopped=on_stopped,
         report_live=lambda n: control.report_live(k, n),
         job_gone=lambda: control.job_gone(k),
+        on_tick=lambda: jr.follow(store),
     )
     current[:] = [sup]
     drill = None

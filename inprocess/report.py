@@ -29,8 +29,10 @@ def reports(directory: str | Path) -> list[downtime.LaunchReport]:
 def format_report(r: downtime.LaunchReport) -> str:
     """The report as text: every figure with its unit, one quantity per column.
 
-    One row per fault window (see ``inprocess.downtime`` for each term's definition); the terms
-    of a row add up to its ``downtime [s]``.
+    One row per fault window (see ``inprocess.downtime`` for each term's definition; ``level``
+    says who recovered: the in-process restart, or ``inprocess.launch`` restarting every rank);
+    the terms of a row add up to its ``downtime [s]``. Then one row per respawned process
+    (outside the downtime sum: the ranks that train go on meanwhile).
     """
     title = f"launch {r.launch}" if r.launch else "downtime report"
     lines = [
@@ -41,31 +43,61 @@ def format_report(r: downtime.LaunchReport) -> str:
     ]
     if r.respawns or r.in_job_restarts:  # only in a journal the launcher wrote to as well
         lines.append(f"  respawned processes {r.respawns}, in-job restarts {r.in_job_restarts}")
-    if not r.windows:
-        return "\n".join(lines)
-    lines.append(
-        f"  {'injected fault':24} {'it':>3} {'cause':14} {'initial ranks':13} "
+    if r.windows:
+        lines += _window_rows(r.windows)
+    if r.respawn_windows:
+        lines += _respawn_rows(r.respawn_windows)
+    return "\n".join(lines)
+
+
+def _window_rows(windows: list[downtime.Window]) -> list[str]:
+    lines = [
+        f"  {'injected fault':24} {'level':10} {'it':>3} {'cause':14} {'initial ranks':13} "
         f"{'lost-before [s]':>15} {'detect [s]':>10} {'restart [s]':>11} {'reload [s]':>10} "
         f"{'redo [s]':>8} {'downtime [s]':>12}  {'tier':9} {'from step':>9} "
         f"{'back at step':>12}"
-    )
-    for w in r.windows:
+    ]
+    for w in windows:
         t = w.terms
         ranks = ",".join(map(str, w.faulting_ranks)) or "-"
         from_step = "-" if w.restored_step is None else str(w.restored_step)
         lines.append(
-            f"  {w.fault or '-':24} {w.iteration:3d} {w.kind:14} {ranks:13} "
+            f"  {w.fault or '-':24} {w.level:10} {w.iteration:3d} {w.kind:14} {ranks:13} "
             f"{t['lost_before']:15.3f} {t['detection']:10.3f} {t['restart']:11.3f} "
             f"{t['reload']:10.3f} {t['redo']:8.3f} {t['downtime']:12.3f}  "
             f"{w.tier or '-':9} {from_step:>9} {w.reached_step:>12}"
         )
-    lines += [
-        "  (it: the iteration that faulted; initial ranks: the blamed processes' RANK at launch;"
-        " from step: the checkpoint restored;",
-        "   back at step: the step reached before the fault, reached again where the window "
-        "ends; each row's terms add up to its downtime)",
+    return [
+        *lines,
+        "  (level: in-process restart, or in-job (the launcher restarted every rank); it: the "
+        "iteration that faulted; initial ranks: the blamed processes' RANK at launch;",
+        "   from step: the checkpoint restored; back at step: the step reached before the fault, "
+        "reached again where the window ends; each row's terms add up to its downtime)",
     ]
-    return "\n".join(lines)
+
+
+def _respawn_rows(windows: list[downtime.RespawnWindow]) -> list[str]:
+    def cell(value: float | None, width: int) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:{width}.3f}"
+
+    lines = [
+        "  respawns (outside the downtime sum: the others trained on; the pool was short by one)",
+        f"  {'injected fault':24} {'slot rank':>9} {'identity':>8} {'new':>4} {'how':24} "
+        f"{'detect [s]':>10} {'start [s]':>9} {'join [s]':>8} {'recovery [s]':>12}",
+    ]
+    for w in windows:
+        t = w.terms
+        new = "-" if w.new_identity is None else str(w.new_identity)
+        lines.append(
+            f"  {w.fault or '-':24} {w.slot_rank:9d} {w.identity:8d} {new:>4} {w.how:24} "
+            f"{cell(t['detection'], 10)} {cell(t['start'], 9)} {cell(t['join'], 8)} "
+            f"{cell(t['recovery'], 12)}"
+        )
+    lines.append(
+        "   (detect: death -> the launcher saw it; start: -> the new process started; join: -> "
+        "it registered as a ready reserve; recovery: detect end -> ready)"
+    )
+    return lines
 
 
 def plot(reps: list[downtime.LaunchReport], records: list[dict[str, Any]], out: Path) -> None:

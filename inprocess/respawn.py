@@ -14,7 +14,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from inprocess import journal
 from inprocess import store as keys
 from inprocess.errors import RestartAbortedError, StoreTimeoutError
 from inprocess.policy import Decision
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 ITERATION_KEY = keys.ROOT + "iteration"
 JOINERS_KEY = keys.ROOT + "joiners"
 STOPPED_KEY = keys.ROOT + "stopped"
+JOURNAL_DIR_KEY = keys.ROOT + "journal_dir"  # where the ranks journal: the launcher joins them
 INIT_DONE_KEY = keys.ROOT + "init/go"  # released by the initial barrier: the job is restartable
 # The iteration a respawned process's watchdog reports for until it is admitted: no rank ever
 # reaches it, so a report there only marks the process gone (``store.GONE_KEY``).
@@ -58,8 +61,24 @@ def current_iteration(store: keys.StoreLike) -> int:
 
 
 def register_joiner(store: keys.StoreLike, identity: int) -> None:
-    """A respawned process is connected and ready: the next restart decision may admit it."""
+    """A respawned process is connected and ready: the next restart decision may admit it.
+
+    Journals ``reserve_ready`` (the end of a respawn's recovery in the downtime report)."""
     store.append(JOINERS_KEY, f"{identity},")
+    journal.record("reserve_ready", identity=identity)
+
+
+def publish_journal_dir(store: keys.StoreLike, jr: Any) -> None:
+    """Every rank after connecting: the directory of its open journal (``inprocess.journal
+    .Journal`` or None), so that a launcher started without ``RESTARTABLE_JOURNAL_DIR`` writes
+    its records (respawns, in-job restarts) beside the ranks'. First writer wins; never blocks."""
+    if jr is not None:
+        store.compare_set(JOURNAL_DIR_KEY, "", str(jr.path.parent.resolve()))
+
+
+def journal_dir(store: keys.StoreLike) -> str | None:
+    """The ranks' journal directory (``publish_journal_dir``), or None; never blocks."""
+    return store.get(JOURNAL_DIR_KEY).decode() if store.check([JOURNAL_DIR_KEY]) else None
 
 
 def registered_joiners(store: keys.StoreLike) -> set[int]:

@@ -59,6 +59,7 @@ class RoundEnd:
     reason: str
     returncodes: tuple[int, ...] = ()
     status: int = 0
+    at: float = field(default_factory=time.time)  # when this node saw the end (time.time())
 
 
 @dataclass
@@ -97,6 +98,7 @@ class NodeSupervisor:
     on_stopped: Callable[[str], None]
     report_live: Callable[[int], None] = lambda n: None
     job_gone: Callable[[], bool] = lambda: False
+    on_tick: Callable[[], None] = lambda: None  # each look, before the children's exits
     lock: threading.Lock = field(default_factory=threading.Lock)
     children: dict[int, _Child] = field(default_factory=dict)
     slots: dict[int, _Slot] = field(default_factory=dict)
@@ -160,6 +162,7 @@ class NodeSupervisor:
         stopped_told = False
         while True:
             time.sleep(self.cfg.monitor_interval)
+            self.on_tick()
             self._reap()
             state = respawn.JOB_NOT_STARTED if self.store is None else _state(self.store)
             action = self.poll_action()
@@ -221,6 +224,13 @@ class NodeSupervisor:
         )
         pump.start()
         self.children[identity] = _Child(local, generation, identity, proc, time.monotonic(), pump)
+        if generation:
+            # The start of a respawn's last stage (the report's "join": until it is a reserve).
+            replaces = respawn_identity(slot_rank, generation - 1, world_size=cfg.world_size)
+            journal.record(
+                "respawn_started", slot_rank=slot_rank, identity=identity, replaces=replaces,
+                generation=generation, proc_pid=proc.pid,
+            )  # fmt: skip
 
     def _reap(self) -> None:
         """Handle children that exited since the last look: schedule a respawn or retire."""
@@ -269,7 +279,10 @@ class NodeSupervisor:
                 cfg.max_respawns,
                 "" if cfg.max_respawns else " (respawn is off: --max-respawns 0)",
             )
-            journal.record("slot_retired", slot_rank=rank, identity=c.identity, how=how)
+            journal.record(
+                "slot_retired", slot_rank=rank, identity=c.identity, how=how,
+                proc_pid=c.proc.pid, lived_s=lived,
+            )  # fmt: skip
             return
         delay = 0.0
         if slot.short_deaths:  # it never got going: wait, longer each time in a row
@@ -286,7 +299,10 @@ class NodeSupervisor:
             slot.respawns + 1,
             cfg.max_respawns,
         )
-        journal.record("respawn", slot_rank=rank, identity=c.identity, how=how, delay_s=delay)
+        journal.record(
+            "respawn", slot_rank=rank, identity=c.identity, how=how, delay_s=delay,
+            proc_pid=c.proc.pid, lived_s=lived,
+        )  # fmt: skip
 
     def _respawn_due(self, state: str) -> None:
         now = time.monotonic()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
-from inprocess import journal, respawn
+from inprocess import drill, journal, respawn
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
 from inprocess.active import Outcome, RankServices, disarm, run_active
@@ -151,6 +151,7 @@ class _Job:
         self.prewarmed = False
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
+        self.drill: drill.RankDrill | None = None  # the config's simulate_fault
         self.outcome = "failed"  # "done" / "stopped" once run() knows (the journal's job_end)
         directory = journal.resolve_dir(cfg.journal_dir)
         self.journal = None if directory is None else journal.open_journal(directory, rank=self.me)
@@ -168,6 +169,8 @@ class _Job:
         if self.closed:
             return
         self.closed = True
+        if self.drill is not None:
+            self.drill.close()
         abort_process_groups()
         self.reaper.close(timeout=self.cfg.hard_timeout)
         svc = self.svc
@@ -294,6 +297,10 @@ class _Job:
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._start()
+        # inprocess.launch's side: its journal joins this one (respawns and in-job restarts in
+        # the report), and the config's fault drill starts, once per job (inprocess.drill).
+        respawn.publish_journal_dir(self.store, self.journal)
+        self.drill = drill.start_in_rank(self.cfg, self.env, self.store)
         assignment = initial_assignment(
             world_size=self.env.world_size,
             node_of=self.node_of,

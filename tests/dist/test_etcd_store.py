@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -110,6 +111,37 @@ def test_launcher_with_store_flag_survives_exception_and_kill(cluster: EtcdClust
     # ... and the launcher deleted every key of the job when it was over.
     with EtcdStore(cluster.url, prefix="launch-x", timeout=10) as after:
         assert after.delete_all() == 0
+
+
+def test_two_launchers_on_etcd_lose_node_0_and_node_1_trains_on(
+    cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    # Issue 18: two launchers play two nodes of 2 ranks; node 0's (the one that started the
+    # job, drew the launch id and published it) is SIGKILLed with its ranks, the two that train.
+    # Nothing of the job lived there: node 1's reserves take over and finish, its launcher
+    # ends the job with status 0 and, the last launcher out, deletes the job's keys.
+    from tests.dist.test_launcher_recovery import FAST, SCRIPT, results
+    from tests.dist.workers_launcher_recovery import clean_loss
+
+    job = {
+        "steps": 12,
+        "step_time": 0.1,
+        "dir": str(tmp_path),
+        "config": {**FAST, "active_world_size": 2, "min_active_world_size": 2},
+    }
+    opts = {"dir": str(tmp_path), "nproc": 2, "kill_after_step": 2, "kill_node": 0, "job": job,
+            "launcher_args": ["--monitor-interval", "0.05", "--stop-grace", "2",
+                              "--store", cluster.url, "--job-id", "two-nodes"]}  # fmt: skip
+    out = run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120)
+    assert out.returncode == 0, out.output + (tmp_path / "node0.log").read_text()
+    done = results(tmp_path)
+    assert set(done) == {2, 3}, (done, out.output)  # node 1's ranks, which were reserves
+    assert all(r["total"] == clean_loss(12, 2) and r["world_size"] == 2 for r in done.values())
+    assert "control store is gone" not in out.output, out.output
+    from inprocess.etcd import EtcdStore
+
+    with EtcdStore(cluster.url, prefix="two-nodes", timeout=10) as after:
+        assert after.delete_all() == 0  # node 1's launcher deleted every key of the job
 
 
 @pytest.mark.skipif(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 
 from inprocess.autoresume import EXIT_REQUEUE
 from tests.dist.workers_launcher_recovery import clean_loss
-from tests.multiproc import JobOutput, run_job
+from tests.multiproc import REPO_ROOT, JobOutput, run_job
 
 SCRIPT = "tests/dist/workers_launcher_recovery.py"
 FAST = {
@@ -41,8 +43,12 @@ slow = pytest.mark.skipif(
 def launch(
     n: int, opts: dict[str, Any], *flags: str, deadline: float = 90.0
 ) -> tuple[JobOutput, Path]:
+    """Run the worker script under the launcher; the ranks journal to ``dir/journal`` (the
+    launcher finds that directory through the store and journals there too)."""
     d = Path(tempfile.mkdtemp(prefix="launcher-recovery-"))
-    opts = {**opts, "dir": str(d), "config": {**FAST, **opts.get("config", {})}}
+    journal_dir = str(d / "journal")
+    opts = {**opts, "dir": str(d), "config": {**FAST, "journal_dir": journal_dir,
+                                               **opts.get("config", {})}}  # fmt: skip
     argv = ["-m", "inprocess.launch", "--nproc-per-node", str(n), "--monitor-interval", "0.05",
             "--stop-grace", "2", *flags, SCRIPT, json.dumps(opts)]  # fmt: skip
     return run_job(argv, deadline=deadline), d
@@ -54,6 +60,18 @@ def steps(d: Path) -> list[dict[str, Any]]:
 
 def results(d: Path) -> dict[int, dict[str, Any]]:
     return {int(p.name.split(".")[1]): json.loads(p.read_text()) for p in d.glob("result.*")}
+
+
+def downtime_report(d: Path) -> tuple[str, dict[str, Any]]:
+    """``python -m inprocess.report d/journal --json``: its text and its one launch."""
+    out = d / "report.json"
+    cli = subprocess.run(
+        [sys.executable, "-m", "inprocess.report", str(d / "journal"), "--json", str(out)],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    (launch,) = json.loads(out.read_text())["launches"]  # one launch id for every process
+    return cli.stdout, launch
 
 
 def test_respawned_processes_refill_the_pool_through_four_kills() -> None:
@@ -80,6 +98,14 @@ def test_respawned_processes_refill_the_pool_through_four_kills() -> None:
     seq = [s["step"] for s in steps(d)]
     assert sorted(set(seq)) == list(range(8)), seq
     # Nothing accumulates: the watchdog of every killed process is gone too.
+    # The launcher's journal joined the ranks' (its directory came through the store): each
+    # respawn is a window of its own; the first three ended with a ready reserve, which the
+    # next kill waited for.
+    _, rep = downtime_report(d)
+    wins = rep["respawn_windows"]
+    assert [w["identity"] for w in wins] == [1, 3, 5, 7], wins
+    assert rep["respawns"] == 4 and all(w["detection_s"] >= 0 for w in wins), wins
+    assert all(w["recovery_s"] is not None and w["recovery_s"] > 0 for w in wins[:3]), wins
     killed = {k["pid"] for k in fired}
     end = time.monotonic() + 10
     while (left := _watchdogs_of(killed)) and time.monotonic() < end:
@@ -116,6 +142,44 @@ def test_in_process_stop_leads_to_in_job_restart_that_resumes_from_the_checkpoin
     assert [s["step"] for s in seq] == [0, 1, 2, 3, 4, 4, 5, 6, 7], seq  # step 4 lost, redone
     assert all(r["total"] == clean_loss(8, 2) for r in results(d).values())
     assert not d_flag.exists(), "a finished job must remove the autoresume flag"
+    # The report has the in-job restart as a window of its own: from the fault to the
+    # launcher's decision (detection), then to the new processes' first step (recovery).
+    text, rep = downtime_report(d)
+    assert rep["in_job_restarts"] == 1 and "in-job restarts 1" in text, text
+    (w,) = [w for w in rep["faults"] if w["level"] == "in-job"]
+    assert w["detection_s"] > 0 and w["recovery_s"] > w["restart_s"] > 0, w
+    assert "max_iterations (1)" in w["cause"] and w["reached_step"] in (4, 5), w
+    parts = rep["startup_s"] + rep["productive_s"] + rep["downtime_s"]
+    assert parts == pytest.approx(rep["wall_s"], abs=1e-6)
+
+
+def test_config_drill_kills_one_rank_once_and_the_report_shows_the_respawn() -> None:
+    # RestartConfig(simulate_fault=True, ...), not a launcher flag: rank 1 SIGKILLs itself
+    # 0.3-0.6 s after the ranks met; the reserve takes over, the launcher respawns the slot,
+    # and no restart (the in-process one, nor the respawned process) fires the drill again.
+    drill = {"simulate_fault": True, "simulated_fault_type": "rank_killed",
+             "simulated_fault_rank": 1, "simulated_fault_base_delay": 0.3}  # fmt: skip
+    opts = {"steps": 60, "step_time": 0.05, "config": {"active_world_size": 2, **drill}}
+    job, d = launch(3, opts, "--max-respawns", "1")
+    assert job.returncode == 0, job.output
+    assert job.output.count("fault drill (simulate_fault): rank_killed on rank 1") == 1, job.output
+    assert "rank 1 (identity 1) was killed by SIGKILL" in job.output, job.output
+    done = results(d)
+    assert all(r["total"] == clean_loss(60, 2) for r in done.values()), done
+    assert 1 not in done, done  # the killed rank returned nothing; the reserve finished
+    text, rep = downtime_report(d)
+    # The kill opens an in-process window (the training's downtime; a collateral restart
+    # while the reserve joins, seen under heavy load, is a window of its own) and one respawn
+    # window.
+    w = rep["faults"][0]
+    assert (w["fault"], w["level"]) == ("drill:rank_killed@rank1", "in-process"), w
+    assert 1 in w["faulting_ranks"], w
+    (rw,) = rep["respawn_windows"]
+    assert (rw["fault"], rw["identity"], rw["new_identity"]) == ("drill:rank_killed@rank1", 1, 4)
+    assert rw["detection_s"] >= 0 and rw["recovery_s"] > 0, rw
+    assert rw["recovery_s"] == pytest.approx(rw["start_s"] + rw["join_s"], abs=1e-6)
+    (row,) = [x for x in text.splitlines() if "was killed by SIGKILL" in x]
+    assert row.split()[0] == "drill:rank_killed@rank1" and "respawned processes 1" in text, text
 
 
 @slow

@@ -68,7 +68,7 @@ def main(opts: dict[str, Any]) -> None:
         state = json.loads(ckpt.read_text()) if ckpt.exists() else {"step": -1, "total": 0.0}
         total = float(state["total"])
         for step in range(state["step"] + 1, opts["steps"]):
-            ctx.step = step
+            ctx.ping(step)  # the journal's progress (the downtime report)
             time.sleep(opts.get("step_time", 0.0))
             for k in opts.get("kills", []):
                 if (k["iteration"], k["rank"], k["step"]) == (ctx.iteration, ctx.rank, step):
@@ -134,11 +134,15 @@ class _PlainContext:
         self.active_ranks = tuple(range(self.world_size))
         self.step: int | None = None
 
+    def ping(self, step: int) -> None:
+        self.step = step
+
 
 def two_nodes(opts: dict[str, Any]) -> int:
     """Test driver: two launchers playing two nodes of ``nproc`` ranks on this machine; once
-    ``kill_after_step`` is logged, SIGKILL node 1's launcher; print node 0's output and return
-    its status (node 1's output goes to ``dir/node1.log``)."""
+    ``kill_after_step`` is logged, SIGKILL the launcher of node ``kill_node`` (default 1; its
+    ranks die with it); print the other node's output and return its status (each node's
+    output goes to ``dir/node<n>.log``)."""
     import socket
     import subprocess
 
@@ -163,17 +167,19 @@ def two_nodes(opts: dict[str, Any]) -> int:
         if any(json.loads(x)["step"] >= opts["kill_after_step"] for x in lines):
             break
         time.sleep(0.05)
-    procs[1].kill()
-    procs[1].wait()
+    killed = opts.get("kill_node", 1)
+    procs[killed].kill()
+    procs[killed].wait()
+    survivor = 1 - killed
     try:
-        rc = procs[0].wait(opts.get("deadline", 90))
+        rc = procs[survivor].wait(opts.get("deadline", 90))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         for log in logs:
             log.close()
-    sys.stdout.write((d / "node0.log").read_text())
+    sys.stdout.write((d / f"node{survivor}.log").read_text())
     return rc
 
 

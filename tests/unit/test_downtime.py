@@ -118,3 +118,129 @@ def test_a_dead_rank_is_detected_by_the_first_fault_record_of_its_peers() -> Non
     (w,) = downtime.build(sorted(recs, key=lambda x: x["t"])).windows
     assert w.terms["detection"] == pytest.approx(0.25)
     assert w.terms["restart"] == pytest.approx(4.2 - 2.3)
+
+
+# ----- the launcher's recovery levels: respawn and in-job restart ----------------------------
+
+_LAUNCHER = {"rank": -1, "host": "h", "pid": 99}
+
+
+def _kill_and_respawn() -> list[dict[str, Any]]:
+    """Rank 1 (pid 11) is killed at step 10: the peers restart in place (a reserve takes over),
+    and the launcher respawns rank 1's slot; the new process (identity 5) registers at 3.5."""
+    recs = [r for r in _run_with_one_fault() if r["event"] not in ("fault_fired", "fault")]
+    for r in recs:
+        r.update(host="h", pid=10, rank=0)
+    recs += [
+        {"t": 1.5, "event": "step", "step": 5, "host": "h", "pid": 11, "rank": 1,
+         "training_rank": 1, "iteration": 0},
+        {"t": 2.05, "event": "fault_fired", "iteration": 0, "kind": "kill",
+         "fault": "kill@rank1:step10", "host": "h", "pid": 11, "rank": 1},
+        {"t": 2.1, "event": "fault", "iteration": 0, "kind": "dead", "fault_rank": 1,
+         "host": "h", "pid": 10, "rank": 0},
+        {"t": 2.2, "event": "respawn", "slot_rank": 1, "identity": 1, "how":
+         "was killed by SIGKILL", "delay_s": 0.0, "proc_pid": 11, **_LAUNCHER},
+        {"t": 2.25, "event": "respawn_started", "slot_rank": 1, "identity": 5, "replaces": 1,
+         "generation": 1, "proc_pid": 15, **_LAUNCHER},
+        {"t": 3.5, "event": "reserve_ready", "identity": 5, "host": "h", "pid": 15, "rank": 5},
+    ]  # fmt: skip
+    return sorted(recs, key=lambda r: r["t"])
+
+
+def test_a_respawn_is_a_window_of_its_own_outside_the_downtime_sum() -> None:
+    r = downtime.build(_kill_and_respawn())
+    (rw,) = r.respawn_windows
+    assert (rw.slot_rank, rw.identity, rw.new_identity) == (1, 1, 5)
+    assert rw.fault == "kill@rank1:step10"  # the dead process's own last record
+    t = rw.terms
+    assert t["detection"] == pytest.approx(0.15)  # the kill -> the launcher saw the exit
+    assert t["start"] == pytest.approx(0.05)
+    assert t["join"] == pytest.approx(1.25)  # start -> a ready reserve
+    assert t["recovery"] == pytest.approx(1.3)
+    # The training's downtime is the in-process window's alone: the pool refilled meanwhile.
+    (w,) = r.windows
+    assert w.fault == "kill@rank1:step10" and r.downtime == pytest.approx(w.terms["downtime"])
+    assert r.startup + r.productive + r.downtime == pytest.approx(r.wall)
+    assert r.respawns == 1
+    (row,) = r.as_dict()["respawn_windows"]
+    assert row["recovery_s"] == pytest.approx(1.3) and row["how"] == "was killed by SIGKILL"
+    text = report.format_report(r)
+    assert "respawns (outside the downtime" in text
+    (line,) = [x for x in text.splitlines() if "was killed by SIGKILL" in x]
+    assert "kill@rank1:step10" in line and "1.300" in line and "0.150" in line
+
+
+def test_a_respawn_that_never_became_ready_has_no_recovery() -> None:
+    recs = [r for r in _kill_and_respawn() if r["event"] != "reserve_ready"]
+    (rw,) = downtime.build(recs).respawn_windows
+    assert rw.terms["recovery"] is None and rw.terms["join"] is None
+    assert rw.terms["start"] == pytest.approx(0.05)
+    text = report.format_report(downtime.build(recs))
+    (line,) = [x for x in text.splitlines() if "was killed by SIGKILL" in x]
+    assert line.split()[-2:] == ["-", "-"], line  # join and recovery: never ready
+
+
+def _proc(pid: int, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**r, "host": "h", "pid": pid, "rank": pid % 2} for r in recs]
+
+
+def _in_job_restart() -> list[dict[str, Any]]:
+    """Round 0 (pids 1, 2): an injected fault at 2.05 stops the in-process path; the launcher
+    sees the decision at 2.3 and starts round 1 (pids 3, 4) at 3.0, which restores step 8 and
+    has an in-process restart of its own (its iteration 0 again, at 4.95)."""
+    round0 = [
+        {"t": 0.0, "event": "job_start"},
+        {"t": 0.1, "event": "iteration_start", "iteration": 0},
+        *_steps(1.0, 0, 11, 0.1, 0),
+        {"t": 2.05, "event": "fault_fired", "iteration": 0, "kind": "exception",
+         "fault": "exception@rank1:step10"},
+        {"t": 2.1, "event": "fault", "iteration": 0, "kind": "exception", "fault_rank": 0},
+        {"t": 2.5, "event": "job_end", "outcome": "stopped"},
+    ]  # fmt: skip
+    round1 = [
+        {"t": 3.5, "event": "job_start"},
+        {"t": 4.0, "event": "iteration_start", "iteration": 0},
+        {"t": 4.2, "event": "restore", "iteration": 0, "training_rank": 0, "tier": "local_dir",
+         "step": 8},
+        *_steps(4.3, 8, 7, 0.1, 0),  # steps 8..14 at 4.3 .. 4.9; step 10 again at 4.5
+        {"t": 4.95, "event": "fault", "iteration": 0, "kind": "exception", "fault_rank": 0},
+        {"t": 5.1, "event": "iteration_start", "iteration": 1},
+        {"t": 5.15, "event": "restart", "iteration": 1, "cause": "exception on rank 0",
+         "faulting_ranks": [0], "phases": {}},
+        {"t": 5.2, "event": "restore", "iteration": 1, "training_rank": 0, "tier": "memory",
+         "step": 14},
+        *_steps(5.3, 14, 7, 0.1, 1),
+        {"t": 6.0, "event": "job_end", "outcome": "done"},
+    ]  # fmt: skip
+    launcher = [
+        {"t": 3.0, "event": "in_job_restart", "round": 1, "decided": 2.3,
+         "reason": "the in-process restart gave up: max_iterations (1) reached", **_LAUNCHER},
+    ]  # fmt: skip
+    recs = _proc(1, round0) + _proc(2, round0[:1]) + _proc(3, round1) + _proc(4, round1[:1])
+    return sorted(recs + launcher, key=lambda r: r["t"])
+
+
+def test_an_in_job_restart_is_a_window_with_its_own_detection_and_recovery() -> None:
+    r = downtime.build(_in_job_restart())
+    assert r.in_job_restarts == 1 and r.restarts == 1  # round 1's in-process restart
+    first, second = r.windows
+    assert (first.level, first.kind, first.round) == (downtime.IN_JOB, "in_job_restart", 0)
+    assert first.fault == "exception@rank1:step10" and "max_iterations" in first.cause
+    t = first.terms
+    assert t["detection"] == pytest.approx(0.25)  # the fault -> the launcher saw the decision
+    assert t["restart"] == pytest.approx(1.7)  # -> the new round's ranks entered iteration 0
+    assert t["reload"] == pytest.approx(0.2)
+    assert t["redo"] == pytest.approx(0.3)  # steps 8, 9 again; back at step 10 at 4.5
+    assert t["downtime"] == pytest.approx(2.5)
+    assert first.recovery == pytest.approx(4.3 - 2.3)  # the restarted job's first step
+    assert first.tier == "local_dir" and first.restored_step == 8
+    # Round 1's iteration 0 is not round 0's: its own fault record (4.95) is its detection.
+    assert (second.level, second.round, second.iteration) == (downtime.IN_PROCESS, 1, 0)
+    assert second.detected == pytest.approx(4.95) and second.tier == "memory"
+    assert r.startup + r.productive + r.downtime == pytest.approx(r.wall)
+    text = report.format_report(r)
+    assert "in-job restarts 1" in text
+    (row,) = [x for x in text.splitlines() if "exception@rank1:step10" in x]
+    assert "in-job" in row and "2.500" in row
+    (d,) = [f for f in r.as_dict()["faults"] if f["level"] == downtime.IN_JOB]
+    assert d["recovery_s"] == pytest.approx(2.0) and d["detection_s"] == pytest.approx(0.25)
