@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 def example_state() -> dict[str, Any]:
     """examples/train.py's checkpointed state after one optimizer step."""
     from gpt import GPTConfig, build_model
-    from train import TrainState
+    from state import TrainState
 
     from rerun import RerunStateMachine
 

@@ -1,10 +1,18 @@
-"""Node-local directory of the local tier: one plain file per shard, fsynced, with a checksum.
+"""Node-local directory of the local tier: one plain file per shard, with a checksum.
 
 Files: ``<local_dir>/step_<9-digit step>/owner_<owner rank>.bin`` (the packed buffer) and
-``owner_<owner>.json`` (step, owner, world size, bytes, checksum and its algorithm), written after
-the data is durable, so a shard without its .json is incomplete and ignored. Plain files won over
+``owner_<owner>.json`` (step, owner, world size, bytes, checksum and its algorithm), renamed into
+place after the data, so a shard without its .json is incomplete and ignored. Plain files won over
 tensorstore by measurement (README, "Local tier"): a shard is one contiguous buffer, so one write
 is all it takes.
+
+No fsync. This copy exists for the loss of a *process* (killed, crashed, replaced by a reserve on
+the same node): what it wrote is in the kernel's page cache, which outlives the process and is
+what any other process reads. The loss of the *node* is the persistent tier's (fsynced) and the
+peers' replicas' job. After a power loss a file renamed here may be short or stale; its checksum
+then fails and the restore moves on to the next copy. An fsync per step cost more than the step
+itself on this project's machine (7-15 ms median per save of the example's 1.6 MB state, against
+1.5-3 ms without: the training thread waited for the previous step's fsync).
 """
 
 from __future__ import annotations
@@ -76,33 +84,20 @@ def check_capacity(path: Path, needed: int, used: int) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(root: Path, meta: ShardMeta, buf: torch.Tensor) -> None:
-    """Write one shard durably: data, fsync, rename; then its .json the same way."""
+    """Write one shard: data, rename; then its .json the same way (no fsync: module docstring)."""
     step_dir = root / f"step_{meta.step:09d}"
     step_dir.mkdir(exist_ok=True)
     tag = f".{os.getpid()}.tmp"
     data = step_dir / f"owner_{meta.owner}.bin"
     with open(str(data) + tag, "wb") as f:
         f.write(buf[: meta.nbytes].numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(str(data) + tag, data)
     doc = json.dumps({**meta.__dict__, "checksum_algo": integrity.ALGORITHM}).encode()
     js = step_dir / f"owner_{meta.owner}.json"
     with open(str(js) + tag, "wb") as f:
         f.write(doc)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(str(js) + tag, js)
-    _fsync_dir(step_dir)
 
 
 def scan(root: Path) -> list[ShardMeta]:

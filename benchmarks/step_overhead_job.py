@@ -1,0 +1,258 @@
+"""One run of ``benchmarks/step_overhead.py``: the example's tiny GPT under DDP, layers switched on.
+
+Started by the driver under ``python -m inprocess.launch`` (or ``torchrun`` for ``--layers 0``).
+``--layers K`` switches on the first K layers of ``LAYERS``, cumulatively:
+
+    0 plain DDP (the script makes its own process group; no framework code runs)
+    1 + @restartable (monitor threads, progress probe, watchdog process and heartbeats, store)
+    2 + a warm reserve waiting (the driver starts one process more than --active)
+    3 + the re-run machine in validate_results mode (NaN / spiky-loss checks every step)
+    4 + local tier in host memory every step
+    5 + the node-local directory (local tier also written to disk every step)
+    6 + persistent torch_dist checkpoint every --persistent-every steps
+    7 + the run journal (the example's full configuration)
+
+Active rank 0 times every step after ``--warmup`` and writes ``steps.json`` to ``--out``. Every
+process (active ranks and reserves) runs a sampler thread that snapshots the CPU time of each of
+its threads and child processes (the watchdog) when rank 0 starts and ends the timed window
+(marker files in ``--out``): ``cpu-<rank>.json`` says who spent what while the steps were timed.
+The sampler's own cost is reported too (thread ``bench-sampler``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+LAYERS = (
+    "plain DDP",
+    "+ @restartable (monitor, probe, watchdog, store)",
+    "+ warm reserve waiting",
+    "+ re-run machine (validate_results)",
+    "+ local tier in memory every step",
+    "+ node-local directory every step",
+    "+ persistent torch_dist every N",
+    "+ run journal",
+)
+_TICKS = os.sysconf("SC_CLK_TCK")
+_SAMPLE_S = 0.05  # how often the sampler looks for rank 0's window markers
+
+
+def _stat_cpu(path: str) -> float:
+    """utime + stime of /proc/<pid>[/task/<tid>]/stat, in seconds (0 when it is gone)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def cpu_snapshot() -> dict[str, float]:
+    """CPU seconds so far of each live thread of this process (by Python name) and of each child
+    process (a watchdog: by its command line), plus the process's own total; rank 0 adds the
+    launcher's, which hosts the store every rank talks to."""
+    pid = os.getpid()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    snap: dict[str, float] = {"process total": _stat_cpu(f"/proc/{pid}/stat")}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        # Threads Python did not start (gloo's, torch's intra-op pool) have no name: one entry.
+        name = names.get(int(tid), "native threads (gloo, torch)")
+        if name.startswith("inprocess-monitor-"):  # drop the iteration number: one per rank
+            name = name.rsplit("-", 1)[0]
+        key = f"thread {name}"
+        snap[key] = snap.get(key, 0.0) + _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        kind = "watchdog" if "inprocess.watchdog" in cmd else cmd.split(" ")[-2:][0]
+        snap[f"child {kind}"] = snap.get(f"child {kind}", 0.0) + _stat_cpu(f"/proc/{child}/stat")
+    launcher = os.environ.get("INPROCESS_LAUNCHER_PID")
+    if launcher is not None and os.environ.get("RANK") == "0":  # it hosts the store: count it once
+        snap["launcher process (store server)"] = _stat_cpu(f"/proc/{launcher}/stat")
+    return snap
+
+
+def start_sampler(out: Path, rank: int) -> None:
+    """A daemon thread that snapshots at rank 0's window markers and writes cpu-<rank>.json."""
+
+    def run() -> None:
+        start_marker, end_marker = out / "window.start", out / "window.end"
+        while not start_marker.exists():
+            time.sleep(_SAMPLE_S)
+        t0, s0 = time.monotonic(), cpu_snapshot()
+        while not end_marker.exists():
+            time.sleep(_SAMPLE_S)
+        t1, s1 = time.monotonic(), cpu_snapshot()
+        wall = t1 - t0
+        # Share of one core while the steps were timed; a thread born in the window counts
+        # from 0, one that ended in it is lost (none of the framework's do without a fault).
+        used = {k: (s1.get(k, 0.0) - s0.get(k, 0.0)) / wall for k in s1}
+        (out / f"cpu-{rank}.json").write_text(json.dumps({"wall_s": wall, "core_share": used}))
+
+    threading.Thread(target=run, name="bench-sampler", daemon=True).start()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--layers", type=int, required=True, choices=range(len(LAYERS)))
+    p.add_argument("--active", type=int, required=True)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--persistent-every", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    rank = int(os.environ["RANK"])
+    start_sampler(args.out, rank)
+
+    import torch
+    import torch.distributed as dist
+    from gpt import GPTConfig, batch, build_model, corpus
+    from state import TrainState
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checkpoint import CheckpointManager
+    from inprocess import restartable
+    from rerun import RerunDataIterator, RerunStateMachine
+
+    torch.set_num_threads(1)
+    layers = args.layers
+    data, cfg = corpus(), GPTConfig()
+    mgr = None
+    if layers >= 4:
+        local_dir = None
+        if layers >= 5:
+            local_dir = args.out / "local"
+            local_dir.mkdir(exist_ok=True)
+        mgr = CheckpointManager(
+            str(args.out / "ckpt"),
+            # "never" within this run unless the persistent layer is on
+            persistent_every=args.persistent_every if layers >= 6 else 10**9,
+            keep=2,
+            local_every=1,
+            local_dir=local_dir,
+        )
+
+    def loop(rank: int) -> dict[str, Any]:
+        rsm = None
+        if layers >= 3:
+            rsm = RerunStateMachine(
+                mode="validate_results",
+                check_for_nan_in_loss=True,
+                check_for_spiky_loss=True,
+                hardware_id=f"cpu-rank{rank}",
+            )
+        model = build_model(cfg, args.seed)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        state = TrainState(model, opt, rsm, rank) if rsm is not None else None
+        ckpt = {"train": state}
+        times: list[float] = []
+        cpu: list[float] = []  # the training thread's own CPU time per step (load-independent)
+        for step in range(args.steps):
+            if rank == 0 and step == args.warmup:
+                (args.out / "window.start").touch()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            xy = batch(
+                data, seed=args.seed, step=step, rank=rank, batch_size=args.batch_size, seq=cfg.seq
+            )
+            if rsm is None:
+                opt.zero_grad(set_to_none=True)
+                ddp(*xy).backward()
+            else:
+                batches = RerunDataIterator(iter([xy]))
+                while rsm.should_run_forward_backward(batches):
+                    opt.zero_grad(set_to_none=True)
+                    x, y = next(batches)
+                    loss = ddp(x, y)
+                    loss.backward()
+                    rsm.validate_loss(loss)
+            opt.step()
+            if mgr is not None and state is not None:
+                state.step = step + 1
+                mgr.save(state.step, ckpt)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+        if rank == 0:
+            (args.out / "window.end").touch()
+        if mgr is not None:
+            mgr.wait()
+        return {"rank": rank, "times": times, "cpu": cpu}
+
+    if layers == 0:
+        hosted = os.environ.get("INPROCESS_STORE_HOSTED") == "1"
+        if hosted:  # under inprocess.launch: the launcher's TCPStore, as a client
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+            )
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("plain/", store),
+                rank=rank,
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
+        else:  # torchrun
+            dist.init_process_group("gloo")
+        result: dict[str, Any] | None = loop(rank)
+        dist.destroy_process_group()
+    else:
+        from inprocess import context
+
+        @restartable(
+            soft_timeout=2.0,
+            hard_timeout=5.0,
+            heartbeat_interval=0.5,
+            active_world_size=args.active,
+            journal_dir=str(args.out / "journal") if layers >= 7 else None,
+        )
+        def train() -> dict[str, Any]:
+            return loop(context().rank)
+
+        result = train()
+    if mgr is not None:
+        mgr.close()
+    if result is not None and result["rank"] == 0:
+        (args.out / "steps.json").write_text(json.dumps(result))
+    # Let the sampler write its file (it wakes within _SAMPLE_S of the end marker).
+    deadline = time.monotonic() + 5.0
+    while not (args.out / f"cpu-{rank}.json").exists() and time.monotonic() < deadline:
+        time.sleep(_SAMPLE_S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
