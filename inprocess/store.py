@@ -445,21 +445,12 @@ def restart_barrier(
         return publish()
 
     def recheck() -> bool:
-        gone = gone_ranks(store)
-        for r in sorted(gone & members):
-            if _count_once(store, iteration, r, expected=len(members), by=me):
-                publish()
-                return True
-        decider = peek(store, full)
-        if decider is None:
-            return False  # still incomplete: someone has not arrived yet
-        who = decider.decode()
+        # restart/full is set (waited for above): its rank, or the first claimant, decides;
+        # a waiter decides in its place when that rank is gone.
+        who = store.get(full).decode()
         if who == REPORT_COMPLETED:
-            who = store.compare_set(claim, "", me).decode()  # the first claim decides
-            if who == me:
-                publish()
-                return True
-        if who.isdigit() and int(who) in gone:  # the decider died before publishing
+            who = store.compare_set(claim, "", me).decode()
+        if who == me or (who.isdigit() and int(who) in gone_ranks(store)):
             publish()
             return True
         return False  # the decider is alive and deciding
