@@ -366,19 +366,27 @@ class LocalTier:
         self.wait()
 
     def wait(self) -> None:
-        """Wait (bounded: 2 x timeout) for the background work of the last save."""
-        fut, self._future = self._future, None
-        if fut is not None:
-            try:
-                fut.result(timeout=2 * self._timeout)
-            except FutureTimeout:
-                log.error(
-                    "local save background work did not finish within %.0f s: its step will "
-                    "not be restored from this tier",
-                    2 * self._timeout,
-                )
-            except Exception:
-                log.warning("local save background work failed", exc_info=True)
+        """Wait (bounded: 2 x timeout) for the background work of the last save.
+
+        The work stays "in flight" until it ended: a restart that interrupts this wait must
+        still find it in ``_settle`` and abandon it, or it would stay blocked on a lost peer.
+        """
+        fut = self._future
+        if fut is None:
+            return
+        try:
+            fut.result(timeout=2 * self._timeout)
+        except FutureTimeout:
+            log.error(
+                "local save background work did not finish within %.0f s: its step will "
+                "not be restored from this tier",
+                2 * self._timeout,
+            )
+            if self._agreement is not None:
+                self._agreement.abandon()
+        except Exception:
+            log.warning("local save background work failed", exc_info=True)
+        self._future = None
 
     def load(self, state: dict[str, Any], *, min_step: int | None) -> RestoreResult | None:
         """COLLECTIVE: restore the newest step >= min_step every rank can obtain, into `state`.

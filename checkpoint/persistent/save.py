@@ -175,18 +175,28 @@ class PersistentSaver:
         return True
 
     def wait(self) -> SaveStats | None:
-        """Wait (bounded) for the save in flight; raise its error, if it failed."""
-        fut, self._pending = self._pending, None
-        self._pending_job = None
+        """Wait (bounded) for the save in flight; raise its error, if it failed.
+
+        The save stays "in flight" until its outcome is in: a restart that interrupts this
+        wait (an exception raised into the training thread) must still find it in
+        ``settle_after_restart`` and abandon it, or the worker would wait for the lost peers
+        and every later save would queue behind it (found by the fault matrix under load).
+        """
+        fut, job = self._pending, self._pending_job
         if fut is None:
             return None
         try:
             outcome = fut.result(timeout=self._cfg.timeout * 2)
         except concurrent.futures.TimeoutError as e:
+            # Stop it and tell the peers, as after a restart; the next save drains it.
+            if job is not None:
+                job.exchange.abandon()
+            self._abandoned, self._pending, self._pending_job = fut, None, None
             raise CheckpointError(
                 f"background save did not finish within {self._cfg.timeout * 2:.0f} s "
                 "(2 x timeout): storage hung or a rank stopped participating"
             ) from e
+        self._pending, self._pending_job = None, None
         if isinstance(outcome, _Failed):
             raise outcome.cls(*outcome.args)
         self.last = outcome
@@ -221,17 +231,19 @@ class PersistentSaver:
     def drain_abandoned(self) -> None:
         """Wait (bounded) for a cancelled save to stop: it may still read the staging buffers,
         and it may still commit (if it was past the point of no return when cancelled)."""
-        fut, self._abandoned = self._abandoned, None
+        fut = self._abandoned  # kept until the wait ends: an interrupted drain is redone
         if fut is None:
             return
         try:
             outcome = fut.result(timeout=self._cfg.timeout)
         except concurrent.futures.TimeoutError:
+            self._abandoned = None
             log.error(
                 "checkpoint: an abandoned save did not stop within %.0f s (storage hung?)",
                 self._cfg.timeout,
             )
             return
+        self._abandoned = None
         if isinstance(outcome, _Failed):
             log.info("checkpoint: abandoned save stopped: %s", outcome.args[0])
 

@@ -174,3 +174,17 @@ def test_reserve_takes_over_under_restartable(tmp_path: Path) -> None:
     assert done[4] == {"iteration": 1, "rank": 1, "step": 3, "tier": "peer", "ok": True}
     for r in (0, 2, 3):
         assert done[r] == {"iteration": 1, "rank": r, "step": 3, "tier": "memory", "ok": True}
+
+
+def test_a_restart_during_wait_abandons_the_blocked_local_save(tmp_path: Path) -> None:
+    outs = run_ranks(
+        2,
+        target=f"{W}:restart_interrupts_wait",
+        kwargs={"base": str(tmp_path)},
+        host_store=True,
+        deadline=60,
+    )
+    for o in outs:
+        # Step 2 was saved by rank 0 only: step 1 is the newest every rank can restore.
+        assert o.result["got"] == 1 and o.result["restored"], o.result
+        assert o.result["load_s"] < 20.0, "the blocked save must not be waited for (120 s)"

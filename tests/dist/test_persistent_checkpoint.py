@@ -114,10 +114,12 @@ def test_many_restarts_without_leaks(tmp_path: Path) -> None:
     assert out[0].result["loaded"] == out[1].result["loaded"]
 
 
-def test_restart_abandons_a_save_blocked_on_a_lost_peer(tmp_path: Path) -> None:
-    out = run_ranks(
-        2, target=f"{W}:restart_with_blocked_save", kwargs={"root": str(tmp_path)}, deadline=60
-    )
+@pytest.mark.parametrize("interrupt_wait", [False, True], ids=["in_flight", "wait_interrupted"])
+def test_restart_abandons_a_save_blocked_on_a_lost_peer(
+    tmp_path: Path, interrupt_wait: bool
+) -> None:
+    kwargs = {"root": str(tmp_path), "interrupt_wait": interrupt_wait}
+    out = run_ranks(2, target=f"{W}:restart_with_blocked_save", kwargs=kwargs, deadline=60)
     for o in out:
         assert o.result["loaded"] is None  # the abandoned step 1 never became visible
         assert o.result["steps"] == [2]

@@ -343,3 +343,41 @@ def restartable_reserve(base: str, config: dict[str, Any]) -> dict[str, Any]:
         return {"result": train()}
     finally:
         mgr.close()
+
+
+def restart_interrupts_wait(base: str) -> dict[str, Any]:
+    """Rank 0 saves a step that rank 1 never saves (rank 1 failed first) and is inside
+    ``mgr.wait()`` when the restart interrupts it. After the restart the blocked background work
+    must be abandoned at once, not waited for (2 x timeout), and saving must go on."""
+    import time
+
+    from checkpoint.manager import CheckpointManager
+    from tests.dist.workers_persistent import _Interrupted, _interrupt_main_thread_after
+
+    rank, world = _rank(), int(os.environ["WORLD_SIZE"])
+    _init(0)
+    mgr = CheckpointManager(
+        f"{base}/persistent", persistent_every=1000, local_every=1, timeout=60.0
+    )
+    state = _state(rank, world, 0)
+    _save_steps(mgr, rank, world, [1], state)
+    if rank == 0:
+        mgr.save(2, state)
+        _interrupt_main_thread_after(0.5)
+        try:
+            mgr.wait()
+        except _Interrupted:
+            pass
+    dist.barrier()
+    dist.destroy_process_group()  # the restart
+    _init(1)
+    _zero(state)
+    t0 = time.perf_counter()
+    got = mgr.load_latest(state)
+    load_s = time.perf_counter() - t0
+    restored = _matches(state, rank, world, 1)
+    _save_steps(mgr, rank, world, [3], state)
+    mgr.wait()
+    mgr.close()
+    dist.destroy_process_group()
+    return {"got": got, "restored": restored, "load_s": load_s}

@@ -236,10 +236,31 @@ def many_restarts(root: str, restarts: int) -> dict[str, Any]:
     return {"rank": rank, "counts": counts, "loaded": loaded}
 
 
-def restart_with_blocked_save(root: str) -> dict[str, Any]:
+class _Interrupted(BaseException):
+    """What the restart raises into the training thread (a BaseException, as
+    ``inprocess.errors.RestartInterrupt``), here by hand, the same way."""
+
+
+def _interrupt_main_thread_after(seconds: float) -> None:
+    """Raise ``_Interrupted`` in the main thread after ``seconds``, from a signal handler, as
+    inprocess.monitor does (its wake-up signal ends a blocking wait such as a lock acquire)."""
+    import signal
+
+    def fire(signum: int, frame: object) -> None:
+        raise _Interrupted
+
+    signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def restart_with_blocked_save(root: str, interrupt_wait: bool = False) -> dict[str, Any]:
     """Rank 0 starts a save that rank 1 never joins (as if rank 1 failed before saving); the
     group is re-created (an in-process restart); the blocked save must be abandoned promptly,
-    never become visible, and the manager must go on saving with the new group."""
+    never become visible, and the manager must go on saving with the new group.
+
+    ``interrupt_wait``: rank 0 is inside ``mgr.wait()`` for that save when the restart
+    interrupts it (the fault matrix's lost save: it stayed blocked and every later save queued
+    behind it)."""
     import time
 
     from checkpoint import CheckpointManager
@@ -257,6 +278,12 @@ def restart_with_blocked_save(root: str) -> dict[str, Any]:
         mgr.load_latest({"x": x})  # binds the dedicated group on both ranks
         if rank == 0:
             mgr.save(1, {"x": x})  # blocks in the background: rank 1 never joins
+            if interrupt_wait:
+                _interrupt_main_thread_after(0.5)
+                try:
+                    mgr.wait()
+                except _Interrupted:
+                    pass
         dist.barrier()
         dist.destroy_process_group()
         dist.init_process_group(
