@@ -1,19 +1,46 @@
-"""Checkpointing: async torch_dist (DCP) persistent tier and a local in-memory / node-local tier."""
+"""Checkpointing: async torch_dist (DCP) persistent tier and a local in-memory / node-local tier.
 
-from checkpoint.config import LocalConfig, PersistentConfig
-from checkpoint.errors import (
-    CheckpointAbandoned,
-    CheckpointConfigError,
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointRankError,
-    CheckpointStorageError,
-)
-from checkpoint.group import BackgroundGroup
-from checkpoint.local import ReplicatedState
-from checkpoint.manager import CheckpointManager, Restore
+The public names below are imported on first use (PEP 562), so that importing one light
+submodule (``checkpoint.exchange``, which every ``@restartable`` rank and its etcd store import)
+does not pay for torch.distributed.checkpoint (about 1 s of CPU per process, measured with
+``python -X importtime``).
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from checkpoint.config import LocalConfig, PersistentConfig
+    from checkpoint.errors import (
+        CheckpointAbandoned,
+        CheckpointConfigError,
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointMismatchError,
+        CheckpointRankError,
+        CheckpointStorageError,
+    )
+    from checkpoint.group import BackgroundGroup
+    from checkpoint.local import ReplicatedState
+    from checkpoint.manager import CheckpointManager, Restore
+
+_HOMES = {
+    "BackgroundGroup": "checkpoint.group",
+    "CheckpointAbandoned": "checkpoint.errors",
+    "CheckpointConfigError": "checkpoint.errors",
+    "CheckpointCorruptError": "checkpoint.errors",
+    "CheckpointError": "checkpoint.errors",
+    "CheckpointManager": "checkpoint.manager",
+    "CheckpointMismatchError": "checkpoint.errors",
+    "CheckpointRankError": "checkpoint.errors",
+    "CheckpointStorageError": "checkpoint.errors",
+    "LocalConfig": "checkpoint.config",
+    "PersistentConfig": "checkpoint.config",
+    "ReplicatedState": "checkpoint.local",
+    "Restore": "checkpoint.manager",
+}
 __all__ = [
     "BackgroundGroup",
     "CheckpointAbandoned",
@@ -29,3 +56,12 @@ __all__ = [
     "ReplicatedState",
     "Restore",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups do not come here again
+    return value

@@ -72,9 +72,14 @@ class StoreExchange:
         self._store = store
         self._timeout = timeout
         self._solo: dict[str, Any] = {}
+        # Rank 0: gathered keys to delete once the answer is published (see gather()).
+        self._garbage: list[str] = []
 
     def gather(self, name: str, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj`` on rank 0 (indexed by rank); None on the other ranks."""
+        """Every rank's ``obj`` on rank 0 (indexed by rank); None on the other ranks.
+
+        Rank 0 publishes its answer next and then calls ``receive``, which deletes the
+        gathered keys."""
         if self._store is None:
             return [obj]
         self._store.set(self._key(name, self.rank), pickle.dumps(obj))
@@ -88,10 +93,11 @@ class StoreExchange:
         self._wait(keys, name, ready=lambda: int(self._store.get(count)) >= self.world)
         multi_get = getattr(self._store, "multi_get", None)
         blobs = multi_get(keys) if multi_get is not None else [self._store.get(k) for k in keys]
-        out = [pickle.loads(b) for b in blobs]
-        for k in [*keys, count]:
-            self._delete(k)
-        return out
+        # Deleted at rank 0's next receive(), after it published the answer: the deletes are
+        # one call per rank (c10d has no multi-delete), and made here they kept every peer
+        # waiting for the answer (at 1,024 ranks most of a step agreement's time).
+        self._garbage.extend([*keys, count])
+        return [pickle.loads(b) for b in blobs]
 
     def publish(self, name: str, obj: Any, *, to: int | None = None) -> None:
         """Rank 0: make ``obj`` readable by ``receive(name)`` on rank ``to`` (None: every rank)."""
@@ -105,6 +111,9 @@ class StoreExchange:
         (deleted once read, nobody else reads it)."""
         if self._store is None:
             return self._solo.pop(name)
+        garbage, self._garbage = self._garbage, []
+        for k in garbage:
+            self._delete(k)
         key = self._key(name, self.rank if mine else None)
         self._wait([key], name, from_rank=0)
         value = pickle.loads(self._store.get(key))

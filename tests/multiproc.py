@@ -35,8 +35,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _POLL_S = 0.02
+
+
+def slow(why: str) -> pytest.MarkDecorator:
+    """Skip a test unless ``RESTARTABLE_SLOW_TESTS=1``: the default suite must stay well under
+    15 minutes on a 2-core machine, so a case that is slow and whose behaviour default tests
+    mostly cover runs on request. ``why``: what makes it slow, or what covers it by default."""
+    return pytest.mark.skipif(
+        not os.environ.get("RESTARTABLE_SLOW_TESTS"),
+        reason=f"slow ({why}): set RESTARTABLE_SLOW_TESTS=1 to run it",
+    )
 
 
 @dataclass

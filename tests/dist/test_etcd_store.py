@@ -15,7 +15,7 @@ import pytest
 
 from tests.dist.workers_etcd import reference_loss
 from tests.etcd_cluster import EtcdCluster, skip_reason
-from tests.multiproc import run_job, run_ranks
+from tests.multiproc import run_job, run_ranks, slow
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 W = "tests.dist.workers_etcd"
@@ -85,6 +85,7 @@ def test_restartable_job_on_etcd_survives_exception_kill_and_leader_loss(
         assert after.delete_all() == 0
 
 
+@slow("tests/dist/test_example.py runs the launcher on etcd through the same faults")
 def test_launcher_with_store_flag_survives_exception_and_kill(cluster: EtcdCluster) -> None:
     # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its id):
     # "iteration 0 is done" would end every rank at once if the launcher did not clear it.
@@ -144,10 +145,7 @@ def test_two_launchers_on_etcd_lose_node_0_and_node_1_trains_on(
         assert after.delete_all() == 0  # node 1's launcher deleted every key of the job
 
 
-@pytest.mark.skipif(
-    not os.environ.get("RESTARTABLE_SLOW_TESTS"),
-    reason="slow launcher case: set RESTARTABLE_SLOW_TESTS=1 to run it",
-)
+@slow("a launcher case")
 def test_in_job_restart_on_etcd_uses_a_fresh_namespace_per_round(cluster: EtcdCluster) -> None:
     # tests/dist/test_launcher_recovery.py's in-job restart case, with the store on etcd: round
     # 1's ranks work under "<job>/round1", so no key of round 0 (whose in-process path stopped)

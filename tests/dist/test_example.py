@@ -19,7 +19,7 @@ from inprocess import faults, journal
 from inprocess.preemption import PREEMPTED_EXIT_CODE
 from tests.etcd_cluster import EtcdCluster
 from tests.etcd_cluster import skip_reason as etcd_skip_reason
-from tests.multiproc import REPO_ROOT, run_job
+from tests.multiproc import REPO_ROOT, run_job, slow
 
 STEPS = 60
 # One fault of each kind the example knows (hang_gil costs a hard timeout: kept to the demo).
@@ -133,12 +133,17 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
 ) -> None:
     # Issue 18: faults with every key of the job on a 3-member etcd cluster (the launcher's
     # control keys included): one restart per fault and the clean run's final loss.
+    from inprocess import store as keys
+    from inprocess.etcd import EtcdStore
+
     with EtcdCluster(members=3) as cluster:
+        # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its
+        # id): "iteration 0 is done" would end every rank at once if the launcher did not clear it.
+        with EtcdStore(cluster.url, prefix="example", timeout=10) as stale:
+            stale.set(keys.end_key(0), keys.OUTCOME_DONE)
         store = ("--store", cluster.url, "--job-id", "example")
         faulty = _launch(tmp_path, nproc=3, faults=ETCD_PLAN, launcher=store, extra=ETCD_TIMEOUTS)
         assert faulty.returncode == 0, faulty.output
-        from inprocess.etcd import EtcdStore
-
         # Every key of the job, the launcher's and the checkpoint exchanges' included (deleted
         # through the default group's PrefixStore: checkpoint.exchange.DELETE_VALUE), was
         # deleted at the end.
@@ -150,10 +155,8 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
     assert rep["final_step"] == STEPS and rep["final_loss"] == clean_final_loss
 
 
-@pytest.mark.skipif(
-    etcd_skip_reason() is not None or not os.environ.get("RESTARTABLE_SLOW_TESTS"),
-    reason="slow (RESTARTABLE_SLOW_TESTS=1) and needs etcd",
-)
+@pytest.mark.skipif(etcd_skip_reason() is not None, reason=str(etcd_skip_reason()))
+@slow("two 5-fault demos")
 def test_the_quick_start_demo_on_etcd_and_on_the_tcpstore_end_with_the_same_loss(
     tmp_path: Path,
 ) -> None:
@@ -176,23 +179,31 @@ def test_the_quick_start_demo_on_etcd_and_on_the_tcpstore_end_with_the_same_loss
     assert losses[0] == losses[1], losses
 
 
+# SIGTERM at step 30: the 170 steps after it are the first launch's margin (several seconds).
+PREEMPT_STEPS = 200
+
+
 def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     first = _launch(
-        run_dir, nproc=2, faults="none", steps=400, signal_when=("step    30", signal.SIGTERM)
+        run_dir,
+        nproc=2,
+        faults="none",
+        steps=PREEMPT_STEPS,
+        signal_when=("step    30", signal.SIGTERM),
     )
     assert first.returncode == PREEMPTED_EXIT_CODE, first.output
     stopped = _report(run_dir)["final_step"]
-    assert 30 <= stopped < 400
+    assert 30 <= stopped < PREEMPT_STEPS
 
-    second = _launch(run_dir, nproc=2, faults="none", steps=400)
+    second = _launch(run_dir, nproc=2, faults="none", steps=PREEMPT_STEPS)
     assert second.returncode == 0, second.output
     # Every launch journals into RUN_DIR/journal/<launch>: the second restored on every rank
     # the persistent checkpoint the first wrote on SIGTERM.
     restores = [r for r in journal.read(run_dir / "journal") if r["event"] == "restore"]
     resumed = [r for r in restores if r["step"] == stopped]
     assert len(resumed) == 2 and all(r["tier"] == "persistent" for r in resumed), restores
-    assert _report(run_dir)["final_step"] == 400
+    assert _report(run_dir)["final_step"] == PREEMPT_STEPS
 
 
 def test_a_fault_on_a_rank_that_does_not_train_is_refused(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from inprocess.autoresume import EXIT_REQUEUE
 from tests.dist.workers_launcher_recovery import clean_loss
-from tests.multiproc import REPO_ROOT, JobOutput, run_job
+from tests.multiproc import REPO_ROOT, JobOutput, run_job, slow
 
 SCRIPT = "tests/dist/workers_launcher_recovery.py"
 FAST = {
@@ -34,10 +34,6 @@ FAST = {
     "completion_timeout": 30.0,
     "termination_grace_time": 0.5,
 }
-slow = pytest.mark.skipif(
-    not os.environ.get("RESTARTABLE_SLOW_TESTS"),
-    reason="slow launcher case: set RESTARTABLE_SLOW_TESTS=1 to run it",
-)
 
 
 def launch(
@@ -74,6 +70,7 @@ def downtime_report(d: Path) -> tuple[str, dict[str, Any]]:
     return cli.stdout, launch
 
 
+@slow("four respawns; test_config_drill_kills_one_rank_once... covers one")
 def test_respawned_processes_refill_the_pool_through_four_kills() -> None:
     # 3 active + 1 reserve; ctx.rank 1 is SIGKILLed in iterations 0..3. From the second kill on,
     # the kill waits until a respawned process waits in the pool: the job then never shrinks.
@@ -182,7 +179,7 @@ def test_config_drill_kills_one_rank_once_and_the_report_shows_the_respawn() -> 
     assert row.split()[0] == "drill:rank_killed@rank1" and "respawned processes 1" in text, text
 
 
-@slow
+@slow("a launcher case")
 def test_restart_budget_spent_ends_with_requeue_status_and_flag() -> None:
     flag = Path(tempfile.mkdtemp()) / "autoresume.json"
     opts = {"steps": 4, "raise_at": {"step": 1, "rank": 0}, "config": {"max_iterations": 1}}
@@ -196,7 +193,7 @@ def test_restart_budget_spent_ends_with_requeue_status_and_flag() -> None:
     assert "max_iterations (1) reached" in written["reason"]
 
 
-@slow
+@slow("a launcher case")
 def test_crash_looping_respawn_is_retired_and_the_job_goes_on() -> None:
     # The launcher's fault drill kills rank 0 0.3-0.6 s into the job and the reserve takes over;
     # the job (60 x 0.05 s) runs long enough for two start-up crashes of rank 0's respawns and
@@ -223,7 +220,7 @@ def _two_nodes(job: dict[str, Any], *launcher_args: str) -> tuple[JobOutput, Pat
     return run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120), d
 
 
-@slow
+@slow("a launcher case")
 def test_lost_node_with_enough_ranks_left_the_job_goes_on() -> None:
     job, d = _two_nodes(
         {"steps": 12, "step_time": 0.1, "config": {"active_world_size": 3,
@@ -233,7 +230,7 @@ def test_lost_node_with_enough_ranks_left_the_job_goes_on() -> None:
     assert {r["world_size"] for r in results(d).values()} == {2}, job.output
 
 
-@slow
+@slow("a launcher case")
 def test_lost_node_without_enough_ranks_ends_with_requeue_status() -> None:
     flag = Path(tempfile.mkdtemp()) / "flag.json"
     job, _ = _two_nodes(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiproc import free_port, run_job, run_ranks
+from tests.multiproc import free_port, run_job, run_ranks, slow
 
 SCRIPT = "tests/dist/workers_lightning.py"
 
@@ -82,10 +82,7 @@ def test_straggler_callback_reports_the_slowed_rank_and_stops_after_a_checkpoint
     assert outs[0].result["global_step"] == outs[1].result["global_step"]
 
 
-@pytest.mark.skipif(
-    not os.environ.get("RESTARTABLE_SLOW_TESTS"),
-    reason="slow (10-30 s, a reserve's set-up): set RESTARTABLE_SLOW_TESTS=1 to run it",
-)
+@slow("10-30 s, a reserve's set-up")
 def test_in_process_restart_of_fit_is_unsafe_once_ranks_are_renumbered() -> None:
     # 2 active ranks + 1 warm reserve; rank 1 is SIGKILLed; the reserve (RANK 2) becomes group
     # rank 1. Lightning takes its rank from LOCAL_RANK/GROUP_RANK, which an in-process restart

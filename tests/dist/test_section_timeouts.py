@@ -12,6 +12,13 @@ W = "tests.dist.workers_sections"
 SOFT_TIMEOUT = 2.0  # workers_sections.OPTIONS: without sections a hang costs at least this
 
 
+def _blamed_on(rank: int, *, peer: int) -> list[list[str]]:
+    """The restart causes that blame the hung ``rank``: the peer blocked in the all_reduce may
+    also run past the limit before the decision; then it is listed as collateral, not counted."""
+    cause = f"section_timeout (step) on rank {rank}"
+    return [[cause], [f"{cause} (collateral, not counted: rank(s) {peer})"]]
+
+
 def test_learned_step_timeout_catches_a_hang_and_a_relaunch_starts_from_ft_state_json(
     tmp_path: Path,
 ) -> None:
@@ -45,7 +52,7 @@ def test_learned_step_timeout_catches_a_hang_and_a_relaunch_starts_from_ft_state
         # One restart only: that slow first step of iteration 1 was warm-up, not a fault.
         assert o.result["seen"] == [0, 1], o.output
         assert o.result["blamed"] == [1], o.output  # not rank 0, blocked in all_reduce
-        assert o.result["causes"] == ["section_timeout (step) on rank 1"], o.output
+        assert o.result["causes"] in _blamed_on(1, peer=0), o.output
         assert o.result["result"] == 60.0
     assert "section timeout: section 'step' ran" in outs[1].output
     # Caught at the learned limit (plus the restart), far below the soft timeout.
@@ -67,5 +74,5 @@ def test_learned_step_timeout_catches_a_hang_and_a_relaunch_starts_from_ft_state
     assert "past its stored timeout" in outs[0].output
     for o in outs:
         assert o.result["seen"] == [0, 1], o.output
-        assert o.result["causes"] == ["section_timeout (step) on rank 0"], o.output
+        assert o.result["causes"] in _blamed_on(0, peer=1), o.output
     assert hung["hang_interrupted_after"] < SOFT_TIMEOUT, hung

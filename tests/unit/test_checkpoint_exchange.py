@@ -41,6 +41,40 @@ def test_gather_publish_receive_between_ranks_and_keys_are_cleaned_up() -> None:
     assert store.num_keys() == 0
 
 
+class _Recording:
+    """A store that records the order of writes and deletes (delegates to a HashStore)."""
+
+    def __init__(self) -> None:
+        self._store = dist.HashStore()
+        self.log: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def set(self, key: str, value: bytes) -> None:
+        self.log.append(("set", key))
+        self._store.set(key, value)
+
+    def delete_key(self, key: str) -> bool:
+        self.log.append(("delete", key))
+        return bool(self._store.delete_key(key))
+
+
+def test_the_answer_is_published_before_the_gathered_keys_are_deleted() -> None:
+    # At 1,024 ranks, deleting every gathered key (one call each) before publishing the answer
+    # was most of a step agreement's time: every peer waited for the deletes.
+    store = _Recording()
+    exchanges = [_exchange(store, r) for r in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(_round, reversed(exchanges)))
+    order = [key for op, key in store.log]
+    first_delete = min(i for i, (op, key) in enumerate(store.log) if op == "delete")
+    assert order.index("ns/commit") < first_delete, store.log
+    assert {"ns/plan/0", "ns/plan/1", "ns/plan/2", "ns/plan/n"} <= {
+        key for op, key in store.log if op == "delete"
+    }
+
+
 def test_cancel_ends_a_wait_on_a_rank_that_never_comes() -> None:
     ex = _exchange(dist.HashStore(), 0, timeout=60.0)
     threading.Timer(0.2, ex.cancel.set).start()
