@@ -130,17 +130,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from gpt import GPTConfig, batch, build_model, corpus
-    from state import TrainState
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from checkpoint import CheckpointManager
-    from inprocess import context, restartable
-    from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
-    from rerun import RerunDataIterator, RerunStateMachine
-
-    torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     world = int(os.environ.get("WORLD_SIZE", "1"))
     initial_rank = int(os.environ.get("RANK", "0"))
     launch = rundir.launch_id()
@@ -182,6 +171,19 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         return 0
+    # Only now the 3-4 s of torch's (and DCP's) import: bad input and a finished run answer at
+    # once, before it.
+    import torch
+    from gpt import GPTConfig, batch, build_model, corpus
+    from state import TrainState
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from checkpoint import CheckpointManager
+    from inprocess import context, restartable
+    from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+    from rerun import RerunDataIterator, RerunStateMachine
+
+    torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     if args.fresh:
         rundir.start_fresh(run_dir, initial_rank=initial_rank, launch=launch)
     log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)

@@ -162,6 +162,7 @@ def test_through_checkpoint_manager(tmp_path: Path, algo: str) -> None:
         assert o.result["new_manager"] == [3, tier, True], (o.rank, o.result)
 
 
+@slow("test_lost_node_every_shard_comes_back covers the peer restore; the example, a reserve")
 def test_reserve_takes_over_under_restartable(tmp_path: Path) -> None:
     from tests.dist.test_lost_ranks import FAST
 
