@@ -160,7 +160,13 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
 def test_the_quick_start_demo_on_etcd_and_on_the_tcpstore_end_with_the_same_loss(
     tmp_path: Path,
 ) -> None:
-    # The README's quick start (4 ranks, --faults demo: 5 faults, 300 steps) on both stores.
+    # The README's quick start (4 processes, --faults demo: 5 faults, 300 steps) on both stores,
+    # with 2 training ranks (--active 2) instead of 3: the restores are exact, but DDP builds
+    # its gradient buckets anew in each iteration, so the first step after a restart sums the
+    # ranks' gradients in another order (gloo's ring). Of 2 values that is bit-exact; of 3 it is
+    # not, and the final loss then depends on which step each fault's restore landed on (a
+    # SIGKILL's copy is at the faulting step or the one before: 0.1576495 vs 0.1576716, one run
+    # each, on 2026-11-23).
     losses = []
     for name in ("tcp", "etcd"):
         with contextlib.ExitStack() as stack:
@@ -170,7 +176,7 @@ def test_the_quick_start_demo_on_etcd_and_on_the_tcpstore_end_with_the_same_loss
                 launcher = ("--store", cluster.url)
             argv = ["-m", "inprocess.launch", "--nproc-per-node", "4", *launcher,
                     "examples/train.py", "--faults", "demo", "--run-dir", str(tmp_path / name),
-                    *ETCD_TIMEOUTS]  # fmt: skip
+                    "--active", "2", *ETCD_TIMEOUTS]  # fmt: skip
             job = run_job(argv, deadline=400)
             assert job.returncode == 0, job.output
             rep = _report(tmp_path / name)
