@@ -352,7 +352,7 @@ def restart_interrupts_wait(base: str) -> dict[str, Any]:
     import time
 
     from checkpoint.manager import CheckpointManager
-    from tests.dist.workers_persistent import _Interrupted, _interrupt_main_thread_after
+    from tests.dist.workers_persistent import wait_interrupted
 
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
@@ -363,11 +363,7 @@ def restart_interrupts_wait(base: str) -> dict[str, Any]:
     _save_steps(mgr, rank, world, [1], state)
     if rank == 0:
         mgr.save(2, state)
-        _interrupt_main_thread_after(0.5)
-        try:
-            mgr.wait()
-        except _Interrupted:
-            pass
+        wait_interrupted(mgr)
     dist.barrier()
     dist.destroy_process_group()  # the restart
     _init(1)

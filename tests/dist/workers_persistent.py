@@ -241,16 +241,24 @@ class _Interrupted(BaseException):
     ``inprocess.errors.RestartInterrupt``), here by hand, the same way."""
 
 
-def _interrupt_main_thread_after(seconds: float) -> None:
-    """Raise ``_Interrupted`` in the main thread after ``seconds``, from a signal handler, as
-    inprocess.monitor does (its wake-up signal ends a blocking wait such as a lock acquire)."""
+def wait_interrupted(mgr: Any, after_s: float = 0.5) -> None:
+    """``mgr.wait()``, ended after ``after_s`` by ``_Interrupted`` raised from a signal handler
+    in the main thread, as inprocess.monitor ends it at a restart (its wake-up signal ends a
+    blocking wait such as a lock acquire)."""
     import signal
 
     def fire(signum: int, frame: object) -> None:
         raise _Interrupted
 
-    signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, after_s)
+    try:
+        mgr.wait()
+    except _Interrupted:
+        pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def restart_with_blocked_save(root: str, interrupt_wait: bool = False) -> dict[str, Any]:
@@ -279,11 +287,7 @@ def restart_with_blocked_save(root: str, interrupt_wait: bool = False) -> dict[s
         if rank == 0:
             mgr.save(1, {"x": x})  # blocks in the background: rank 1 never joins
             if interrupt_wait:
-                _interrupt_main_thread_after(0.5)
-                try:
-                    mgr.wait()
-                except _Interrupted:
-                    pass
+                wait_interrupted(mgr)
         dist.barrier()
         dist.destroy_process_group()
         dist.init_process_group(
