@@ -366,5 +366,15 @@ def _drop_frames(exc: BaseException) -> None:
     is read before this.
     """
     log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
-    traceback.clear_frames(exc.__traceback__)
-    exc.__traceback__ = None
+    # The exceptions it was raised from or during (__cause__, __context__) carry tracebacks
+    # through the same frames.
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        chained = todo.pop()
+        if chained is None or id(chained) in seen:
+            continue
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained.__traceback__ = None
+        todo += [chained.__cause__, chained.__context__]
