@@ -173,17 +173,17 @@ class Monitor:
     Call order (main thread): ``interrupter.arm()``, ``start()``, run ``train()``, then
     ``interrupter.disarm()`` and ``close()``. One thread blocks on the iteration's outcome key
     (its own store client, so it never blocks the main thread's store calls; no timed-out waits,
-    which c10d logs as warnings). A second one checks the main thread's progress every
-    ``check_interval``: a stall longer than ``soft_timeout`` (1.5x that while the main thread
-    waits inside a collective, so a hung peer is blamed rather than us) is recorded as this
-    rank's fault, which ends the iteration for everyone. The same thread judges the open
-    sections (``sections``): one past its timeout is recorded as a "section_timeout" of this
-    rank, with the same grace (the limit again) while the main thread waits in a collective;
-    it then checks as often as the shortest section limit needs (down to 5 ms). When the
-    iteration ends with a fault, the store thread takes ``interrupter.lock``, calls ``abort()``
-    (tear down the process groups, which releases peers blocked on this rank) and delivers the
-    restart; it re-delivers every ``redeliver_interval`` until the main thread acknowledges
-    (disarms).
+    which c10d logs as warnings; ``give_back`` receives that client once its wait ended). A
+    second one checks the main thread's progress every ``check_interval``: a stall longer than
+    ``soft_timeout`` (1.5x that while the main thread waits inside a collective, so a hung peer
+    is blamed rather than us) is recorded as this rank's fault, which ends the iteration for
+    everyone. The same thread judges the open sections (``sections``): one past its timeout is
+    recorded as a "section_timeout" of this rank, with the same grace (the limit again) while
+    the main thread waits in a collective; it then checks as often as the shortest section limit
+    needs (down to 5 ms). When the iteration ends with a fault, the store thread takes
+    ``interrupter.lock``, calls ``abort()`` (tear down the process groups, which releases peers
+    blocked on this rank) and delivers the restart; it re-delivers every ``redeliver_interval``
+    until the main thread acknowledges (disarms).
     """
 
     def __init__(
@@ -192,6 +192,7 @@ class Monitor:
         store: Any,
         report_store: Any,
         iteration: int,
+        give_back: Callable[[Any], None] | None = None,
         initial_rank: int,
         soft_timeout: float,
         progress: ProgressTracker,
@@ -204,6 +205,7 @@ class Monitor:
         atomic_timeout: float = 60.0,
     ) -> None:
         self._store = store
+        self._give_back = give_back
         self._report_store = report_store
         self._iteration = iteration
         self._initial_rank = initial_rank
@@ -239,6 +241,8 @@ class Monitor:
             if not self._stop.is_set():
                 log.warning("monitor: store unreachable (%r); stops watching", exc)
             return
+        if self._give_back is not None:  # no call in flight on it any more
+            self._give_back(self._store)
         self._stop.set()  # the iteration is over: the progress thread stops too
         if result == keys.OUTCOME_FAULT:
             self._fire()

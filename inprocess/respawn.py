@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +50,22 @@ class Admission:
     decisions: tuple[Decision, ...]
 
 
-def announce_iteration(store: keys.StoreLike, iteration: int) -> None:
-    """Every rank, at the start of each iteration: where a newcomer starts looking."""
-    store.set(ITERATION_KEY, str(iteration))
+def start_iteration(
+    store: keys.StoreLike, iteration: int, *, participants: int, reserves: Sequence[int]
+) -> None:
+    """Every rank, at the start of each iteration, in one write (one transaction on etcd):
+    the iteration a newcomer starts looking at, how many ranks take part in it (the restart
+    barrier's count) and its warm reserves (``inprocess.demotion``)."""
+    keys.set_many(
+        store,
+        dict(
+            [
+                (ITERATION_KEY, str(iteration)),
+                keys.participants_item(iteration, participants),
+                keys.reserves_item(iteration, reserves),
+            ]
+        ),
+    )
 
 
 def current_iteration(store: keys.StoreLike) -> int:
@@ -83,14 +96,20 @@ def journal_dir(store: keys.StoreLike) -> str | None:
 
 def registered_joiners(store: keys.StoreLike) -> set[int]:
     """Every respawned identity that ever registered (alive or not); never blocks."""
-    if not store.check([JOINERS_KEY]):
-        return set()
-    return {int(x) for x in store.get(JOINERS_KEY).decode().split(",") if x}
+    return keys.parse_ranks(keys.peek(store, JOINERS_KEY))
+
+
+def gone_and_ready_joiners(store: keys.StoreLike) -> tuple[set[int], set[int]]:
+    """The ranks known gone (``keys.gone_ranks``) and the registered respawned identities not
+    among them, read together (one transaction on etcd); never blocks."""
+    gone_raw, joiners_raw = keys.peek_many(store, [keys.GONE_KEY, JOINERS_KEY])
+    gone = keys.parse_ranks(gone_raw)
+    return gone, keys.parse_ranks(joiners_raw) - gone
 
 
 def ready_joiners(store: keys.StoreLike) -> set[int]:
     """Registered respawned identities whose process is not known to be gone; never blocks."""
-    return registered_joiners(store) - keys.gone_ranks(store)
+    return gone_and_ready_joiners(store)[1]
 
 
 def mark_gone(store: keys.StoreLike, identity: int) -> None:

@@ -31,7 +31,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -79,6 +79,31 @@ def peek(store: StoreLike, key: str) -> bytes | None:
         value = try_get(key)
         return None if value is None else bytes(value)
     return store.get(key) if store.check([key]) else None
+
+
+def peek_many(store: StoreLike, keys: Sequence[str]) -> list[bytes | None]:
+    """``peek`` of several keys; a store with ``try_get_many`` (etcd) reads them in one
+    transaction, any other one by one. Never blocks, never writes."""
+    many = getattr(store, "try_get_many", None)
+    if many is not None:
+        return [None if v is None else bytes(v) for v in many(list(keys))]
+    return [peek(store, k) for k in keys]
+
+
+def set_many(store: StoreLike, values: Mapping[str, str]) -> None:
+    """Set several keys: one ``multi_set`` where the store has it (the TCPStore and etcd: one
+    round trip / transaction), else one ``set`` each."""
+    multi_set = getattr(store, "multi_set", None)
+    if multi_set is not None:
+        multi_set(list(values), list(values.values()))
+        return
+    for k, v in values.items():
+        store.set(k, v)
+
+
+def parse_ranks(raw: bytes | None) -> set[int]:
+    """The ranks of a comma-separated list value (``gone``, ``joiners``); empty when absent."""
+    return set() if raw is None else {int(x) for x in raw.decode().split(",") if x}
 
 
 def iteration_prefix(iteration: int) -> str:
@@ -165,8 +190,7 @@ def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
 
 def gone_ranks(store: StoreLike) -> set[int]:
     """Initial ranks whose process is known to be gone (any iteration); never blocks."""
-    raw = peek(store, GONE_KEY)
-    return set() if raw is None else {int(x) for x in raw.decode().split(",") if x}
+    return parse_ranks(peek(store, GONE_KEY))
 
 
 def outcome(store: StoreLike, iteration: int) -> str | None:
@@ -265,13 +289,15 @@ def counting_barrier(
     """Arrive at barrier ``name`` of ``expected`` ranks; return its release value.
 
     Two round trips per rank (an ``add``, then a ``wait`` on one release key); the last arrival
-    releases it with "ok". Anyone may release it earlier with another value (a fault breaks the
-    ``join`` barrier with "fault"). Raises ``StoreTimeoutError`` after ``timeout`` seconds.
+    releases it with "ok" (its ``compare_set`` answers it, no wait). Anyone may release it
+    earlier with another value (a fault breaks the ``join`` barrier with "fault"). Raises
+    ``StoreTimeoutError`` after ``timeout`` seconds.
     """
     go = f"{name}/go"
     deadline = clock() + timeout
     if _arrive(store, f"{name}/n", uuid.uuid4().hex) >= expected:
-        store.compare_set(go, "", "ok")
+        # The answer is the value now stored: "ok", or what broke the barrier first. No wait.
+        return store.compare_set(go, "", "ok").decode()
     return _wait_released(
         store, go, deadline=deadline, clock=clock, what=f"barrier {name!r}", recheck=recheck
     )
@@ -331,15 +357,24 @@ def mark_completed(store: StoreLike, iteration: int, *, active: int) -> None:
 
 def set_participants(store: StoreLike, iteration: int, count: int) -> None:
     """How many ranks (active + reserve) take part in ``iteration``; every rank writes it."""
-    store.set(_key(iteration, "restart/expected"), str(count))
+    store.set(*participants_item(iteration, count))
+
+
+def participants_item(iteration: int, count: int) -> tuple[str, str]:
+    """The key and value ``set_participants`` writes (for one ``set_many`` with others)."""
+    return _key(iteration, "restart/expected"), str(count)
 
 
 def set_reserves(store: StoreLike, iteration: int, reserves: Sequence[int]) -> None:
-    """The warm reserves (initial ranks) of ``iteration``; every rank writes the same value.
+    """The warm reserves (initial ranks) of ``iteration``; every rank writes the same value."""
+    store.set(*reserves_item(iteration, reserves))
 
-    Run-length encoded (``ranks.encode_ranks``): reserves are mostly consecutive ranks, so the
-    value stays a few bytes however many ranks the job has, and every rank writes it."""
-    store.set(_key(iteration, "reserves"), encode_ranks(reserves))
+
+def reserves_item(iteration: int, reserves: Sequence[int]) -> tuple[str, str]:
+    """The key and value ``set_reserves`` writes. Run-length encoded (``ranks.encode_ranks``):
+    reserves are mostly consecutive ranks, so the value stays a few bytes however many ranks
+    the job has, and every rank writes it."""
+    return _key(iteration, "reserves"), encode_ranks(reserves)
 
 
 def reserves(store: StoreLike, iteration: int) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar, overload
 from inprocess import drill, journal, respawn
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
-from inprocess.active import Outcome, RankServices, disarm, run_active
+from inprocess.active import ClientPool, Outcome, RankServices, disarm, run_active
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
 from inprocess.environment import bind_to_launcher, read_env, store_setting
@@ -31,11 +31,13 @@ from inprocess.errors import (
     StoreTimeoutError,
 )
 from inprocess.etcd.connect import open_store
+from inprocess.etcd.url import parse_url
 from inprocess.health import HealthChecker
 from inprocess.monitor import Interrupter
 from inprocess.policy import Decision, Observed, decide
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
+from inprocess.rendezvous import Rendezvous, advertised_host
 from inprocess.sections import section_clock
 from inprocess.store_server import client, connect, mark_left
 
@@ -174,7 +176,9 @@ class _Job:
         abort_process_groups()
         self.reaper.close(timeout=self.cfg.hard_timeout)
         svc = self.svc
-        owners = (svc.interrupter, svc.progress) if svc is not None else ()
+        owners = (
+            (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
+        )
         for owner in (*owners, self.watchdog, self.health):
             if owner is not None:
                 try:
@@ -211,11 +215,13 @@ class _Job:
         """Connect, start the watchdog and meet every rank once (the initial barrier)."""
         cfg, env = self.cfg, self.env
         new_client: Callable[[], Any]
+        advertise = ""
         if self.store_url is not None:
             new_client = functools.partial(
                 open_store, self.store_url, job_id=env.job_id, timeout=cfg.barrier_timeout
             )
             self.store = new_client()
+            advertise = advertised_host(parse_url(self.store_url).endpoints)
         else:
             new_client = functools.partial(
                 client, env.master_addr, env.master_port, timeout=cfg.barrier_timeout
@@ -234,6 +240,14 @@ class _Job:
             abort=self.reaper.abort,
             release=self.reaper.release,
             sections=section_clock(cfg),  # learned timeouts outlive iterations
+            clients=ClientPool(new_client),
+            rendezvous=Rendezvous(
+                self.store,
+                me=self.me,
+                hosted=self.store_url is not None,
+                advertise=advertise,
+                timeout=cfg.barrier_timeout,
+            ),
         )
         self.health = HealthChecker(
             user_checks=cfg.health_checks, empty_cuda_cache=cfg.empty_cuda_cache
@@ -317,11 +331,12 @@ class _Job:
         pending: _PendingRestart | None = None  # the restart being completed, logged once
         while True:
             self.watchdog.set_iteration(iteration)
-            respawn.announce_iteration(self.store, iteration)
-            keys.set_participants(
-                self.store, iteration, len(assignment.active) + len(assignment.reserve)
+            respawn.start_iteration(
+                self.store,
+                iteration,
+                participants=len(assignment.active) + len(assignment.reserve),
+                reserves=assignment.reserve,
             )
-            keys.set_reserves(self.store, iteration, assignment.reserve)  # inprocess.demotion
             if iteration == 0:
                 self._health_phase(iteration)  # later: right after each fault, below
             rank = assignment.rank_of(self.me)
@@ -525,11 +540,12 @@ class _Job:
         ``counted`` history (each appends the published decisions), so the inputs differ
         between ranks only in what the store held at the moment each read it.
         """
+        gone, joined = respawn.gone_and_ready_joiners(self.store)
         observed = Observed(
             iteration=iteration,
             faults=tuple(faults),
-            gone=frozenset(keys.gone_ranks(self.store)),
-            joined=frozenset(respawn.ready_joiners(self.store)),
+            gone=frozenset(gone),
+            joined=frozenset(joined),
         )
         decision = decide(
             observed,

@@ -457,6 +457,38 @@ class EtcdStore(dist.Store):
         kv, _ = self._range(self._k(key), self._deadline())
         return None if kv is None else base64.b64decode(kv.get("value", ""))
 
+    def try_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``try_get`` of several keys in ONE transaction (a consistent snapshot); never blocks
+        (``inprocess.store.peek_many``: the restart decision's inputs in one round trip)."""
+        if not keys:
+            return []
+        payload = {
+            "compare": [],
+            "success": [{"request_range": {"key": _b64(self._k(k))}} for k in keys],
+            "failure": [],
+        }
+        resp = self._txn(payload, self._deadline(), "try_get_many")
+        out: list[bytes | None] = []
+        for r in resp.get("responses", []):
+            kvs = r.get("response_range", {}).get("kvs") or []
+            out.append(base64.b64decode(kvs[0].get("value", "")) if kvs else None)
+        return out
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Put several keys in ONE transaction (c10d's ``multi_set``; the facts every rank
+        publishes at the start of an iteration). ``DELETE_VALUE`` is not special here."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        payload = {
+            "compare": [],
+            "success": [
+                {"request_put": {"key": _b64(self._k(k)), "value": _b64(_bytes(v))}}
+                for k, v in zip(keys, values, strict=True)
+            ],
+            "failure": [],
+        }
+        self._txn(payload, self._deadline(), "multi_set")
+
     def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
         """``wait([key], timeout)`` then ``get(key)`` in one step: the read that finds the key,
         or the watch event that reports its put, carries the value (one round trip fewer per

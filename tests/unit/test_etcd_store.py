@@ -399,3 +399,55 @@ def test_count_arrival_counts_each_member_once_in_one_transaction(
         timeout=10.0,
     )
     assert got == "2 faults"
+
+
+@needs_etcd
+def test_multi_set_and_try_get_many_are_one_transaction_each(s: EtcdStore) -> None:
+    from inprocess import store as keys
+
+    calls: list[str] = []
+    txn = s._txn
+
+    def counted(payload: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
+        calls.append(what)
+        return txn(payload, deadline, what)
+
+    s._txn = counted  # type: ignore[method-assign]
+    keys.set_many(s, {"a": "1", "b": "", "c": "3"})
+    assert keys.peek_many(s, ["a", "b", "missing", "c"]) == [b"1", b"", None, b"3"]
+    assert calls == ["multi_set", "try_get_many"]
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        s.multi_set(["x", "y"], ["1"])
+
+
+@needs_etcd
+def test_group_rendezvous_on_etcd_meets_on_the_hosts_tcpstore(
+    s: EtcdStore, cluster: EtcdCluster
+) -> None:
+    """The group's rank 0 hosts the rendezvous; a peer finds it through etcd and keeps its
+    client across iterations; the keys never touch etcd."""
+    from inprocess.rendezvous import Rendezvous, advertised_host
+
+    where = advertised_host(parse_url(cluster.url).endpoints)
+    host = Rendezvous(s, me=3, hosted=True, advertise=where, timeout=5.0)
+    peer = Rendezvous(s, me=5, hosted=True, advertise=where, timeout=5.0)
+    host.prepare(host=3)
+    peer.prepare(host=3)  # not the host: nothing to do
+    before = s.num_keys()
+    peer.store(3).set("it1/pg/x", "from the peer")
+    assert host.store(3).get("it1/pg/x") == b"from the peer"
+    assert peer.store(3) is peer.store(3)  # one client per host, kept
+    peer.forget(3)
+    assert peer.store(3).get("it1/pg/x") == b"from the peer"  # connects afresh
+    assert s.num_keys() == before  # only the address was published, before
+    plain = Rendezvous(s, me=0, hosted=False, advertise="", timeout=5.0)
+    plain.prepare(host=0)
+    assert plain.store(0) is s  # the TCPStore path: the coordination store itself
+    for r in (host, peer, plain):
+        r.close()
+
+
+def test_advertised_host_is_the_interface_that_reaches_the_store() -> None:
+    from inprocess.rendezvous import advertised_host
+
+    assert advertised_host((("127.0.0.1", 2379),)) == "127.0.0.1"

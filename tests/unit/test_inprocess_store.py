@@ -204,3 +204,30 @@ def test_a_rank_reported_twice_is_counted_once(store: FakeStore, clock: FakeCloc
 def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: FakeClock) -> None:
     assert keys.wait_outcome(store, 0, timeout=10.0, clock=clock) is None
     assert clock.now >= 1010.0
+
+
+def test_the_monitor_clients_are_reused_across_iterations() -> None:
+    """A client whose wait ended is handed back and taken by the next iteration's monitor;
+    one still in use is never given to anyone else."""
+    from inprocess.active import ClientPool
+
+    opened: list[object] = []
+
+    class Client:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def open_client() -> Client:
+        opened.append(Client())
+        return opened[-1]  # type: ignore[return-value]
+
+    pool = ClientPool(open_client)
+    first, second = pool.take(), pool.take()
+    assert first is not second and len(opened) == 2
+    pool.give(first)
+    assert pool.take() is first and len(opened) == 2
+    pool.give(second)
+    pool.close()
+    assert second.closed and not first.closed  # only idle clients are closed

@@ -80,7 +80,7 @@ def _decision(iteration: int, active: tuple[int, ...], reserve: tuple[int, ...])
 def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
     store = dist.HashStore()
     store.set(keys.ROOT + "init/go", "ok")
-    respawn.announce_iteration(store, 1)
+    respawn.start_iteration(store, 1, participants=1, reserves=())
     respawn.register_joiner(store, 5)
     assert respawn.ready_joiners(store) == {5}
     got: list[respawn.Admission | None] = []
@@ -105,7 +105,7 @@ def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
 
 def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
     store = dist.HashStore()
-    respawn.announce_iteration(store, 0)
+    respawn.start_iteration(store, 0, participants=1, reserves=())
     store.set(keys.end_key(0), keys.OUTCOME_DONE)
     assert respawn.wait_admission(store, identity=5, decision_timeout=1) is None
     store = dist.HashStore()
@@ -120,7 +120,7 @@ def test_job_state_tells_the_launcher_what_the_ranks_did() -> None:
     store = dist.HashStore()
     assert respawn.job_state(store) == respawn.JOB_NOT_STARTED
     store.set(keys.ROOT + "init/go", "ok")
-    respawn.announce_iteration(store, 2)
+    respawn.start_iteration(store, 2, participants=1, reserves=())
     assert respawn.job_state(store) == respawn.JOB_RUNNING
     store.set(keys.end_key(2), keys.OUTCOME_DONE)
     assert respawn.job_state(store) == respawn.JOB_DONE
