@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
 import time
+import types
 import weakref
 from typing import Any
 
@@ -115,15 +117,52 @@ class GroupReaper:
                 time.sleep(_REFERENCE_POLL_S)
             if alive and not self._warned:
                 self._warned = True
+                held_by = _holders(refs)
                 log.warning(
                     "rank %d: %d destroyed process group(s) still referenced after train() "
                     "unwound (e.g. a DDP-wrapped model kept by an object that outlives "
                     "train()); peers blocked on this rank are released only by the group "
                     "timeout (about 1.25 x soft_timeout for gloo). Create such objects inside "
-                    "train() to restart in milliseconds.",
+                    "train() to restart in milliseconds. Held by: %s",
                     self._rank,
                     alive,
+                    held_by,
                 )
+
+
+def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
+    """Who still references the groups of ``refs``, for the warning above: the owning object
+    and attribute of a ``__dict__``, a frame's function and line, else the referrer's type.
+    C++ owners (DDP's ``Reducer``) are invisible to ``gc``. Slow on a large heap: run once,
+    off the restart path."""
+    out = []
+    for r in refs:
+        obj = r()
+        if obj is None:
+            continue
+        found = []
+        for ref in gc.get_referrers(obj):
+            if isinstance(ref, types.FrameType):
+                if ref.f_code.co_filename == __file__:  # this reaper's own frames
+                    continue
+                code = ref.f_code
+                found.append(f"frame {code.co_name} ({code.co_filename}:{ref.f_lineno})")
+            else:
+                # An object's attributes: the referrer is the object itself (inline values,
+                # Python 3.11+) or its __dict__ (then name the object that owns it).
+                attrs = getattr(ref, "__dict__", ref)
+                if isinstance(attrs, dict) and attrs is ref:
+                    owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", 0) is ref]
+                    ref = owners[0] if owners else ref
+                names = (
+                    [str(k) for k, v in attrs.items() if v is obj]
+                    if isinstance(attrs, dict)
+                    else []
+                )
+                found.append(type(ref).__name__ + (f" ({', '.join(names)})" if names else ""))
+        del obj
+        out.append(", ".join(found[:limit]) or "no Python object (a C++ owner, e.g. a Reducer)")
+    return "; ".join(out)
 
 
 def _abort_nccl() -> None:

@@ -71,3 +71,21 @@ def test_a_reference_that_stays_is_reported_once(caplog: pytest.LogCaptureFixtur
         reaper.close(timeout=5.0)
     assert time.monotonic() - t0 >= 0.3
     assert caplog.text.count("rank 3: 1 destroyed process group(s) still referenced") == 1
+
+
+def test_the_warning_names_what_holds_the_group(caplog: pytest.LogCaptureFixture) -> None:
+    """One failure in CI should be enough to find the holder: the warning says who it is."""
+
+    class Trainer:
+        def __init__(self, group: _Group) -> None:
+            self.process_group = group
+
+    reaper = GroupReaper(rank=1, grace_s=0.1)
+    group = _Group()
+    trainer = Trainer(group)  # outlives train()
+    with caplog.at_level(logging.WARNING, logger="inprocess.abort"):
+        _release(reaper, group)
+        del group
+        reaper.close(timeout=5.0)
+    assert "Held by: Trainer (process_group)" in caplog.text
+    del trainer
