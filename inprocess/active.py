@@ -244,6 +244,13 @@ def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[in
     if not svc.config.init_process_group:
         return
     with svc.progress.paused():
+        if svc.rendezvous.hosted:
+            # On etcd the store barrier costs two consensus round trips and a watch; a barrier
+            # of the new group itself gives the same guarantee (it completes only once every
+            # rank has the group) in a millisecond, and a peer that faults meanwhile tears its
+            # group down, which fails this barrier at once, as it fails any collective.
+            _group_barrier()
+            return
         ready = keys.ready_barrier(
             svc.store,
             iteration,
@@ -253,6 +260,14 @@ def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[in
         )
     if not ready:
         raise RestartInterrupt("a rank faulted while the group was created")
+
+
+def _group_barrier() -> None:
+    """``dist.barrier()`` on the default group (NCCL: on this rank's current device)."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def _call_train(

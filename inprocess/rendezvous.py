@@ -66,6 +66,11 @@ class Rendezvous:
         self._server: dist.TCPStore | None = None
         self._clients: dict[int, dist.TCPStore] = {}  # host identity -> connected client
 
+    @property
+    def hosted(self) -> bool:
+        """True on etcd: groups meet on a store hosted by their rank 0."""
+        return self._hosted
+
     def prepare(self, host: int) -> None:
         """Before the join barrier of an iteration whose group rank 0 is ``host``: if that is
         this process, start its server (once) and publish the address (one store call)."""
