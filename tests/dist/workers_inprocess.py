@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterable
@@ -85,6 +86,7 @@ def exception_mid_collective(
     def train() -> dict[str, Any]:
         ctx = context()
         seen.append({"iteration": ctx.iteration, "rank": ctx.rank, "world": ctx.world_size})
+        seen[-1]["frozen"] = gc.get_freeze_count()
         if ctx.last_restart is not None:
             seen[-1]["phases"] = dict(ctx.last_restart.phases)
         if record_store_servers:

@@ -60,6 +60,7 @@ from inprocess.progress import ProgressTracker
         ({"rank_out_of_section_timeout": -5}, "rank_out_of_section_timeout (-5) must be"),
         ({"safety_factor": 0.5}, "safety_factor (0.5) must be a finite number > 1"),
         ({"calculate_timeouts": "yes"}, "calculate_timeouts ('yes') must be True or False"),
+        ({"freeze_gc": 1}, "freeze_gc (1) must be True or False: pass a bool, not a int"),
         ({"timeouts_state_path": ""}, "timeouts_state_path ('') must be a file path"),
     ],
 )
