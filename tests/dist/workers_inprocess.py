@@ -15,6 +15,8 @@ from inprocess import context, restartable
 from inprocess import faults as fi
 
 FAST = {
+    # CPU tensors: gloo, also on a host with a GPU (where the default backend is nccl).
+    "backend": "gloo",
     "soft_timeout": 2.0,
     "hard_timeout": 6.0,
     "heartbeat_interval": 0.5,
