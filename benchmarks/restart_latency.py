@@ -1,7 +1,8 @@
 """Restart latency of ``@restartable`` against torchrun, on CPU/gloo; prints one JSON document.
 
-    python benchmarks/restart_latency.py            # every scenario, 12 trials each
+    python benchmarks/restart_latency.py            # every CPU scenario, 12 trials each
     python benchmarks/restart_latency.py --quick    # smoke run: 3 trials, 1 torchrun trial
+    python benchmarks/restart_latency.py --scenario exception_nccl_1rank   # on a GPU
 
 Restart latency = from the fault instant (wall clock, taken by the faulting rank just before the
 fault) to the moment every active rank of the next iteration has finished its first all_reduce.
@@ -44,6 +45,12 @@ class Scenario:
     baseline: bool = True  # also measure it under torchrun --max-restarts=1
     target_s: float | None = None  # the issue's target for the median
     target_ratio: float | None = None  # ... and for median / torchrun median
+    victim: int = 1  # the rank that faults
+    gpu: bool = False  # NCCL on CUDA tensors: run only when named with --scenario
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.gpu else "gloo"
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -98,6 +105,22 @@ register(
 )
 
 
+register(
+    Scenario(
+        name="exception_nccl_1rank",
+        description=(
+            "RuntimeError in the only rank after an all_reduce on a CUDA tensor, NCCL: the "
+            "restart aborts the communicator and the next iteration creates a new one (one GPU "
+            "holds one NCCL rank, so one rank)"
+        ),
+        fault="raise",
+        nproc=1,
+        victim=0,
+        gpu=True,
+    )
+)
+
+
 def fire_fault(kind: str) -> None:
     """Make the fault happen in this rank now (after its instant was recorded)."""
     import os
@@ -133,6 +156,7 @@ def inprocess_worker(scenario: Scenario, out: Path, trials: int, victim: int) ->
     from inprocess import context, restartable
 
     options = {
+        "backend": scenario.backend,
         "soft_timeout": 5.0,
         "hard_timeout": 10.0,
         "heartbeat_interval": 1.0,
@@ -146,8 +170,9 @@ def inprocess_worker(scenario: Scenario, out: Path, trials: int, victim: int) ->
     def train() -> None:
         ctx = context()
         ctx.ping(step=ctx.iteration)  # a new step each trial: not "the same fault repeating"
-        t = torch.ones(1)
+        t = torch.ones(1, device="cuda" if scenario.gpu else "cpu")
         dist.all_reduce(t)
+        t.item()  # NCCL returns before the reduction ran: wait for it
         _append(log, {"iteration": ctx.iteration, "first_allreduce_done": time.time()})
         if ctx.iteration >= trials:
             return
@@ -167,11 +192,15 @@ def torchrun_worker(scenario: Scenario, out: Path, victim: int) -> None:
     from torchrun_group import attempt_store  # benchmarks/ is sys.path[0] under torchrun
 
     store, restart = attempt_store(timeout=60.0)
+    rank = int(os.environ["RANK"])
+    if scenario.gpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(
-        "gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        scenario.backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"])
     )
-    t = torch.ones(1)
+    t = torch.ones(1, device="cuda" if scenario.gpu else "cpu")
     dist.all_reduce(t)
+    t.item()
     log = out / f"rank{os.environ['RANK']}.jsonl"
     _append(log, {"iteration": restart, "first_allreduce_done": time.time()})
     if restart == 0:
@@ -280,17 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=("inprocess", "torchrun"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    victim = 1
     if args.worker:
         s = SCENARIOS[args.scenario[0]]
         if args.worker == "inprocess":
-            inprocess_worker(s, Path(args.out), args.trials, victim)
+            inprocess_worker(s, Path(args.out), args.trials, s.victim)
         else:
-            torchrun_worker(s, Path(args.out), victim)
+            torchrun_worker(s, Path(args.out), s.victim)
         return 0
     trials = 3 if args.quick else args.trials
     tr_trials = 1 if args.quick else args.torchrun_trials
-    names = args.scenario or list(SCENARIOS)
+    names = args.scenario or [n for n, s in SCENARIOS.items() if not s.gpu]
     report: dict[str, Any] = {
         "benchmark": "restart_latency",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

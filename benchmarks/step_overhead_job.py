@@ -233,6 +233,7 @@ def main() -> int:
         from inprocess import context
 
         @restartable(
+            backend="gloo",  # the plain runs' backend, also on a host with a GPU
             soft_timeout=2.0,
             hard_timeout=5.0,
             heartbeat_interval=0.5,

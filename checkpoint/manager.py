@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+from checkpoint import optimizers
 from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks
 from checkpoint.errors import CheckpointConfigError, CheckpointError
 from checkpoint.group import BackgroundGroup
@@ -192,10 +193,19 @@ class CheckpointManager:
         COLLECTIVE. Waits for saves in flight first. The local tier is asked for a step at
         least as new as the newest committed persistent one; otherwise the persistent tier
         loads (verifying checksums, falling back past a corrupt checkpoint with a WARNING
-        unless ``fallback_on_corruption=False``).
+        unless ``fallback_on_corruption=False``). A ``torch.optim`` optimizer of ``state`` that
+        has not stepped yet gets its state tensors first (``checkpoint/optimizers.py``), so that
+        its saved state is restored; with nothing to load it is left without state.
         """
         self._check_open("load_latest")
         t0 = time.perf_counter()
+        fresh = optimizers.prepare(state)
+        step = self._load(state, t0)
+        if step is None:
+            optimizers.forget(fresh)
+        return step
+
+    def _load(self, state: dict[str, Any], t0: float) -> int | None:
         self._persistent.settle_after_restart()
         # A save abandoned at the restart may be past its commit decision: wait (bounded) until
         # it stopped, so the listing below already shows it if it committed. Otherwise it could

@@ -4,6 +4,10 @@ Run (4 ranks on this machine's CPU, 5 faults, about 30 s on 2 cores):
 
     python -m inprocess.launch --nproc-per-node 4 examples/train.py --faults demo
 
+It trains on the CPU over gloo, also on a machine with GPUs. ``--device cuda`` trains on one GPU
+per rank over NCCL (at most as many processes per node as GPUs; with one GPU e.g.
+``--nproc-per-node 1 --faults exception@rank0:step50,nan@rank0:step100,hang@rank0:step150``).
+
 It uses all three packages: ``@restartable`` re-runs ``train()`` in place after a fault (warm
 reserves replace lost ranks), ``CheckpointManager`` keeps a host-memory copy every step and a
 torch_dist checkpoint every ``--persistent-every`` steps, and ``RerunStateMachine`` re-runs a step
@@ -73,6 +77,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="ranks running train(); the rest wait as warm reserves\n"
         "(default: one reserve per fault that loses its rank)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: CPU tensors over gloo (default, also where GPUs exist);\n"
+        "cuda: one GPU per rank over NCCL",
     )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
@@ -184,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     from rerun import RerunDataIterator, RerunStateMachine
 
     torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
+    if args.device == "cuda":
+        _check_gpus(torch, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if args.fresh:
         rundir.start_fresh(run_dir, initial_rank=initial_rank, launch=launch)
     log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)
@@ -213,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     @restartable(
+        # gloo for CPU tensors: NCCL, the default where CUDA is available, reduces only GPU ones.
+        backend="nccl" if args.device == "cuda" else "gloo",
         soft_timeout=args.soft_timeout,
         hard_timeout=args.hard_timeout,
         heartbeat_interval=0.5,
@@ -227,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     )
     def train(preempt: PreemptionHandler) -> dict[str, Any]:
         ctx = context()
+        cuda = args.device == "cuda"
         with ctx.section("setup"):  # model, optimizer and restore: until the first step
             # Built afresh in every iteration: whatever a fault left half-done is dropped, and
             # the state comes back from the checkpoint (the manager outlives iterations, the
@@ -238,11 +254,13 @@ def run(args: argparse.Namespace) -> int:
                 check_for_nan_in_loss=True,
                 check_for_spiky_loss=True,
                 in_job=True,
-                # On a CPU host every rank shares the "cpu" device: the process is the hardware.
-                hardware_id=None if torch.cuda.is_available() else f"cpu-rank{ctx.initial_rank}",
+                # On the CPU every rank shares the "cpu" device: the process is the hardware.
+                hardware_id=None if args.device == "cuda" else f"cpu-rank{ctx.initial_rank}",
             )
-            model = build_model(cfg, args.seed)
-            ddp = DDP(model)
+            # The group of this iteration has set this rank's GPU (LOCAL_RANK) for NCCL.
+            device = torch.device(args.device, torch.cuda.current_device() if cuda else None)
+            model = build_model(cfg, args.seed).to(device)
+            ddp = DDP(model, device_ids=[device] if cuda else None)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
             state = TrainState(model, opt, rsm, ctx.rank)
             ckpt = {"train": state}
@@ -280,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
                     attempts += 1
                     opt.zero_grad(set_to_none=True)
                     x, y = next(batches)
-                    loss = ddp(x, y)
+                    loss = ddp(x.to(device), y.to(device))
                     if nan_due is not None and attempts == 1:
                         loss = loss * float("nan")  # a transient numerical fault on this rank
                     loss.backward()
@@ -327,6 +345,19 @@ def run(args: argparse.Namespace) -> int:
         # ends at the last job_end written so far (the other ranks end at the same step).
         _write_report(journal_dir, run_dir, result, png=args.report_png)
     return PREEMPTED_EXIT_CODE if result["preempted"] else 0
+
+
+def _check_gpus(torch: Any, local_world_size: int) -> None:
+    """--device cuda: NCCL needs a GPU of its own for every rank of a node."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        raise UsageError("--device cuda: no CUDA device is available here: use --device cpu")
+    if local_world_size > gpus:
+        raise UsageError(
+            f"--device cuda: {local_world_size} processes on this node (LOCAL_WORLD_SIZE) but "
+            f"{gpus} GPU(s); NCCL runs one rank per GPU: start at most {gpus} per node "
+            f"(--nproc-per-node {gpus}) or use --device cpu"
+        )
 
 
 def _write_report(

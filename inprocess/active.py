@@ -194,8 +194,24 @@ def run_active(
     def train() -> Any:
         # Sections are judged only while train() runs: the completion wait that follows is
         # the framework's, bounded by completion_timeout.
+        grad_enabled = torch.is_grad_enabled()
         try:
             return fn(*args, **kwargs)
+        except BaseException:
+            # The restart exception is raised asynchronously: it can land e.g. at the start of
+            # the __exit__ of a `with torch.no_grad():` block that a failed collective is
+            # unwinding, and autograd then stays off in this thread for every later iteration
+            # (seen: the example's rank 0 on an H200 host, torch 2.11, failed every iteration
+            # after the first restart with "element 0 of tensors does not require grad").
+            if torch.is_grad_enabled() != grad_enabled:
+                log.info(
+                    "rank %d: train() unwound with autograd %s; turned it %s again",
+                    rank,
+                    "off" if grad_enabled else "on",
+                    "on" if grad_enabled else "off",
+                )
+                torch.set_grad_enabled(grad_enabled)
+            raise
         finally:
             svc.sections.end_iteration()
 

@@ -39,7 +39,8 @@ class DetectorConfig:
     * ``gather_timeout``: the most a report waits for the other ranks' numbers; ranks missing
       then are listed as missing (dead, or not calling ``report_if_due`` at the same steps).
     * ``timer``: "cpu" (process CPU time: a rank's own compute, not its wait in a collective),
-      "cuda" (CUDA events on the current device), or "auto" (cuda when available).
+      "cuda" (CUDA events on the current device), or "auto" (cuda when available, except
+      in a process group without NCCL: cpu for a gloo job, whose tensors are on the CPU).
     """
 
     report_time_interval: float = 300.0

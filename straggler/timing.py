@@ -109,7 +109,12 @@ class Section:
 
 
 def cuda_timing(timer: str) -> bool:
-    """Whether sections use CUDA events for ``timer`` ("auto", "cpu", "cuda")."""
+    """Whether sections use CUDA events for ``timer`` ("auto", "cpu", "cuda").
+
+    "auto": CUDA events when CUDA is available, unless the default process group has no NCCL
+    backend (gloo: a job whose tensors are on the CPU, also on a host with GPUs, where events on
+    an idle device would time nothing and every rank would look equally fast).
+    """
     if timer == "cpu":
         return False
     try:
@@ -122,4 +127,9 @@ def cuda_timing(timer: str) -> bool:
         from straggler.errors import ConfigError
 
         raise ConfigError("timer ('cuda') needs CUDA, which is not available: use 'auto' or 'cpu'")
+    if timer == "auto" and available:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return "nccl" in str(dist.get_backend())
     return available

@@ -1,7 +1,7 @@
 """Staging: copy a DCP-style state into host buffers that are reused from save to save.
 
 This is the only part of a persistent save that blocks the training loop. The buffers (one host
-tensor per state tensor, pinned when CUDA is available) are allocated when the layout changes
+tensor per state tensor, pinned where the source is on a GPU) are allocated when the layout changes
 and reused, so after the first save a stage is a plain memory copy with no allocation and no
 page faults. The staged
 tree has the same structure as the input, with every tensor replaced by a view into the pool
@@ -88,17 +88,19 @@ class StagingPool:
         return self._rebuild(expanded, ())
 
     def _ensure_layout(self, leaves: list[tuple[_Path, torch.Tensor]]) -> None:
-        signature = tuple((p, tuple(t.shape), t.dtype) for p, t in leaves)
+        signature = tuple((p, tuple(t.shape), t.dtype, t.is_cuda) for p, t in leaves)
         if signature == self._signature:
             return
-        pin = torch.cuda.is_available()
+        # Page-locked only for GPU sources (full-speed device-to-host copies): pinning a CPU
+        # state's buffers would only create a CUDA context in every rank of a CPU job.
+        pin = any(t.is_cuda for _, t in leaves)
         # Drop the old buffers before allocating new ones: peak memory is one set.
         self._views = {}
         # One allocation per tensor, not views into one flat buffer: DCP's writer clones any
         # tensor whose storage is larger than the tensor itself (a view), which would add a
         # full extra copy (and its page faults) to every background write.
         self._views = {
-            path: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for path, t in leaves
+            path: torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda) for path, t in leaves
         }
         self._signature = signature
         self.nbytes = sum(t.numel() * t.element_size() for _, t in leaves)

@@ -75,6 +75,14 @@ def test_soft_timeout_hang_interrupts_sleep_and_restarts() -> None:
     assert 2.0 <= hung < 6.0, hung
 
 
+def test_autograd_is_on_again_after_a_fault_that_left_it_off() -> None:
+    outs = run_ranks(
+        2, target=f"{W}:fault_with_autograd_off", kwargs={"fail_rank": 1}, host_store=True
+    )
+    for o in outs:
+        assert o.result == {"iteration": 1, "grad_enabled": True}, o.output
+
+
 def test_exception_in_finally_while_unwinding_does_not_wedge() -> None:
     outs = run_ranks(
         3, target=f"{W}:fault_in_finally", kwargs={"fail_rank": 1}, host_store=True, deadline=40

@@ -16,6 +16,8 @@ from inprocess import context, restartable
 from inprocess import faults as fi
 
 FAST = {
+    # CPU tensors: gloo, also on a host with a GPU (where the default backend is nccl).
+    "backend": "gloo",
     "soft_timeout": 2.0,
     "hard_timeout": 6.0,
     "heartbeat_interval": 0.5,
@@ -152,6 +154,24 @@ def _listening_socket_inodes(port: int) -> set[str]:
                 if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
                     inodes.add(inode)
     return inodes
+
+
+def fault_with_autograd_off(*, fail_rank: int) -> dict[str, Any]:
+    """Rank ``fail_rank`` raises in iteration 0 with autograd switched off, as a ``no_grad``
+    block whose ``__exit__`` the restart exception cut short leaves it; the peers wait in an
+    all_reduce. Iteration 1 reports whether autograd is on."""
+
+    @restartable(**FAST)
+    def train() -> dict[str, Any]:
+        ctx = context()
+        if ctx.iteration == 0:
+            if ctx.rank == fail_rank:
+                torch.set_grad_enabled(False)
+                raise RuntimeError("fault with autograd off")
+            _allreduce_sum(1.0)  # released by the fault
+        return {"iteration": ctx.iteration, "grad_enabled": torch.is_grad_enabled()}
+
+    return train()
 
 
 def hang_then_recover(*, hang_rank: int, steps: int = 4) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def job(*, root: str, record_dir: str) -> dict[str, Any]:
     mgr = CheckpointManager(root, persistent_every=20, local_every=1)
     reached: list[tuple[float, int]] = []
 
-    @restartable(soft_timeout=2.0, hard_timeout=6.0, heartbeat_interval=0.5)
+    @restartable(backend="gloo", soft_timeout=2.0, hard_timeout=6.0, heartbeat_interval=0.5)
     def train() -> int:
         ctx = context()
         state = {"w": torch.zeros(4)}

@@ -117,7 +117,8 @@ def main(opts: dict[str, Any]) -> None:
         result = train()
         dist.destroy_process_group()
     else:
-        result = restartable(**opts["config"])(train)()
+        # CPU tensors: gloo, also on a host with a GPU (the default is nccl there).
+        result = restartable(**{"backend": "gloo", **opts["config"]})(train)()
     if result is not None:
         (d / f"result.{result['initial_rank']}.json").write_text(json.dumps(result))
 

@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 PERSISTENT_EVERY = 4  # steps between persistent (torch_dist) saves; local saves every step
 FAST = {
+    # Trainer(accelerator="cpu"): gloo, also on a host with a GPU (the default is nccl there).
+    "backend": "gloo",
     "soft_timeout": 20.0,
     "hard_timeout": 30.0,
     "heartbeat_interval": 0.1,

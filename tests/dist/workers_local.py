@@ -69,7 +69,9 @@ def _zero(state: dict[str, Any]) -> None:
 
 
 def _matches(state: dict[str, Any], rank: int, world: int, step: int) -> bool:
-    want = _state(rank, world, step, big=state["opt"]["big"].numel() if "big" in state["opt"] else 0)
+    want = _state(
+        rank, world, step, big=state["opt"]["big"].numel() if "big" in state["opt"] else 0
+    )
     ok = state["meta"] == want["meta"] and torch.equal(state["rng"], want["rng"])
     for part in ("model", "opt"):
         ok = ok and all(torch.equal(state[part][k], v) for k, v in want[part].items())
@@ -78,7 +80,9 @@ def _matches(state: dict[str, Any], rank: int, world: int, step: int) -> bool:
 
 def _save_steps(tier: Any, rank: int, world: int, steps: list[int], state: dict[str, Any]) -> None:
     for step in steps:
-        fresh = _state(rank, world, step, big=state["opt"]["big"].numel() if "big" in state["opt"] else 0)
+        fresh = _state(
+            rank, world, step, big=state["opt"]["big"].numel() if "big" in state["opt"] else 0
+        )
         for part in ("model", "opt"):
             for k, v in fresh[part].items():
                 state[part][k].copy_(v)
@@ -314,7 +318,8 @@ def restartable_reserve(base: str, config: dict[str, Any]) -> dict[str, Any]:
         local_dir=_node_dir(f"{base}/local"), replication_factor=2, timeout=30.0,
     )  # fmt: skip
 
-    @restartable(**config)
+    # CPU tensors: gloo, also on a host with a GPU (the default is nccl there).
+    @restartable(**{"backend": "gloo", **config})
     def train() -> dict[str, Any]:
         ctx = context()
         world = ctx.world_size

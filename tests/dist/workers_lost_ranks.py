@@ -66,7 +66,8 @@ def train_with_faults(
         if sick_from is not None and any(i >= sick_from for i in ran):
             raise RuntimeError(f"simulated bad GPU on initial rank {me}")
 
-    @restartable(**config, health_checks=(health,))
+    # CPU tensors: gloo, also on a host with a GPU (the default is nccl there).
+    @restartable(**{"backend": "gloo", **config}, health_checks=(health,))
     def train() -> dict[str, Any]:
         ctx = context()
         ran.append(ctx.iteration)

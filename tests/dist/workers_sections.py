@@ -14,6 +14,7 @@ from inprocess import faults as fi
 
 # soft_timeout stays at 2 s: a hang caught well before it was caught by the section timeout.
 OPTIONS = {
+    "backend": "gloo",  # CPU tensors, also on a host with a GPU (the default is nccl there)
     "soft_timeout": 2.0,
     "hard_timeout": 6.0,
     "heartbeat_interval": 0.5,

@@ -63,7 +63,8 @@ def ddp_job(
     planned = fi.parse_plan(plan, steps=steps)
     seen: dict[str, Any] = {"steps": [], "reports": [], "restarts": []}
 
-    @restartable(**config)
+    # CPU tensors: gloo, also on a host with a GPU (the default is nccl there).
+    @restartable(**{"backend": "gloo", **config})
     def train() -> int:
         ctx = context()
         if ctx.last_restart is not None:

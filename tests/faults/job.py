@@ -175,6 +175,7 @@ def main() -> int:
         job.maybe("reserve", who="reserve", iteration=0, step=None)
 
     @restartable(
+        backend="gloo",  # CPU tensors, also on a host with a GPU (the default is nccl there)
         soft_timeout=2.0,
         hard_timeout=4.0,
         active_world_size=2,

@@ -14,6 +14,11 @@ pytestmark = [
 
 
 class NoGroup:
+    """Not distributed: world of one (the tier's group protocol)."""
+
+    generation = 0
+    token = None
+
     def current(self) -> None:
         return None
 

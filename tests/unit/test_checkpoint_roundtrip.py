@@ -286,3 +286,46 @@ def test_every_save_loads_with_dcp_when_the_layout_changes_between_saves(tmp_pat
                 torch.testing.assert_close(target[k], v)
             else:
                 assert target[k] == v
+
+
+@pytest.mark.parametrize("tier", ["persistent", "memory"])
+def test_a_fresh_optimizer_gets_its_saved_state(tmp_path: Path, tier: str) -> None:
+    # A restart builds its optimizer anew: it has no state until its first step, and the load
+    # must still restore the saved moments and step count.
+    model, opt = _trained(0)
+    kw: dict[str, Any] = (
+        {"persistent_every": 1}
+        if tier == "persistent"
+        else {"persistent_every": 100, "local_every": 1}
+    )
+    with CheckpointManager(str(tmp_path), **kw) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+        mgr.wait()
+        torch.manual_seed(1)
+        model2 = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+        assert not opt2.state
+        assert mgr.load_latest({"model": model2, "optim": opt2}) == 1
+        assert mgr.last_restore is not None and mgr.last_restore.tier == tier
+    want, got = opt.state_dict(), opt2.state_dict()
+    assert got["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+    assert want["state"].keys() == got["state"].keys()
+    for i, s in want["state"].items():
+        for name, value in s.items():
+            assert torch.equal(got["state"][i][name], value), (i, name)
+    assert all(p.grad is None for p in model2.parameters())
+
+
+def test_a_fresh_optimizer_stays_fresh_when_there_is_nothing_to_load(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    with CheckpointManager(str(tmp_path), persistent_every=1, local_every=1) as mgr:
+        assert mgr.load_latest({"model": model, "optim": opt}) is None
+    assert not opt.state
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())

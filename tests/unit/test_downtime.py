@@ -85,6 +85,16 @@ def test_the_window_names_the_injected_fault_in_the_dict_and_the_text() -> None:
     assert "(" not in row_text and "2.700" in row_text
 
 
+def test_a_fault_fired_before_the_first_iteration_began_names_its_window() -> None:
+    # The config's drill can fire while iteration 0's health check still runs (CUDA's start on a
+    # GPU host): its record has no iteration yet.
+    recs = _run_with_one_fault()
+    for r in recs:
+        if r["event"] == "fault_fired":
+            del r["iteration"]
+    assert downtime.build(recs).windows[0].fault == "hang@rank1:step10"
+
+
 def test_a_fault_that_was_not_injected_has_no_name() -> None:
     recs = [r for r in _run_with_one_fault() if r["event"] != "fault_fired"]
     (w,) = downtime.build(recs).windows

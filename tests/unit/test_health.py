@@ -12,7 +12,10 @@ import torch
 from inprocess.health import HealthChecker
 
 
-def test_cpu_host_is_healthy_and_skip_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_cpu_host_is_healthy_and_skip_is_logged_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU host, also on a GPU one
     caplog.set_level(logging.INFO, logger="inprocess.health")
     with HealthChecker() as checker:
         assert checker.check() is None

@@ -99,6 +99,25 @@ def test_replace_without_restartable_is_ignored_with_a_warning(
     assert "replace_if_detected is ignored" in caplog.text
 
 
+def test_auto_timer_times_the_cpu_in_a_gloo_group_also_where_cuda_is_available(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A gloo job trains on the CPU: CUDA events on the idle GPU would time nothing.
+    import torch
+    import torch.distributed as dist
+
+    from straggler.timing import cuda_timing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cuda_timing("auto")  # no group: CUDA where available
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert not cuda_timing("auto")
+        assert cuda_timing("cuda")  # asked for explicitly
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_section_nested_in_itself_raises_and_others_nest() -> None:
     det = Detector(timer="cpu")
     with (
