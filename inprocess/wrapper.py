@@ -141,6 +141,7 @@ class _Job:
         # A process the launcher respawned joins under a new identity (inprocess.ranks).
         self.me = self.env.identity
         self.joining = self.env.respawn_generation > 0
+        self.registered_at = 0  # a respawned process: the iteration announced when it registered
         self.node_of = node_of_ranks(
             world_size=self.env.world_size, local_world_size=self.env.local_world_size
         )
@@ -274,6 +275,11 @@ class _Job:
             # marks it gone (it must not interrupt the ranks that train).
             self.watchdog.set_iteration(respawn.PARKED_ITERATION)
             self.watchdog.start()
+            # Read before registering: the decision that admits this process can only come
+            # after it registered, so it is one of this iteration's or a later one's. Read
+            # after, it could already be past (the decision taken and the next iteration
+            # announced meanwhile), and the wait below would never see its admission.
+            self.registered_at = respawn.current_iteration(self.store)
             respawn.register_joiner(self.store, self.me)
             return svc
         self.watchdog.start()
@@ -310,7 +316,29 @@ class _Job:
                 respawn.mark_stopped(self.store, str(getattr(exc, "reason", exc)))
             raise
 
+    def _freeze_gc(self) -> None:
+        """``freeze_gc``: collect, then freeze every object that exists now out of later
+        collections. Before connecting: for a respawned process, before it is a ready reserve,
+        so the 0.1-0.3 s this takes is never on a restart's path."""
+        if not self.cfg.freeze_gc or not gc.isenabled():
+            return
+        # A full collection walks every object, torch's modules included (0.1-0.14 s here,
+        # measured with gc.callbacks). One that fell between a fault and the next train() made
+        # each restart wait for it: benchmarks/store_etcd.py's TCPStore restart took 0.20-0.31
+        # s instead of 0.03 s in 12 of 12 runs of one build, 0.03 s in 4 of 4 with this.
+        # Collected first, so no garbage of the start-up is kept forever.
+        t0 = time.monotonic()
+        gc.collect()
+        gc.freeze()
+        log.debug(
+            "rank %d: froze %d objects in %.3f s",
+            self.me,
+            gc.get_freeze_count(),
+            time.monotonic() - t0,
+        )
+
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._freeze_gc()
         self._start()
         # inprocess.launch's side: its journal joins this one (respawns and in-job restarts in
         # the report), and the config's fault drill starts, once per job (inprocess.drill).
@@ -324,21 +352,6 @@ class _Job:
         )
         target = len(assignment.active)
         iteration = 0
-        if self.cfg.freeze_gc and gc.isenabled():
-            # A full collection walks every object, torch's modules included (0.1-0.14 s here,
-            # measured with gc.callbacks). One that fell between a fault and the next train()
-            # made each restart wait for it: benchmarks/store_etcd.py's TCPStore restart took
-            # 0.20-0.31 s instead of 0.03 s in 12 of 12 runs of one build, 0.03 s in 4 of 4
-            # with this. Collected first, so no garbage of the start-up is kept forever.
-            t0 = time.monotonic()
-            gc.collect()
-            gc.freeze()
-            log.debug(
-                "rank %d: froze %d objects in %.3f s",
-                self.me,
-                gc.get_freeze_count(),
-                time.monotonic() - t0,
-            )
         if self.joining:
             admitted = self._admit()
             if admitted is None:
@@ -403,7 +416,10 @@ class _Job:
         and takes over the decisions' history (every rank decides from the same one)."""
         assert self.svc is not None
         admitted = respawn.wait_admission(
-            self.store, identity=self.me, decision_timeout=self.cfg.barrier_timeout
+            self.store,
+            identity=self.me,
+            decision_timeout=self.cfg.barrier_timeout,
+            since=self.registered_at,
         )
         if admitted is None:
             log.info("respawned rank %d: the job finished before it was needed", self.me)

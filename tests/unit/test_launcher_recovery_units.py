@@ -103,6 +103,24 @@ def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
     assert respawn.ready_joiners(store) == set()
 
 
+def test_an_admission_decided_before_the_joiner_waits_is_not_missed() -> None:
+    """Found by the four-kills launcher test: the respawned process registered, the restart
+    admitted it and the ranks announced the next iteration, all before it started waiting.
+    Reading the iteration only then, it waited on the iteration that waits for it."""
+    store = dist.HashStore()
+    store.set(keys.iteration_prefix(0) + "restart/go", _decision(0, (0, 1, 2), ()))
+    respawn.start_iteration(store, 1, participants=3, reserves=())
+    since = respawn.current_iteration(store)  # read before registering, as the wrapper does
+    respawn.register_joiner(store, 5)
+    store.set(keys.end_key(1), keys.OUTCOME_FAULT)
+    store.set(keys.iteration_prefix(1) + "restart/go", _decision(1, (0, 5, 2), ()))
+    respawn.start_iteration(store, 2, participants=3, reserves=())  # iteration 2 waits for 5
+    admitted = respawn.wait_admission(store, identity=5, decision_timeout=1, since=since)
+    assert admitted is not None
+    assert (admitted.iteration, admitted.assignment.active) == (2, (0, 5, 2))
+    assert [d.iteration for d in admitted.decisions] == [0, 1]
+
+
 def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
     store = dist.HashStore()
     respawn.start_iteration(store, 0, participants=1, reserves=())
