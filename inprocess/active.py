@@ -50,10 +50,10 @@ class RankServices:
 
     ``abort`` tears down this rank's groups and keeps them for ``release`` (monitor or main
     thread); ``release`` hands them to the reaper once ``train()``'s frames are gone;
-    ``new_client`` opens a store client for a blocking wait, ``clients`` keeps the monitors'
-    between iterations; ``sections`` times
-    ``ctx.section()`` and keeps the learned timeouts across iterations; ``rendezvous`` gives the
-    store each iteration's group is created over.
+    ``new_client`` opens a store client for a blocking wait, and ``clients`` keeps the
+    monitors' clients between iterations; ``sections`` times ``ctx.section()`` and keeps the
+    learned timeouts across iterations; ``rendezvous`` gives the store each iteration's group
+    is created over.
     """
 
     config: RestartConfig
@@ -76,8 +76,9 @@ class ClientPool:
 
     Opening a client costs a connect (an etcd client: a request, 4-12 ms measured on the
     restart path); the monitor's store thread hands its client back once its wait ended with
-    the iteration's outcome, so the next iteration's monitor starts without one. A client whose
-    wait did not end (a rank that leaves mid-iteration) is never handed back. Thread-safe.
+    the iteration's outcome, so the next iteration's monitor starts without a connect. A
+    client whose wait did not end (a rank that leaves mid-iteration) is never handed back.
+    Thread-safe.
     """
 
     def __init__(self, open_client: Callable[[], Any]) -> None:
