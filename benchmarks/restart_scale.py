@@ -159,14 +159,11 @@ def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
 def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list[Any]) -> str:
     """What ``inprocess.wrapper._Job._decide`` does: read the policy's inputs, decide."""
     from inprocess import respawn
-    from inprocess import store as keys
     from inprocess.policy import Observed, decide
 
+    gone, joined = respawn.gone_and_ready_joiners(store)
     observed = Observed(
-        iteration=0,
-        faults=tuple(faults),
-        gone=frozenset(keys.gone_ranks(store)),
-        joined=frozenset(respawn.ready_joiners(store)),
+        iteration=0, faults=tuple(faults), gone=frozenset(gone), joined=frozenset(joined)
     )
     decision = decide(
         observed,
@@ -181,12 +178,14 @@ def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list
 
 def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str, float]:
     from inprocess import respawn
-    from inprocess import store as keys
 
     assignment = shared[0]
-    respawn.announce_iteration(store, 0)
-    keys.set_participants(store, 0, len(assignment.active) + len(assignment.reserve))
-    keys.set_reserves(store, 0, assignment.reserve)
+    respawn.start_iteration(
+        store,
+        0,
+        participants=len(assignment.active) + len(assignment.reserve),
+        reserves=assignment.reserve,
+    )
     return {}
 
 
