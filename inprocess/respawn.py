@@ -150,20 +150,20 @@ def wait_admission(
     *,
     identity: int,
     decision_timeout: float,
-    since: int | None = None,
+    since: int,
     clock: Callable[[], float] = time.monotonic,
 ) -> Admission | None:
     """Called once by a respawned process after ``register_joiner``: wait until a restart
     decision puts ``identity`` in the reserve pool (or the active set).
 
-    ``since``: ``current_iteration`` read BEFORE registering (None: read now, which misses an
+    ``since``: ``current_iteration`` read BEFORE registering (read later, it can be past an
     admission decided between the registration and this call). The decisions from that
     iteration on are read in turn. Returns None when the job finishes first. Blocks while the
     ranks train (the next restart admits it); each decision is awaited at most
     ``decision_timeout`` seconds once its iteration faulted (``StoreTimeoutError``). Raises
     ``RestartAbortedError`` when the job stops.
     """
-    it = current_iteration(store) if since is None else since
+    it = since
     while True:
         if keys.wait_outcome(store, it, timeout=None, clock=clock) == keys.OUTCOME_DONE:
             return None

@@ -81,11 +81,14 @@ def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
     store = dist.HashStore()
     store.set(keys.ROOT + "init/go", "ok")
     respawn.start_iteration(store, 1, participants=1, reserves=())
+    since = respawn.current_iteration(store)
     respawn.register_joiner(store, 5)
     assert respawn.ready_joiners(store) == {5}
     got: list[respawn.Admission | None] = []
     t = threading.Thread(
-        target=lambda: got.append(respawn.wait_admission(store, identity=5, decision_timeout=5))
+        target=lambda: got.append(
+            respawn.wait_admission(store, identity=5, decision_timeout=5, since=since)
+        )
     )
     t.start()
     # Iteration 1 faults; its decision was taken before 5 registered; iteration 2's admits it.
@@ -125,13 +128,13 @@ def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
     store = dist.HashStore()
     respawn.start_iteration(store, 0, participants=1, reserves=())
     store.set(keys.end_key(0), keys.OUTCOME_DONE)
-    assert respawn.wait_admission(store, identity=5, decision_timeout=1) is None
+    assert respawn.wait_admission(store, identity=5, decision_timeout=1, since=0) is None
     store = dist.HashStore()
     store.set(keys.end_key(0), keys.OUTCOME_FAULT)
     stop = Decision(0, (), (), (), (), None, "not enough healthy ranks").to_json()
     store.set(keys.iteration_prefix(0) + "restart/go", stop)
     with pytest.raises(RestartAbortedError, match="not enough healthy ranks"):
-        respawn.wait_admission(store, identity=5, decision_timeout=1)
+        respawn.wait_admission(store, identity=5, decision_timeout=1, since=0)
 
 
 def test_job_state_tells_the_launcher_what_the_ranks_did() -> None:
