@@ -133,7 +133,8 @@ class GroupReaper:
 def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
     """Who still references the groups of ``refs``, for the warning above: the owning object
     and attribute of a ``__dict__``, a frame's function and line, else the referrer's type.
-    C++ owners (DDP's ``Reducer``) are invisible to ``gc``. Slow on a large heap: run once,
+    C++ owners (DDP's ``Reducer``) are invisible to ``gc``, and so are objects frozen by
+    ``freeze_gc``. Slow on a large heap: run once,
     off the restart path."""
     out = []
     for r in refs:
@@ -161,7 +162,12 @@ def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
                 )
                 found.append(type(ref).__name__ + (f" ({', '.join(names)})" if names else ""))
         del obj
-        out.append(", ".join(found[:limit]) or "no Python object (a C++ owner, e.g. a Reducer)")
+        out.append(
+            ", ".join(found[:limit])
+            # gc does not list frozen objects (freeze_gc: those that existed before train())
+            or "no Python object found (a C++ owner such as DDP's Reducer, or an object created "
+            "before train() first ran)"
+        )
     return "; ".join(out)
 
 
