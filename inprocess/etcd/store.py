@@ -120,15 +120,13 @@ class EtcdStore(dist.Store):
     def _txn(self, payload: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
         return self._call(what, lambda c: c.transaction(payload), deadline)
 
-    def _range(self, key: bytes, deadline: float) -> tuple[dict[str, Any] | None, int]:
-        """The key's kv (None when absent) and the revision the read saw."""
-        r = self._call(
-            "get",
-            lambda c: c.post(c.get_url("/kv/range"), json={"key": _b64(key)}),
-            deadline,
-        )
+    def _read(self, key: str, deadline: float) -> bytes | None:
+        """The key's value (None when absent): one range request, through the endpoints'
+        bounded fail-over."""
+        k = _b64(self._k(key))
+        r = self._call("get", lambda c: c.post(c.get_url("/kv/range"), json={"key": k}), deadline)
         kvs = r.get("kvs") or []
-        return (kvs[0] if kvs else None), int(r["header"]["revision"])
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
 
     def _next_seq(self) -> int:
         with self._seq_lock:
@@ -204,14 +202,7 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """The key's value; blocks until it exists (at most the store's timeout)."""
-        deadline = self._deadline()
-        while True:
-            kv, _ = self._range(self._k(key), deadline)
-            if kv is not None:
-                return base64.b64decode(kv.get("value", ""))
-            value = self._wait_one(key, deadline, self.timeout.total_seconds())  # type: ignore[attr-defined]
-            if value is not None:
-                return value
+        return self._await(key, self._deadline(), self.timeout.total_seconds())  # type: ignore[attr-defined]
 
     def add(self, key: str, value: int) -> int:
         """Add ``value`` to the integer at ``key`` (0 when absent); return the new value."""
@@ -322,12 +313,7 @@ class EtcdStore(dist.Store):
         deadline = self._deadline(timeout)
         bound = (self.timeout if timeout is None else timeout).total_seconds()  # type: ignore[attr-defined]
         for key in keys:
-            while True:
-                kv, _ = self._range(self._k(key), deadline)
-                if kv is not None:
-                    break
-                if self._wait_one(key, deadline, bound) is not None:
-                    break
+            self._await(key, deadline, bound)
 
     def delete_key(self, key: str) -> bool:
         k = _b64(self._k(key))
@@ -456,8 +442,7 @@ class EtcdStore(dist.Store):
     def try_get(self, key: str) -> bytes | None:
         """The key's value, or None when it is absent: one range request, never blocks
         (``inprocess.store.peek`` uses it instead of ``check`` + ``get``, two requests)."""
-        kv, _ = self._range(self._k(key), self._deadline())
-        return None if kv is None else base64.b64decode(kv.get("value", ""))
+        return self._read(key, self._deadline())
 
     def try_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``try_get`` of several keys in ONE transaction (a consistent snapshot); never blocks
@@ -495,14 +480,7 @@ class EtcdStore(dist.Store):
         """``wait([key], timeout)`` then ``get(key)`` in one step: the read that finds the key,
         or the watch event that reports its put, carries the value (one round trip fewer per
         released waiter; ``inprocess.store`` uses it through ``getattr``)."""
-        deadline = self._deadline(timeout)
-        while True:
-            kv, _ = self._range(self._k(key), deadline)
-            if kv is not None:
-                return base64.b64decode(kv.get("value", ""))
-            value = self._wait_one(key, deadline, timeout.total_seconds())
-            if value is not None:
-                return value
+        return self._await(key, self._deadline(timeout), timeout.total_seconds())
 
     def delete_all(self) -> int:
         """Delete every key of this job (the end of a job; any rank may call it once all have
@@ -531,9 +509,19 @@ class EtcdStore(dist.Store):
 
     # ----- waiting -----------------------------------------------------------------------------
 
+    def _await(self, key: str, deadline: float, bound: float) -> bytes:
+        """The value of ``key``: one read, and if it is absent, watch slices until it is put
+        (each re-reads the key once its watch exists). ``EtcdTimeoutError`` after ``deadline``
+        (``bound``: the timeout in seconds, for the message)."""
+        value = self._read(key, deadline)
+        while value is None:
+            value = self._wait_one(key, deadline, bound)
+        return value
+
     def _wait_one(self, key: str, deadline: float, bound: float) -> bytes | None:
         """Wait for ``key`` to be put: the value, or None after one watch slice or a failed
-        watch (the caller reads again). ``EtcdTimeoutError`` once ``deadline`` passed.
+        watch with the key still absent (the caller opens another). ``EtcdTimeoutError`` once
+        ``deadline`` passed.
 
         The watch starts at the current revision and the key is read once etcd confirmed it: a
         put before that confirmation is seen by the read, a later one by the watch. Not a watch
@@ -561,15 +549,16 @@ class EtcdStore(dist.Store):
         except Transient as exc:
             log.debug("etcd watch on %s failed: %s", self.address.endpoints[index], exc)
             self._endpoints.fail_over(index)
-            return None
+            # A read instead: paced by the endpoints' fail-over, which raises, naming them, when
+            # none answers (a failed watch alone would be retried at once).
+            return self._read(key, deadline)
         with contextlib.closing(stream):
             messages = _messages(stream)
             try:
-                if not any(m.get("result", {}).get("created") for m in messages):
-                    return None  # the stream ended before the watch existed
-                kv, _ = self._range(self._k(key), deadline)
-                if kv is not None:
-                    return base64.b64decode(kv.get("value", ""))
+                created = any(m.get("result", {}).get("created") for m in messages)
+                value = self._read(key, deadline)
+                if value is not None or not created:  # not created: the stream ended first
+                    return value
                 for m in messages:
                     for event in m.get("result", {}).get("events", []):
                         return base64.b64decode(event.get("kv", {}).get("value", ""))
