@@ -1,12 +1,11 @@
 """Staging: copy a DCP-style state into host buffers that are reused from save to save.
 
 This is the only part of a persistent save that blocks the training loop. The buffers (one host
-tensor per state tensor, pinned where the source is on a GPU) are allocated when the layout changes
-and reused, so after the first save a stage is a plain memory copy with no allocation and no
-page faults. The staged
-tree has the same structure as the input, with every tensor replaced by a view into the pool
-and every other leaf deep-copied, so mutating the live state after ``stage()`` returns never
-changes what is written.
+tensor per state tensor, pinned where the source is on a GPU) are allocated when the layout
+changes and reused, so after the first save a stage is a plain memory copy with no allocation
+and no page faults. The staged tree has the same structure as the input, with every tensor
+replaced by a view into the pool and every other leaf deep-copied, so mutating the live state
+after ``stage()`` returns never changes what is written.
 """
 
 from __future__ import annotations
