@@ -12,7 +12,8 @@
 Both stacks train the same model on the same number of active ranks, and both are measured by
 the same code: each run journals what it does (restartable's run journal: ``@restartable`` on
 (a)/(c), the baseline script itself on (b)) and writes ``inprocess.report``'s report of it to
-``RUN_DIR/report.json`` (terms defined in ``inprocess.downtime``). Prints one JSON document: per
+``RUN_DIR/report.json`` (terms defined in ``inprocess.report.downtime``). Prints one JSON document:
+per
 run its wall, startup, productive and downtime seconds, goodput and restarts, and one entry per
 fault window (the injected fault's name and its terms in seconds); the hang's downtime; and the
 ratios ours / baseline measured in the same invocation.

@@ -10,7 +10,8 @@ Measured as restartable is: each worker opens restartable's run journal itself
 (``RUN_DIR/journal/<torchrun run id>``, every restart of the group in it) and records there what
 ``@restartable`` records (job start and end, each attempt as an iteration, steps, faults,
 restarts, saves, restores); rank 0 writes ``inprocess.report``'s report of it to
-``RUN_DIR/report.json``, so both stacks' terms come from the same code (``inprocess.downtime``).
+``RUN_DIR/report.json``, so both stacks' terms come from the same code
+(``inprocess.report.downtime``).
 
     torchrun --nproc-per-node 2 --max-restarts 8 benchmarks/goodput_baseline.py --faults demo
 """
@@ -39,7 +40,7 @@ from torchrun_group import attempt_store
 
 from inprocess import faults, journal
 from inprocess.faults.kinds import InjectedFault
-from inprocess.report import format_report, reports
+from inprocess.report.cli import format_report, reports
 
 
 def latest_step(ckpt_root: Path) -> int | None:

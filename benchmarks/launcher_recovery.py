@@ -75,7 +75,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 
 def refill_once() -> dict[str, float]:
     """Kill -> respawned process registered as a ready reserve (seconds)."""
-    from inprocess import respawn
+    from inprocess.protocol import job_keys
     from inprocess.store_server import client
 
     d = Path(tempfile.mkdtemp(prefix="bench-refill-"))
@@ -94,7 +94,7 @@ def refill_once() -> dict[str, float]:
         while registered is None and time.monotonic() < deadline:
             try:
                 store = store or client("127.0.0.1", port, timeout=5.0)
-                if respawn.registered_joiners(store):
+                if job_keys.registered_joiners(store):
                     registered = time.time()
             except Exception:
                 store = None
@@ -109,7 +109,7 @@ def refill_once() -> dict[str, float]:
     restart = next(
         json.loads(line.split("restart ", 1)[1])
         for line in out.decode().splitlines()
-        if "inprocess.wrapper: restart {" in line
+        if "inprocess.restart.loop: restart {" in line
     )
     return {
         "kill_to_ready_reserve_s": registered - killed,

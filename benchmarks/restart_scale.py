@@ -7,7 +7,8 @@
 
 Each simulated rank is a thread with its own store client (as each real rank has its own
 connection), ``--ranks-per-proc`` (256) per process; there is no torch process group. They run the
-restart protocol's real code (``inprocess.store``, ``inprocess.policy``, ``inprocess.respawn``,
+restart protocol's real code (``inprocess.protocol.keys``, ``inprocess.protocol.policy``,
+``inprocess.protocol.job_keys``,
 ``checkpoint.group`` / ``checkpoint.exchange``), in the order a real rank runs it:
 
 * ``start``: what every rank writes when an iteration begins (participants, reserves, the
@@ -146,7 +147,7 @@ class CountingStore:
 def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
     """The assignment, config and node map every simulated rank of an N-rank job shares."""
     from inprocess.config import RestartConfig
-    from inprocess.ranks import initial_assignment, node_of_ranks
+    from inprocess.protocol.ranks import initial_assignment, node_of_ranks
 
     reserves = max(1, n // RESERVE_SHARE)
     node_of = node_of_ranks(world_size=n, local_world_size=min(RANKS_PER_NODE, n))
@@ -157,11 +158,11 @@ def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
 
 
 def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list[Any]) -> str:
-    """What ``inprocess.wrapper._Job._decide`` does: read the policy's inputs, decide."""
-    from inprocess import respawn
-    from inprocess.policy import Observed, decide
+    """What ``inprocess.restart.loop._Job._decide`` does: read the policy's inputs, decide."""
+    from inprocess.protocol import job_keys
+    from inprocess.protocol.policy import Observed, decide
 
-    gone, joined = respawn.gone_and_ready_joiners(store)
+    gone, joined = job_keys.gone_and_ready_joiners(store)
     observed = Observed(
         iteration=0, faults=tuple(faults), gone=frozenset(gone), joined=frozenset(joined)
     )
@@ -177,10 +178,10 @@ def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list
 
 
 def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str, float]:
-    from inprocess import respawn
+    from inprocess.protocol import job_keys
 
     assignment = shared[0]
-    respawn.start_iteration(
+    job_keys.start_iteration(
         store,
         0,
         participants=len(assignment.active) + len(assignment.reserve),
@@ -192,8 +193,8 @@ def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str,
 def _phase_restart(
     me: int, store: Any, shared: tuple[Any, Any, Any], t_fault: float
 ) -> dict[str, float]:
-    from inprocess import store as keys
-    from inprocess.policy import Decision
+    from inprocess.protocol import keys
+    from inprocess.protocol.policy import Decision
 
     assignment, config, node_of = shared
     if me == FAULT_RANK:  # this thread plays the killed rank's watchdog

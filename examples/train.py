@@ -43,7 +43,7 @@ import story
 # torch-free: --help answers without importing torch
 from inprocess import RestartRecord, faults
 from inprocess.journal import read as read_journal
-from inprocess.report import format_report, plot, reports
+from inprocess.report.cli import format_report, plot, reports
 
 log = logging.getLogger("train")
 

@@ -16,7 +16,7 @@ from inprocess.context import RestartContext, RestartRecord, context
 from inprocess.errors import InprocessError, RestartAbortedError
 
 if TYPE_CHECKING:
-    from inprocess.wrapper import restartable
+    from inprocess.restart.loop import restartable
 
 __all__ = [
     "InprocessError",
@@ -32,4 +32,4 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name != "restartable":
         raise AttributeError(f"module 'inprocess' has no attribute {name!r}")
-    return importlib.import_module("inprocess.wrapper").restartable
+    return importlib.import_module("inprocess.restart.loop").restartable

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inprocess.errors import ConfigError
-from inprocess.timeouts import SECTIONS
+from inprocess.timeouts.estimator import SECTIONS
 
 GRANULARITIES = ("rank", "node")
-# The fault drill's kinds (Megatron-Bridge's FaultToleranceConfig names; inprocess.drill).
+# The fault drill's kinds (Megatron-Bridge's FaultToleranceConfig names; inprocess.faults.drill).
 SIMULATED_FAULT_TYPES = ("rank_hung", "rank_killed", "random")
 # NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
 _HEARTBEAT_INTERVAL_CAP = 30.0
@@ -52,7 +52,7 @@ class RestartConfig:
     * ``empty_cuda_cache``: free cached GPU memory between iterations.
     * ``freeze_gc``: once, before the first iteration, collect and then ``gc.freeze()`` the
       process's objects (torch's modules and all), so that no later full collection walks
-      them: one landing in a restart cost every rank 0.2-0.3 s (see ``inprocess.wrapper``).
+      them: one landing in a restart cost every rank 0.2-0.3 s (see ``inprocess.restart.loop``).
     * ``monitor_process_logdir``: directory for the watchdog processes' logs.
     * ``termination_grace_time``: SIGTERM -> SIGKILL delay of a hard-timeout kill.
     * ``init_process_group`` / ``backend``: create the default process group for the active
@@ -82,7 +82,8 @@ class RestartConfig:
       random, the same on every rank) sends itself SIGKILL (``simulated_fault_type`` =
       "rank_killed") or SIGSTOP ("rank_hung": only the hard timeout ends it); "random" picks
       one of the two. Not again after a restart, in a respawned process or in a later round
-      of ``inprocess.launch`` (``inprocess.drill``). The launcher has the same drill as flags.
+      of ``inprocess.launch`` (``inprocess.faults.drill``). The launcher has the same drill as
+      flags.
     """
 
     soft_timeout: float = 60.0

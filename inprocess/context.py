@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from inprocess import journal
 from inprocess.errors import ContextError
-from inprocess.progress import ProgressTracker
+from inprocess.restart.progress import ProgressTracker
 
 if TYPE_CHECKING:  # the monitor imports torch; what train() may call does not need it
-    from inprocess.monitor import Interrupter
-    from inprocess.sections import SectionClock
+    from inprocess.restart.monitor import Interrupter
+    from inprocess.timeouts.sections import SectionClock
 
 # A ContextVar, not a global: each wrapped call sets and resets its own value.
 _CURRENT: contextvars.ContextVar[RestartContext] = contextvars.ContextVar("inprocess_context")
@@ -111,8 +111,8 @@ class RestartContext:
     def replace_rank(self, rank: int, *, reason: str, tag: str) -> bool:
         """Swap ``rank`` for a warm reserve now (a straggler): called by every active rank with
         the same arguments; False on every rank when no reserve is free, else a restart (see
-        ``inprocess.demotion.replace_rank``)."""
-        from inprocess.demotion import replace_rank  # it imports this module
+        ``inprocess.restart.demotion.replace_rank``)."""
+        from inprocess.restart.demotion import replace_rank  # it imports this module
 
         return replace_rank(self, rank, reason=reason, tag=tag)
 

@@ -136,7 +136,7 @@ class FaultToleranceCallback(pl.Callback):
         ``calculate_timeouts`` / ``timeouts_state_path`` from the callback. ``journal_dir``
         defaults to ``exp_dir/journal`` (unless ``$RESTARTABLE_JOURNAL_DIR`` is set).
         """
-        from inprocess.wrapper import restartable  # imports torch; keep this module light
+        from inprocess.restart.loop import restartable  # imports torch; keep this module light
 
         owned = sorted(set(options) & set(_OWNED))
         if owned:

@@ -23,7 +23,7 @@ import threading
 import time
 from types import FrameType, TracebackType
 
-from inprocess import kill_notice
+from inprocess.watchdog import kill_notice
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import time
 
 import torch.distributed as dist
 
-from inprocess.environment import LaunchEnv
-from inprocess.store import ROOT
+from inprocess.protocol.environment import LaunchEnv
+from inprocess.protocol.keys import ROOT
 
 log = logging.getLogger(__name__)
 

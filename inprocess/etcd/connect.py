@@ -1,7 +1,8 @@
 """Opening a job's coordination store on etcd from the store setting (the wrapper's hook).
 
 The store setting is ``store="etcd://h1:2379,h2:2379,h3:2379"`` (config, launcher flag or the
-``INPROCESS_STORE`` environment variable, read by ``inprocess.environment``). Every rank, its
+``INPROCESS_STORE`` environment variable, read by ``inprocess.protocol.environment``). Every rank,
+its
 monitor and its watchdog open their own client with ``open_store``; all of one job pass the same
 ``job_id`` so they share one namespace, and a later job (another id) never reads its keys.
 """

@@ -344,7 +344,8 @@ class EtcdStore(dist.Store):
         """``append`` to each key and set each ``set_if_absent`` key unless present: ONE
         transaction (one round trip when the appended keys did not change under this client).
 
-        ``inprocess.store.record_fault`` uses it (found through ``getattr``): a fault's record,
+        ``inprocess.protocol.keys.record_fault`` uses it (found through ``getattr``): a fault's
+        record,
         the gone list and the iteration's three release keys, which on etcd were five sequential
         requests (docs/scale.md). The appends are a compare-and-swap on every appended key's mod
         revision, retried with the values the failure branch read (as ``append``); the
@@ -415,7 +416,8 @@ class EtcdStore(dist.Store):
         """Count ``member`` once under ``key`` and return how many members are counted: ONE
         transaction, without contention.
 
-        ``inprocess.store``'s barriers use it (through ``getattr``) instead of ``add``: on etcd
+        ``inprocess.protocol.keys``'s barriers use it (through ``getattr``) instead of ``add``: on
+        etcd
         an ``add`` is a compare-and-swap on one counter, two round trips on an existing key and
         one more per concurrent writer, so N ranks arriving together cost O(N^2) requests. Here
         each member puts its own key ``<key>/<member>`` (if absent) and the same transaction
@@ -441,12 +443,12 @@ class EtcdStore(dist.Store):
 
     def try_get(self, key: str) -> bytes | None:
         """The key's value, or None when it is absent: one range request, never blocks
-        (``inprocess.store.peek`` uses it instead of ``check`` + ``get``, two requests)."""
+        (``inprocess.protocol.keys.peek`` uses it instead of ``check`` + ``get``, two requests)."""
         return self._read(key, self._deadline())
 
     def try_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``try_get`` of several keys in ONE transaction (a consistent snapshot); never blocks
-        (``inprocess.store.peek_many``: the restart decision's inputs in one round trip)."""
+        (``inprocess.protocol.keys.peek_many``: the restart decision's inputs in one round trip)."""
         if not keys:
             return []
         payload = {
@@ -479,7 +481,7 @@ class EtcdStore(dist.Store):
     def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
         """``wait([key], timeout)`` then ``get(key)`` in one step: the read that finds the key,
         or the watch event that reports its put, carries the value (one round trip fewer per
-        released waiter; ``inprocess.store`` uses it through ``getattr``)."""
+        released waiter; ``inprocess.protocol.keys`` uses it through ``getattr``)."""
         return self._await(key, self._deadline(timeout), timeout.total_seconds())
 
     def delete_all(self) -> int:

@@ -89,7 +89,7 @@ def test_restartable_job_on_etcd_survives_exception_kill_and_leader_loss(
 def test_launcher_with_store_flag_survives_exception_and_kill(cluster: EtcdCluster) -> None:
     # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its id):
     # "iteration 0 is done" would end every rank at once if the launcher did not clear it.
-    from inprocess import store as keys
+    from inprocess.protocol import keys
     from inprocess.etcd import EtcdStore
 
     with EtcdStore(cluster.url, prefix="launch-x", timeout=10) as stale:

@@ -133,7 +133,7 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
 ) -> None:
     # Issue 18: faults with every key of the job on a 3-member etcd cluster (the launcher's
     # control keys included): one restart per fault and the clean run's final loss.
-    from inprocess import store as keys
+    from inprocess.protocol import keys
     from inprocess.etcd import EtcdStore
 
     with EtcdCluster(members=3) as cluster:

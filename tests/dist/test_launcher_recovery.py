@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from inprocess.autoresume import EXIT_REQUEUE
+from inprocess.launch.autoresume import EXIT_REQUEUE
 from tests.dist.workers_launcher_recovery import clean_loss
 from tests.multiproc import REPO_ROOT, JobOutput, run_job, slow
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from inprocess.launch import job_status
+from inprocess.launch.cli import job_status
 from tests.multiproc import run_job
 
 SCRIPT = "tests/dist/workers_inprocess.py"

@@ -262,7 +262,7 @@ def always_fails(
 
 def atomic_section(*, fail_rank: int) -> dict[str, Any]:
     """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
-    from inprocess import store as keys
+    from inprocess.protocol import keys
 
     done: list[int] = []
     seen: list[int] = []

@@ -35,11 +35,11 @@ def clean_loss(steps: int, world: int) -> float:
 
 def _waiting_joiners(active: tuple[int, ...]) -> int:
     """Respawned processes registered, alive and not active: the refilled part of the pool."""
-    from inprocess import respawn
+    from inprocess.protocol import job_keys
     from inprocess.store_server import client
 
     store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
-    return len(respawn.ready_joiners(store) - set(active))
+    return len(job_keys.ready_joiners(store) - set(active))
 
 
 def main(opts: dict[str, Any]) -> None:

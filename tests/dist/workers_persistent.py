@@ -243,7 +243,7 @@ class _Interrupted(BaseException):
 
 def wait_interrupted(mgr: Any, after_s: float = 0.5) -> None:
     """``mgr.wait()``, ended after ``after_s`` by ``_Interrupted`` raised from a signal handler
-    in the main thread, as inprocess.monitor ends it at a restart (its wake-up signal ends a
+    in the main thread, as inprocess.restart.monitor ends it at a restart (its wake-up signal ends a
     blocking wait such as a lock acquire)."""
     import signal
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from inprocess.health import HealthChecker
+from inprocess.restart.health import HealthChecker
 from straggler import Detector
 
 pytestmark = [
@@ -18,7 +18,7 @@ pytestmark = [
 
 def test_health_check_of_a_healthy_gpu_runs_cuda_and_nvml(caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("pynvml", reason="nvidia-ml-py is a dependency of the project")
-    caplog.set_level(logging.DEBUG, logger="inprocess.health")
+    caplog.set_level(logging.DEBUG, logger="inprocess.restart.health")
     with HealthChecker() as checker:
         assert checker.check() is None
         assert checker.check() is None  # NVML stays initialised between checks

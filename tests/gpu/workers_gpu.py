@@ -39,12 +39,12 @@ def nccl_fault_then_all_reduce(*, fault: str) -> dict[str, Any]:
     """One rank, NCCL, CUDA tensors: in iteration 0 an all_reduce, then ``fault`` ("raise": an
     exception; "hang": a sleep with the GIL released, past soft_timeout). Iteration 1 must run
     in the same process on a new communicator. Records, per call of the NCCL abort, how many
-    NCCL groups it found (the abort of ``inprocess.abort`` calls ncclCommAbort on each)."""
-    from inprocess import abort as abort_module
+    NCCL groups it found (the abort of ``inprocess.restart.abort`` calls ncclCommAbort on each)."""
     from inprocess import context, restartable
+    from inprocess.restart import abort as abort_module
 
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
-    logging.getLogger("inprocess.abort").setLevel(logging.DEBUG)  # "NCCL abort failed: ..."
+    logging.getLogger("inprocess.restart.abort").setLevel(logging.DEBUG)  # "NCCL abort failed: ..."
     aborted: list[int] = []
     abort_nccl = abort_module._abort_nccl
 

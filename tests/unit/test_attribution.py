@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inprocess import attribution
+from inprocess.report import attribution
 
 
 def _fault(launch: str, host: str, rank: int, step: int, **kw: Any) -> dict[str, Any]:

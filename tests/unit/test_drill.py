@@ -9,11 +9,11 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from inprocess import drill
 from inprocess.config import RestartConfig
-from inprocess.environment import LaunchEnv, read_env
 from inprocess.errors import ConfigError
-from inprocess.launch import parse_args, rank_env
+from inprocess.faults import drill
+from inprocess.launch.cli import parse_args, rank_env
+from inprocess.protocol.environment import LaunchEnv, read_env
 
 
 @pytest.mark.parametrize(

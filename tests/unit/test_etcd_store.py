@@ -317,13 +317,13 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     # namespace on etcd, where the ranks read it (the TCP host and port are not used).
     import argparse
 
-    from inprocess import _watchdog_main
-    from inprocess import store as keys
+    from inprocess.protocol import keys
+    from inprocess.watchdog import process
 
     args = argparse.Namespace(
         store_url=cluster.url, job_id="wd-job", store_host="unused", store_port=1, initial_rank=3
     )
-    _watchdog_main._report(None, args, 0, "dead", "rank process 1 disappeared")
+    process._report(None, args, 0, "dead", "rank process 1 disappeared")
     with EtcdStore(cluster.url, prefix="wd-job", timeout=10) as job:
         assert keys.gone_ranks(job) == {3}
         job.delete_all()
@@ -376,7 +376,7 @@ def test_wait_value_returns_the_value_a_watch_saw_or_times_out(s: EtcdStore) -> 
 def test_count_arrival_counts_each_member_once_in_one_transaction(
     s: EtcdStore, cluster: EtcdCluster
 ) -> None:
-    from inprocess import store as keys
+    from inprocess.protocol import keys
 
     other = EtcdStore(cluster.url, prefix=s.prefix, timeout=20.0)
     with ThreadPoolExecutor(8) as pool:  # 12 arrivals of 8 members, from two clients at once
@@ -403,7 +403,7 @@ def test_count_arrival_counts_each_member_once_in_one_transaction(
 
 @needs_etcd
 def test_multi_set_and_try_get_many_are_one_transaction_each(s: EtcdStore) -> None:
-    from inprocess import store as keys
+    from inprocess.protocol import keys
 
     calls: list[str] = []
     txn = s._txn
@@ -426,7 +426,7 @@ def test_group_rendezvous_on_etcd_meets_on_the_hosts_tcpstore(
 ) -> None:
     """The group's rank 0 hosts the rendezvous; a peer finds it through etcd and keeps its
     client across iterations; the keys never touch etcd."""
-    from inprocess.rendezvous import Rendezvous, advertised_host
+    from inprocess.restart.rendezvous import Rendezvous, advertised_host
 
     where = advertised_host(parse_url(cluster.url).endpoints)
     host = Rendezvous(s, me=3, hosted=True, advertise=where, timeout=5.0)
@@ -448,6 +448,6 @@ def test_group_rendezvous_on_etcd_meets_on_the_hosts_tcpstore(
 
 
 def test_advertised_host_is_the_interface_that_reaches_the_store() -> None:
-    from inprocess.rendezvous import advertised_host
+    from inprocess.restart.rendezvous import advertised_host
 
     assert advertised_host((("127.0.0.1", 2379),)) == "127.0.0.1"

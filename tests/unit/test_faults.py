@@ -20,7 +20,7 @@ from inprocess.context import RestartContext, activated
 from inprocess.errors import ConfigError
 from inprocess.faults import FiredFault, InjectedFault, PlannedFault, parse_plan
 from inprocess.faults.record import RECORD_FILE, append
-from inprocess.progress import ProgressTracker
+from inprocess.restart.progress import ProgressTracker
 from tests.multiproc import REPO_ROOT
 
 FIRED_KINDS = ("exception", "kill", "hang", "hang_gil", "sigterm")

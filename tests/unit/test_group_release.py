@@ -12,8 +12,8 @@ import weakref
 
 import pytest
 
-from inprocess.abort import GroupReaper
-from inprocess.active import _drop_frames
+from inprocess.restart.abort import GroupReaper
+from inprocess.restart.active import _drop_frames
 
 
 class _Group:
@@ -53,7 +53,7 @@ def test_a_reference_dropped_within_the_grace_is_no_misuse(
     reaper = GroupReaper(rank=0, grace_s=2.0)
     group = _Group()
     holder = [group]  # e.g. a background job that ends a moment later
-    with caplog.at_level(logging.WARNING, logger="inprocess.abort"):
+    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
         _release(reaper, group)
         del group
         threading.Timer(0.2, holder.clear).start()
@@ -65,7 +65,7 @@ def test_a_reference_that_stays_is_reported_once(caplog: pytest.LogCaptureFixtur
     reaper = GroupReaper(rank=3, grace_s=0.3)
     kept = [_Group(), _Group()]  # e.g. a DDP model kept by an object that outlives train()
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="inprocess.abort"):
+    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
         _release(reaper, kept[0])
         _release(reaper, kept[1])
         reaper.close(timeout=5.0)
@@ -83,7 +83,7 @@ def test_the_warning_names_what_holds_the_group(caplog: pytest.LogCaptureFixture
     reaper = GroupReaper(rank=1, grace_s=0.1)
     group = _Group()
     trainer = Trainer(group)  # outlives train()
-    with caplog.at_level(logging.WARNING, logger="inprocess.abort"):
+    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
         _release(reaper, group)
         del group
         reaper.close(timeout=5.0)

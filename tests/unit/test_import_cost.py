@@ -10,7 +10,8 @@ import sys
 import checkpoint
 
 _PROBE = (
-    "import sys, inprocess, inprocess.wrapper; print('torch.distributed.checkpoint' in sys.modules)"
+    "import sys, inprocess, inprocess.restart.loop; "
+    "print('torch.distributed.checkpoint' in sys.modules)"
 )
 
 

@@ -14,7 +14,7 @@ import pytest
 from inprocess import RestartConfig, context, restartable
 from inprocess.errors import ConfigError, ContextError, InprocessError
 from inprocess.faults import inject
-from inprocess.progress import ProgressTracker
+from inprocess.restart.progress import ProgressTracker
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from inprocess import store as keys
 from inprocess.errors import StoreTimeoutError
+from inprocess.protocol import keys
 
 
 class FakeClock:
@@ -209,7 +209,7 @@ def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: Fa
 def test_the_monitor_clients_are_reused_across_iterations() -> None:
     """A client whose wait ended is handed back and taken by the next iteration's monitor;
     one still in use is never given to anyone else."""
-    from inprocess.active import ClientPool
+    from inprocess.restart.active import ClientPool
 
     opened: list[object] = []
 

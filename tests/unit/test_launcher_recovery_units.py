@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from inprocess import autoresume, respawn
-from inprocess import store as keys
 from inprocess.errors import RestartAbortedError
-from inprocess.job_control import restart_or_end
-from inprocess.launch import parse_args, rank_env
-from inprocess.policy import Decision
-from inprocess.ranks import Assignment
+from inprocess.launch import autoresume
+from inprocess.launch.cli import parse_args, rank_env
+from inprocess.launch.rounds import restart_or_end
+from inprocess.protocol import job_keys, keys
+from inprocess.protocol.policy import Decision
+from inprocess.protocol.ranks import Assignment
 
 
 def test_flag_written_for_requeue_while_retries_remain(tmp_path: Path) -> None:
@@ -80,14 +80,14 @@ def _decision(iteration: int, active: tuple[int, ...], reserve: tuple[int, ...])
 def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
     store = dist.HashStore()
     store.set(keys.ROOT + "init/go", "ok")
-    respawn.start_iteration(store, 1, participants=1, reserves=())
-    since = respawn.current_iteration(store)
-    respawn.register_joiner(store, 5)
-    assert respawn.ready_joiners(store) == {5}
-    got: list[respawn.Admission | None] = []
+    job_keys.start_iteration(store, 1, participants=1, reserves=())
+    since = job_keys.current_iteration(store)
+    job_keys.register_joiner(store, 5)
+    assert job_keys.ready_joiners(store) == {5}
+    got: list[job_keys.Admission | None] = []
     t = threading.Thread(
         target=lambda: got.append(
-            respawn.wait_admission(store, identity=5, decision_timeout=5, since=since)
+            job_keys.wait_admission(store, identity=5, decision_timeout=5, since=since)
         )
     )
     t.start()
@@ -102,8 +102,8 @@ def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
     assert admitted is not None
     assert (admitted.iteration, admitted.assignment.reserve) == (3, (5,))
     assert [d.iteration for d in admitted.decisions] == [0, 1, 2]  # the shared history
-    respawn.mark_gone(store, 5)
-    assert respawn.ready_joiners(store) == set()
+    job_keys.mark_gone(store, 5)
+    assert job_keys.ready_joiners(store) == set()
 
 
 def test_an_admission_decided_before_the_joiner_waits_is_not_missed() -> None:
@@ -112,13 +112,13 @@ def test_an_admission_decided_before_the_joiner_waits_is_not_missed() -> None:
     Reading the iteration only then, it waited on the iteration that waits for it."""
     store = dist.HashStore()
     store.set(keys.iteration_prefix(0) + "restart/go", _decision(0, (0, 1, 2), ()))
-    respawn.start_iteration(store, 1, participants=3, reserves=())
-    since = respawn.current_iteration(store)  # read before registering, as the wrapper does
-    respawn.register_joiner(store, 5)
+    job_keys.start_iteration(store, 1, participants=3, reserves=())
+    since = job_keys.current_iteration(store)  # read before registering, as the wrapper does
+    job_keys.register_joiner(store, 5)
     store.set(keys.end_key(1), keys.OUTCOME_FAULT)
     store.set(keys.iteration_prefix(1) + "restart/go", _decision(1, (0, 5, 2), ()))
-    respawn.start_iteration(store, 2, participants=3, reserves=())  # iteration 2 waits for 5
-    admitted = respawn.wait_admission(store, identity=5, decision_timeout=1, since=since)
+    job_keys.start_iteration(store, 2, participants=3, reserves=())  # iteration 2 waits for 5
+    admitted = job_keys.wait_admission(store, identity=5, decision_timeout=1, since=since)
     assert admitted is not None
     assert (admitted.iteration, admitted.assignment.active) == (2, (0, 5, 2))
     assert [d.iteration for d in admitted.decisions] == [0, 1]
@@ -126,26 +126,26 @@ def test_an_admission_decided_before_the_joiner_waits_is_not_missed() -> None:
 
 def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
     store = dist.HashStore()
-    respawn.start_iteration(store, 0, participants=1, reserves=())
+    job_keys.start_iteration(store, 0, participants=1, reserves=())
     store.set(keys.end_key(0), keys.OUTCOME_DONE)
-    assert respawn.wait_admission(store, identity=5, decision_timeout=1, since=0) is None
+    assert job_keys.wait_admission(store, identity=5, decision_timeout=1, since=0) is None
     store = dist.HashStore()
     store.set(keys.end_key(0), keys.OUTCOME_FAULT)
     stop = Decision(0, (), (), (), (), None, "not enough healthy ranks").to_json()
     store.set(keys.iteration_prefix(0) + "restart/go", stop)
     with pytest.raises(RestartAbortedError, match="not enough healthy ranks"):
-        respawn.wait_admission(store, identity=5, decision_timeout=1, since=0)
+        job_keys.wait_admission(store, identity=5, decision_timeout=1, since=0)
 
 
 def test_job_state_tells_the_launcher_what_the_ranks_did() -> None:
     store = dist.HashStore()
-    assert respawn.job_state(store) == respawn.JOB_NOT_STARTED
+    assert job_keys.job_state(store) == job_keys.JOB_NOT_STARTED
     store.set(keys.ROOT + "init/go", "ok")
-    respawn.start_iteration(store, 2, participants=1, reserves=())
-    assert respawn.job_state(store) == respawn.JOB_RUNNING
+    job_keys.start_iteration(store, 2, participants=1, reserves=())
+    assert job_keys.job_state(store) == job_keys.JOB_RUNNING
     store.set(keys.end_key(2), keys.OUTCOME_DONE)
-    assert respawn.job_state(store) == respawn.JOB_DONE
-    respawn.mark_stopped(store, "max_iterations (1) reached")
-    respawn.mark_stopped(store, "a later reason")  # first writer wins
-    assert respawn.job_state(store) == respawn.JOB_STOPPED
-    assert respawn.stop_reason(store) == "max_iterations (1) reached"
+    assert job_keys.job_state(store) == job_keys.JOB_DONE
+    job_keys.mark_stopped(store, "max_iterations (1) reached")
+    job_keys.mark_stopped(store, "a later reason")  # first writer wins
+    assert job_keys.job_state(store) == job_keys.JOB_STOPPED
+    assert job_keys.stop_reason(store) == "max_iterations (1) reached"

@@ -1,4 +1,5 @@
-"""The restart policy (inprocess.policy.decide): every stop rule at its boundary, collateral
+"""The restart policy (inprocess.protocol.policy.decide): every stop rule at its boundary,
+collateral
 classification, rank actions, node granularity, and properties over random fault sets."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
-from inprocess.policy import Decision, Observed, classify, decide, signature
-from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
+from inprocess.protocol.policy import Decision, Observed, classify, decide, signature
+from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
 
 
 def fault(rank: int, kind: str = "exception", *, it: int = 0, **kw: Any) -> FaultRecord:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from inprocess import kill_notice
 from inprocess.preemption import PreemptionHandler
+from inprocess.watchdog import kill_notice
 from tests.multiproc import run_job
 
 

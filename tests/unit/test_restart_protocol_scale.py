@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from inprocess import store as keys
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
-from inprocess.policy import PUBLISHED_COLLATERAL, Decision, Observed, decide
-from inprocess.ranks import decode_ranks, encode_ranks, initial_assignment, node_of_ranks
+from inprocess.protocol import keys
+from inprocess.protocol.policy import PUBLISHED_COLLATERAL, Decision, Observed, decide
+from inprocess.protocol.ranks import decode_ranks, encode_ranks, initial_assignment, node_of_ranks
 from tests.unit.test_inprocess_store import FakeClock, FakeStore
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from inprocess import RestartConfig, restartable
-from inprocess.environment import read_env, store_setting
 from inprocess.errors import ConfigError
 from inprocess.etcd.url import parse_url
-from inprocess.job_control import JobControl
-from inprocess.launch import parse_args
+from inprocess.launch.cli import parse_args
+from inprocess.launch.rounds import JobControl
+from inprocess.protocol.environment import read_env, store_setting
 
 URL = "etcd://10.0.0.1:2379,10.0.0.2,[::1]:2380"
 BASE = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}

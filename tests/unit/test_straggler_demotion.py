@@ -1,4 +1,5 @@
-"""The restart side of replacing a straggler: ``inprocess.demotion`` records a swap only when a
+"""The restart side of replacing a straggler: ``inprocess.restart.demotion`` records a swap only
+when a
 warm reserve is free, and the pure policy grants a swap only while a reserve can take the place
 (and does not count it as the rank's fault)."""
 
@@ -10,13 +11,13 @@ from typing import Any
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from inprocess import store as keys
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext
-from inprocess.demotion import STRAGGLER_KIND, free_reserves, replace_rank
 from inprocess.errors import FaultRecord
-from inprocess.policy import Observed, decide
-from inprocess.ranks import Assignment
+from inprocess.protocol import keys
+from inprocess.protocol.policy import Observed, decide
+from inprocess.protocol.ranks import Assignment
+from inprocess.restart.demotion import STRAGGLER_KIND, free_reserves, replace_rank
 
 
 def swap(rank: int, *, it: int = 0) -> FaultRecord:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from inprocess.errors import SectionError
-from inprocess.ft_state import read_state, write_state
-from inprocess.sections import SectionClock
-from inprocess.timeouts import MIN_SAMPLES, WARMUP, TimeoutEstimator
+from inprocess.timeouts.estimator import MIN_SAMPLES, WARMUP, TimeoutEstimator
+from inprocess.timeouts.sections import SectionClock
+from inprocess.timeouts.state_file import read_state, write_state
 
 
 class FakeClock:
@@ -154,7 +154,7 @@ def test_a_corrupt_state_file_is_ignored_with_a_warning_naming_it(
 ) -> None:
     path = tmp_path / "ft_state.json"
     path.write_text(text)
-    with caplog.at_level(logging.WARNING, logger="inprocess.ft_state"):
+    with caplog.at_level(logging.WARNING, logger="inprocess.timeouts.state_file"):
         assert read_state(path) == {}
     assert str(path) in caplog.text
 
@@ -165,7 +165,7 @@ def test_bad_values_in_the_state_file_are_skipped(
     path = tmp_path / "ft_state.json"
     timeouts = {"step": -1, "setup": "x", "stepp": 1.0, "checkpointing": 2.0}
     path.write_text(json.dumps({"version": 1, "timeouts": timeouts}))
-    with caplog.at_level(logging.WARNING, logger="inprocess.ft_state"):
+    with caplog.at_level(logging.WARNING, logger="inprocess.timeouts.state_file"):
         assert read_state(path) == {"checkpointing": 2.0}
     assert "stepp" in caplog.text and str(path) in caplog.text
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.store import end_key, read_faults
-from inprocess.watchdog import Watchdog
+from inprocess.protocol.keys import end_key, read_faults
+from inprocess.watchdog.owner import Watchdog
 from tests.multiproc import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ RANK = 3
 CHILD = textwrap.dedent(
     f"""
     import ctypes, os, sys, time
-    from inprocess.watchdog import Watchdog
+    from inprocess.watchdog.owner import Watchdog
     port, mode = int(sys.argv[1]), sys.argv[2]
     w = Watchdog(store_host="127.0.0.1", store_port=port, initial_rank={RANK},
                  hard_timeout={HARD_TIMEOUT}, termination_grace_time={GRACE},

@@ -8,8 +8,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from inprocess import store as keys
 from inprocess.config import RestartConfig
+from inprocess.protocol import keys
 
 
 def group_timeout(config: RestartConfig, backend: str) -> float:

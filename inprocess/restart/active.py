@@ -1,6 +1,6 @@
 """One iteration of an active rank: join, create the group, run ``train()`` under the monitor.
 
-Called by the restart loop (``inprocess.wrapper``) on the main thread, once per iteration in
+Called by the restart loop (``inprocess.restart.loop``) on the main thread, once per iteration in
 which this rank is active. Every wait here is bounded (``barrier_timeout``,
 ``completion_timeout``) or ends with the iteration's outcome.
 """
@@ -19,16 +19,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inprocess import store as keys
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import FaultRecord, RestartInterrupt
-from inprocess.monitor import Interrupter, Monitor, waits_on_peers
-from inprocess.process_group import init_iteration_group
-from inprocess.progress import ProgressTracker
-from inprocess.ranks import Assignment
-from inprocess.rendezvous import Rendezvous
-from inprocess.sections import SectionClock
+from inprocess.protocol import keys
+from inprocess.protocol.ranks import Assignment
+from inprocess.restart.monitor import Interrupter, Monitor, waits_on_peers
+from inprocess.restart.process_group import init_iteration_group
+from inprocess.restart.progress import ProgressTracker
+from inprocess.restart.rendezvous import Rendezvous
+from inprocess.timeouts.sections import SectionClock
 
 log = logging.getLogger(__name__)
 

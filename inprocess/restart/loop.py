@@ -17,13 +17,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
-from inprocess import drill, journal, respawn
-from inprocess import store as keys
-from inprocess.abort import GroupReaper, abort_process_groups
-from inprocess.active import ClientPool, Outcome, RankServices, disarm, run_active
+from inprocess import journal
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
-from inprocess.environment import bind_to_launcher, read_env, store_setting
 from inprocess.errors import (
     ConfigError,
     FaultRecord,
@@ -33,14 +29,19 @@ from inprocess.errors import (
 )
 from inprocess.etcd.connect import open_store
 from inprocess.etcd.url import parse_url
-from inprocess.health import HealthChecker
-from inprocess.monitor import Interrupter
-from inprocess.policy import Decision, Observed, decide
-from inprocess.progress import ProgressTracker
-from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
-from inprocess.rendezvous import Rendezvous, advertised_host
-from inprocess.sections import section_clock
+from inprocess.faults import drill
+from inprocess.protocol import job_keys, keys
+from inprocess.protocol.environment import bind_to_launcher, read_env, store_setting
+from inprocess.protocol.policy import Decision, Observed, decide
+from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
+from inprocess.restart.abort import GroupReaper, abort_process_groups
+from inprocess.restart.active import ClientPool, Outcome, RankServices, disarm, run_active
+from inprocess.restart.health import HealthChecker
+from inprocess.restart.monitor import Interrupter
+from inprocess.restart.progress import ProgressTracker
+from inprocess.restart.rendezvous import Rendezvous, advertised_host
 from inprocess.store_server import client, connect, mark_left
+from inprocess.timeouts.sections import section_clock
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class _Job:
                 cfg.store,
                 cfg.store,
             )
-        # A process the launcher respawned joins under a new identity (inprocess.ranks).
+        # A process the launcher respawned joins under a new identity (inprocess.protocol.ranks).
         self.me = self.env.identity
         self.joining = self.env.respawn_generation > 0
         self.registered_at = 0  # a respawned process: the iteration announced when it registered
@@ -256,7 +257,7 @@ class _Job:
         )
         # Imported here: `python -m inprocess.watchdog` imports this package first, and runpy
         # warns when the module it is about to run was already imported by the package.
-        from inprocess.watchdog import Watchdog
+        from inprocess.watchdog.owner import Watchdog
 
         self.watchdog = Watchdog(
             store_host=env.master_addr,
@@ -273,14 +274,14 @@ class _Job:
             # Watched from now on, so that it is a ready reserve the moment it registers; until
             # it is admitted its death is reported for an iteration nobody waits on, which only
             # marks it gone (it must not interrupt the ranks that train).
-            self.watchdog.set_iteration(respawn.PARKED_ITERATION)
+            self.watchdog.set_iteration(job_keys.PARKED_ITERATION)
             self.watchdog.start()
             # Read before registering: the decision that admits this process can only come
             # after it registered, so it is one of this iteration's or a later one's. Read
             # after, it could already be past (the decision taken and the next iteration
             # announced meanwhile), and the wait below would never see its admission.
-            self.registered_at = respawn.current_iteration(self.store)
-            respawn.register_joiner(self.store, self.me)
+            self.registered_at = job_keys.current_iteration(self.store)
+            job_keys.register_joiner(self.store, self.me)
             return svc
         self.watchdog.start()
         with svc.progress.paused():
@@ -313,7 +314,7 @@ class _Job:
         except (RestartAbortedError, StoreTimeoutError) as exc:
             self.outcome = "stopped"
             if self.store is not None:
-                respawn.mark_stopped(self.store, str(getattr(exc, "reason", exc)))
+                job_keys.mark_stopped(self.store, str(getattr(exc, "reason", exc)))
             raise
 
     def _freeze_gc(self) -> None:
@@ -341,8 +342,8 @@ class _Job:
         self._freeze_gc()
         self._start()
         # inprocess.launch's side: its journal joins this one (respawns and in-job restarts in
-        # the report), and the config's fault drill starts, once per job (inprocess.drill).
-        respawn.publish_journal_dir(self.store, self.journal)
+        # the report), and the config's fault drill starts, once per job (inprocess.faults.drill).
+        job_keys.publish_journal_dir(self.store, self.journal)
         self.drill = drill.start_in_rank(self.cfg, self.env, self.store)
         assignment = initial_assignment(
             world_size=self.env.world_size,
@@ -360,7 +361,7 @@ class _Job:
         pending: _PendingRestart | None = None  # the restart being completed, logged once
         while True:
             self.watchdog.set_iteration(iteration)
-            respawn.start_iteration(
+            job_keys.start_iteration(
                 self.store,
                 iteration,
                 participants=len(assignment.active) + len(assignment.reserve),
@@ -411,11 +412,11 @@ class _Job:
             assignment = decision.assignment
             iteration += 1
 
-    def _admit(self) -> respawn.Admission | None:
+    def _admit(self) -> job_keys.Admission | None:
         """A respawned process waits for a restart decision that admits it to the reserve pool,
         and takes over the decisions' history (every rank decides from the same one)."""
         assert self.svc is not None
-        admitted = respawn.wait_admission(
+        admitted = job_keys.wait_admission(
             self.store,
             identity=self.me,
             decision_timeout=self.cfg.barrier_timeout,
@@ -526,7 +527,8 @@ class _Job:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Outcome:
-        """Run ``train()`` as ``rank`` (see ``inprocess.active``); log the restart that led here
+        """Run ``train()`` as ``rank`` (see ``inprocess.restart.active``); log the restart that led
+        here
         once the group exists, so its ``reinit`` phase is measured."""
         assert self.svc is not None
 
@@ -565,14 +567,15 @@ class _Job:
     def _decide(
         self, iteration: int, assignment: Assignment, target: int, faults: list[FaultRecord]
     ) -> str:
-        """Gather the policy's inputs from the store and decide (``inprocess.policy.decide``).
+        """Gather the policy's inputs from the store and decide
+        (``inprocess.protocol.policy.decide``).
 
         Any rank that finds the restart barrier full may run this; the store keeps the first
         decision published, so every rank acts on the same one. Every rank holds the same
         ``counted`` history (each appends the published decisions), so the inputs differ
         between ranks only in what the store held at the moment each read it.
         """
-        gone, joined = respawn.gone_and_ready_joiners(self.store)
+        gone, joined = job_keys.gone_and_ready_joiners(self.store)
         observed = Observed(
             iteration=iteration,
             faults=tuple(faults),

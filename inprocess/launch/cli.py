@@ -19,7 +19,7 @@ every launcher restarts all its ranks, which resume from their newest checkpoint
 (``--max-restarts``); (4) job retry: the job ends with status 75 and writes the
 ``--autoresume-file`` flag while ``--num-job-retries-on-failure`` allows.
 
-Exit status (``inprocess.autoresume``): 0 the job finished; 17 a result failed validation; 75
+Exit status (``inprocess.launch.autoresume``): 0 the job finished; 17 a result failed validation; 75
 requeue (in-job restarts exhausted, a node lost, preempted). For a script without
 ``@restartable``: 0 when at least one rank exited 0 and no rank exited with a non-zero status of
 its own (a rank killed by a signal while the others finished is a rank the job survived);
@@ -38,10 +38,12 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from inprocess import autoresume, journal, respawn
-from inprocess.drill import FAULT_TYPES, FaultDrill
-from inprocess.job_control import Action, JobControl, NodeLostError, restart_or_end
-from inprocess.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
+from inprocess import journal
+from inprocess.faults.drill import FAULT_TYPES, FaultDrill
+from inprocess.launch import autoresume
+from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
+from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
+from inprocess.protocol import job_keys
 
 log = logging.getLogger("inprocess.launch")
 
@@ -203,7 +205,7 @@ def rank_env(
     """The environment of one rank (the launcher's own environment plus the job variables).
 
     ``generation`` > 0: a process respawned in the slot of ``local_rank``; it keeps the slot's
-    RANK and joins the job under a new identity (``inprocess.ranks.respawn_identity``).
+    RANK and joins the job under a new identity (``inprocess.protocol.ranks.respawn_identity``).
     ``store_env``: the round's INPROCESS_STORE / INPROCESS_JOB_ID with ``--store``.
     ``round_``: the in-job restart round (INPROCESS_LAUNCH_ROUND; the config's fault drill
     fires in round 0 only). ``launch_id``: RESTARTABLE_LAUNCH_ID, the same on every node and
@@ -264,7 +266,7 @@ class _LauncherJournal:
 
     In ``$RESTARTABLE_JOURNAL_DIR`` when the environment names one; otherwise in the directory
     the ranks journal to (``RestartConfig.journal_dir``), once they published it in the round's
-    store (``respawn.publish_journal_dir``): a record before that is not kept.
+    store (``job_keys.publish_journal_dir``): a record before that is not kept.
     """
 
     def __init__(self, node_rank: int) -> None:
@@ -284,7 +286,7 @@ class _LauncherJournal:
         if self.jr is not None or store is None or self.launch is None:
             return
         try:
-            directory = respawn.journal_dir(store)
+            directory = job_keys.journal_dir(store)
         except Exception as exc:  # the store is gone: the round ends through poll_action
             log.debug("journal directory unreadable: %r", exc)
             return
@@ -470,13 +472,9 @@ def _log_to_stdout(node_rank: int) -> None:
     """The launcher is a program: its lifecycle lines go to stdout, next to the ranks' output."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"[launcher node {node_rank}] %(message)s"))
-    for name in ("inprocess.launch", "inprocess.supervisor", "inprocess.job_control",
-                 "inprocess.drill"):  # fmt: skip
+    for name in ("inprocess.launch", "inprocess.launch.supervisor", "inprocess.launch.rounds",
+                 "inprocess.faults.drill"):  # fmt: skip
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-
-
-if __name__ == "__main__":
-    sys.exit(main())

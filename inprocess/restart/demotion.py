@@ -3,7 +3,8 @@
 Called by ``RestartContext.replace_rank`` (the ``straggler`` package calls that, never this
 module: it imports nothing of ``inprocess``). The rank to replace records a fault of kind
 ``straggler`` with action ``demote`` in the iteration, which ends the iteration like any fault:
-every rank's monitor interrupts ``train()``, and the restart decision (``inprocess.policy``)
+every rank's monitor interrupts ``train()``, and the restart decision
+(``inprocess.protocol.policy``)
 moves that rank to the back of the reserve pool while a reserve takes its place. Such a fault is
 not counted against the rank (``max_rank_faults``, the repeated-fault stop): it works, it is
 slow.
@@ -16,8 +17,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from inprocess import store as keys
 from inprocess.errors import FaultRecord
+from inprocess.protocol import keys
 
 if TYPE_CHECKING:
     from inprocess.context import RestartContext

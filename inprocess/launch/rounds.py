@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from inprocess.autoresume import EXIT_REQUEUE
+from inprocess.launch.autoresume import EXIT_REQUEUE
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """Computed section timeouts: a pure estimator from observed durations to enforced limits.
 
-No clock, no I/O, no threads: ``inprocess.sections`` feeds it durations (main thread) and reads
-its limits (monitor thread); ``inprocess.ft_state`` persists what it learned.
+No clock, no I/O, no threads: ``inprocess.timeouts.sections`` feeds it durations (main thread) and
+reads
+its limits (monitor thread); ``inprocess.timeouts.state_file`` persists what it learned.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The job-level keys the launcher and the ranks share: a respawned process joining the reserve
 pool, the current iteration, and how the in-process path ended (done or stopped).
 
-Keys (under ``restartable/``, next to ``inprocess.store``'s): ``iteration`` (the iteration the
+Keys (under ``restartable/``, next to ``inprocess.protocol.keys``'s): ``iteration`` (the iteration
+the
 ranks are in), ``joiners`` (respawned identities that are ready to wait as reserves, appended),
 ``stopped`` (why the in-process path gave up; first writer wins). The launcher
-(``inprocess.supervisor``) reads them to choose between a respawn and an in-job restart.
+(``inprocess.launch.supervisor``) reads them to choose between a respawn and an in-job restart.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from inprocess import journal
-from inprocess import store as keys
 from inprocess.errors import RestartAbortedError, StoreTimeoutError
-from inprocess.policy import Decision
-from inprocess.ranks import Assignment
+from inprocess.protocol import keys
+from inprocess.protocol.policy import Decision
+from inprocess.protocol.ranks import Assignment
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def start_iteration(
 ) -> None:
     """Every rank, at the start of each iteration, in one write (one transaction on etcd):
     the iteration a newcomer starts looking at, how many ranks take part in it (the restart
-    barrier's count) and its warm reserves (``inprocess.demotion``)."""
+    barrier's count) and its warm reserves (``inprocess.restart.demotion``)."""
     keys.set_many(
         store,
         dict(

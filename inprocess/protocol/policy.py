@@ -14,14 +14,21 @@ from typing import Any
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
-from inprocess.ranks import Assignment, NotEnoughRanksError, decode_ranks, encode_ranks, reassign
+from inprocess.protocol.ranks import (
+    Assignment,
+    NotEnoughRanksError,
+    decode_ranks,
+    encode_ranks,
+    reassign,
+)
 
 # Kinds that remove a rank for good (besides its process being gone).
 RETIRING_KINDS = frozenset({"unhealthy"})
 # Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop. A
 # dead or hard-timed-out rank is retired at once, so it never needs counting.
 OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout", "section_timeout", "atomic_timeout"})
-# Kinds whose "demote" only swaps a slow but working rank for a reserve (inprocess.demotion).
+# Kinds whose "demote" only swaps a slow but working rank for a reserve
+# (inprocess.restart.demotion).
 SWAP_ONLY_KINDS = frozenset({"straggler"})
 # Collateral faults the published decision lists in full; the others are only counted
 # (``collateral_omitted``). Every rank reads the decision, and when a fault releases every
@@ -47,7 +54,8 @@ class Observed:
 
     ``faults``: every record of the iteration, in arrival order. ``gone``: initial ranks whose
     process is known to be gone (any iteration; the decision only looks at participants).
-    ``joined``: respawned processes ready to join the reserve pool (``inprocess.respawn``).
+    ``joined``: respawned processes ready to join the reserve pool
+    (``inprocess.protocol.job_keys``).
     """
 
     iteration: int

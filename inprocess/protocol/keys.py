@@ -15,7 +15,8 @@ of an earlier iteration is ever read again. Inside it:
                     completed it); ``go`` is the decision (JSON), first writer wins, so
                     every rank reads the same one; every waiter blocks on ``go`` alone
 * ``pg/``           the prefix handed to ``init_process_group`` and to ``ctx.store``
-* ``reserves``      the iteration's warm reserves (``inprocess.demotion`` checks one is free),
+* ``reserves``      the iteration's warm reserves (``inprocess.restart.demotion`` checks one is
+free),
                     as ranges (``ranks.encode_ranks``)
 
 Cost at scale (docs/scale.md, ``benchmarks/restart_scale.py``): every rank makes a constant
@@ -37,7 +38,7 @@ from typing import Any, Protocol
 
 from inprocess import journal
 from inprocess.errors import FaultRecord, StoreTimeoutError
-from inprocess.ranks import decode_ranks, encode_ranks
+from inprocess.protocol.ranks import decode_ranks, encode_ranks
 
 log = logging.getLogger(__name__)
 

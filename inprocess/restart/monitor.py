@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
-from inprocess import store as keys
 from inprocess.errors import FaultRecord, RestartInterrupt
-from inprocess.progress import ProgressTracker
-from inprocess.sections import Overrun, SectionClock
+from inprocess.protocol import keys
+from inprocess.restart.progress import ProgressTracker
+from inprocess.timeouts.sections import Overrun, SectionClock
 
 log = logging.getLogger(__name__)
 

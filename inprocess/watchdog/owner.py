@@ -1,7 +1,7 @@
 """Per-rank watchdog: a separate process that reports the rank's death and enforces hard_timeout.
 
 The rank owns a ``Watchdog`` (the process plus a heartbeat thread); ``python -m
-inprocess.watchdog`` is the process side (``inprocess/_watchdog_main.py``).
+inprocess.watchdog`` is the process side (``inprocess/watchdog/process.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
-from inprocess._watchdog_main import CLOSE_MESSAGE, READY_MESSAGE
+from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +244,3 @@ class Watchdog:
                         self._initial_rank,
                         proc.poll(),
                     )
-
-
-if __name__ == "__main__":
-    from inprocess._watchdog_main import main
-
-    sys.exit(main(sys.argv[1:]))

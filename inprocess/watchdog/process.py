@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from inprocess import kill_notice
+from inprocess.watchdog import kill_notice
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _Watched:
     def terminate(self, grace: float) -> str:
         """SIGCONT + SIGTERM, ``grace`` seconds, then SIGKILL; says which one ended it."""
         log.warning("rank pid %d missed its heartbeat: SIGTERM", self.pid)
-        kill_notice.post(self.pid)  # not a preemption notice: see inprocess.kill_notice
+        kill_notice.post(self.pid)  # not a preemption notice: see inprocess.watchdog.kill_notice
         try:
             self.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
             self.signal(signal.SIGTERM)
@@ -208,7 +208,7 @@ def _report(store: Any, args: argparse.Namespace, iteration: int, kind: str, det
     if store is None:
         return
     try:
-        from inprocess.store import report_fault
+        from inprocess.protocol.keys import report_fault
 
         report_fault(
             store, iteration=iteration, initial_rank=args.initial_rank, kind=kind, detail=detail

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from inprocess.store import ROOT
+from inprocess.protocol.keys import ROOT
 
 log = logging.getLogger(__name__)
 

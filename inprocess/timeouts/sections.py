@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from inprocess.config import RestartConfig
 from inprocess.errors import SectionError
-from inprocess.ft_state import read_state, write_state
-from inprocess.timeouts import KEYS, OUT_OF_SECTION, SECTIONS, TimeoutEstimator
+from inprocess.timeouts.estimator import KEYS, OUT_OF_SECTION, SECTIONS, TimeoutEstimator
+from inprocess.timeouts.state_file import read_state, write_state
 
 log = logging.getLogger(__name__)
 

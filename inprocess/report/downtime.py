@@ -51,7 +51,7 @@ from typing import Any
 
 IN_PROCESS = "in-process"
 IN_JOB = "in-job"
-# Injected faults (inprocess.faults, inprocess.drill) after which the process is gone: the
+# Injected faults (inprocess.faults, inprocess.faults.drill) after which the process is gone: the
 # first sign of a respawn's death. A process may die between its own record and the signal,
 # but never write another record after it, so its last one of these is the one.
 _PROCESS_ENDING = frozenset({"kill", "hang_gil", "rank_killed", "rank_hung"})
@@ -101,7 +101,7 @@ class RespawnWindow:
     """A process the launcher replaced: from its death until the new one is a ready reserve."""
 
     slot_rank: int  # the slot's RANK
-    identity: int  # the dead process's identity (``inprocess.ranks.respawn_identity``)
+    identity: int  # the dead process's identity (``inprocess.protocol.ranks.respawn_identity``)
     how: str  # e.g. "was killed by SIGKILL"
     sign: float
     detected: float

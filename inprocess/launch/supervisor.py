@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from inprocess import journal, respawn
-from inprocess.autoresume import VERDICT_STATUSES
-from inprocess.ranks import respawn_identity
+from inprocess import journal
+from inprocess.launch.autoresume import VERDICT_STATUSES
+from inprocess.protocol import job_keys
+from inprocess.protocol.ranks import respawn_identity
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +165,13 @@ class NodeSupervisor:
             time.sleep(self.cfg.monitor_interval)
             self.on_tick()
             self._reap()
-            state = respawn.JOB_NOT_STARTED if self.store is None else _state(self.store)
+            state = job_keys.JOB_NOT_STARTED if self.store is None else _state(self.store)
             action = self.poll_action()
             if action is not None:
                 return RoundEnd("action", action, self._codes())
-            if state == respawn.JOB_STOPPED and not stopped_told:
+            if state == job_keys.JOB_STOPPED and not stopped_told:
                 stopped_told = True
-                reason = respawn.stop_reason(self.store) or "stopped"
+                reason = job_keys.stop_reason(self.store) or "stopped"
                 self.on_stopped(f"the in-process restart gave up: {reason.splitlines()[0]}")
                 continue
             self._respawn_due(state)
@@ -195,9 +196,9 @@ class NodeSupervisor:
             return RoundEnd("interrupted", "the launcher was signalled", codes)
         if verdict is not None:
             return RoundEnd("verdict", f"a rank exited with status {verdict}", codes, verdict)
-        if state == respawn.JOB_DONE:
+        if state == job_keys.JOB_DONE:
             return RoundEnd("done", "the job finished", codes)
-        if state == respawn.JOB_NOT_STARTED:
+        if state == job_keys.JOB_NOT_STARTED:
             return RoundEnd("plain", "every rank exited", codes)
         return None
 
@@ -242,20 +243,20 @@ class NodeSupervisor:
             lived = time.monotonic() - c.started
             if rc == 0 or self.interrupted:
                 continue
-            state = _state(self.store) if self.store is not None else respawn.JOB_NOT_STARTED
-            if state == respawn.JOB_NOT_STARTED:
+            state = _state(self.store) if self.store is not None else job_keys.JOB_NOT_STARTED
+            if state == job_keys.JOB_NOT_STARTED:
                 continue  # not a @restartable job (or not started yet): nothing to join
             # Peers learn of the death from its watchdog; a respawned process not yet admitted
             # has none, and must not be counted on by the next restart decision.
             try:
-                respawn.mark_gone(self.store, identity)
+                job_keys.mark_gone(self.store, identity)
                 # Died at start-up: before it could take part (a respawned process registers
                 # once ready). Repeated, it means a bad environment: back off, no fork storm.
-                joined = c.generation == 0 or identity in respawn.registered_joiners(self.store)
+                joined = c.generation == 0 or identity in job_keys.registered_joiners(self.store)
             except Exception as exc:  # node 0 (the store) is gone: poll_action() says so
                 log.debug("store unreachable while reaping identity %d: %r", identity, exc)
                 continue
-            if rc in VERDICT_STATUSES or state in (respawn.JOB_DONE, respawn.JOB_STOPPED):
+            if rc in VERDICT_STATUSES or state in (job_keys.JOB_DONE, job_keys.JOB_STOPPED):
                 continue
             self._schedule(c, rc, lived, at_startup=not joined)
 
@@ -310,7 +311,7 @@ class NodeSupervisor:
             if slot.due is None or slot.due > now:
                 continue
             slot.due = None
-            if state != respawn.JOB_RUNNING or self.interrupted:
+            if state != job_keys.JOB_RUNNING or self.interrupted:
                 continue  # the job ended meanwhile: nobody to join
             slot.respawns += 1
             self._spawn(local, slot.respawns)
@@ -318,10 +319,10 @@ class NodeSupervisor:
 
 def _state(store: Any) -> str:
     try:
-        return respawn.job_state(store)
+        return job_keys.job_state(store)
     except Exception as exc:  # the store host (node 0) is gone
         log.debug("job state unreadable: %r", exc)
-        return respawn.JOB_RUNNING
+        return job_keys.JOB_RUNNING
 
 
 def _describe_exit(rc: int) -> str:

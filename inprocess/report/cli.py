@@ -1,8 +1,8 @@
 """``python -m inprocess.report JOURNAL_DIR [--json OUT] [--png OUT]`` and ``--attribute DIR...``.
 
 The downtime report of every launch recorded in a journal directory (terms defined in
-``inprocess.downtime``), and the attribution of faults across one or several directories
-(``inprocess.attribution``). Reads only the journal files; needs no torch.
+``inprocess.report.downtime``), and the attribution of faults across one or several directories
+(``inprocess.report.attribution``). Reads only the journal files; needs no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inprocess import attribution, downtime, journal
+from inprocess import journal
+from inprocess.report import attribution, downtime
 
 
 def reports(directory: str | Path) -> list[downtime.LaunchReport]:
@@ -29,7 +30,8 @@ def reports(directory: str | Path) -> list[downtime.LaunchReport]:
 def format_report(r: downtime.LaunchReport) -> str:
     """The report as text: every figure with its unit, one quantity per column.
 
-    One row per fault window (see ``inprocess.downtime`` for each term's definition; ``level``
+    One row per fault window (see ``inprocess.report.downtime`` for each term's definition;
+    ``level``
     says who recovered: the in-process restart, or ``inprocess.launch`` restarting every rank);
     the terms of a row add up to its ``downtime [s]``. Then one row per respawned process
     (outside the downtime sum: the ranks that train go on meanwhile).
@@ -175,7 +177,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

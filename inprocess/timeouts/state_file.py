@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from inprocess.timeouts import KEYS
+from inprocess.timeouts.estimator import KEYS
 
 log = logging.getLogger(__name__)
 

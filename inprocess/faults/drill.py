@@ -15,13 +15,13 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from inprocess import journal, respawn
-from inprocess import store as keys
+from inprocess import journal
 from inprocess.config import SIMULATED_FAULT_TYPES, RestartConfig
+from inprocess.protocol import job_keys, keys
 
 if TYPE_CHECKING:
-    from inprocess.environment import LaunchEnv
-    from inprocess.supervisor import NodeSupervisor
+    from inprocess.launch.supervisor import NodeSupervisor
+    from inprocess.protocol.environment import LaunchEnv
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class FaultDrill:
     def _run(self) -> None:
         sup = self._sup
         waited = 0.0
-        while respawn.job_state(sup.store) == respawn.JOB_NOT_STARTED:
+        while job_keys.job_state(sup.store) == job_keys.JOB_NOT_STARTED:
             if self._stop.wait(0.05) or waited > _START_WAIT_S:
                 return
             waited += 0.05
