@@ -11,6 +11,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from checkpoint import _torch_private
 from checkpoint.errors import CheckpointConfigError, CheckpointError
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class BackgroundGroup:
             if not (dist.is_available() and dist.is_initialized()):
                 self._drop_locked()
                 return None
-            default = dist.distributed_c10d._get_default_group()
+            default = dist.group.WORLD
             built_for = self._default() if self._default is not None else None
             group = self._group() if self._group is not None else None
             if group is not None and default is built_for:
@@ -162,7 +163,7 @@ class BackgroundGroup:
             if not (dist.is_available() and dist.is_initialized()):
                 return True
             built_for = self._default() if self._default is not None else None
-            return dist.distributed_c10d._get_default_group() is not built_for
+            return dist.group.WORLD is not built_for
 
     def drop(self) -> None:
         """Abandon the dedicated group now (not collective). The next ``current()`` recreates it.
@@ -194,7 +195,7 @@ class BackgroundGroup:
 
         # After destroy_process_group() of the default group every subgroup is already gone
         # from the registry; destroying it again would raise.
-        if group in dist.distributed_c10d._world.pg_map:
+        if _torch_private.is_live_group(group):
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group)
         else:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from checkpoint import _torch_private
 from checkpoint.collectives import all_gather, broadcast, rank_and_size
 from checkpoint.errors import (
     CheckpointCorruptError,
@@ -53,10 +54,9 @@ def verify(dirs: CheckpointDirs, ckpt: Committed, group: ProcessGroup | None) ->
 
 
 def _mismatches(state: dict[str, Any], metadata: Any) -> list[str]:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    flat, _ = flatten_state_dict(expand_stateful(state))
+    flat, _ = _torch_private.flatten_state_dict(expand_stateful(state))
     stored = metadata.state_dict_metadata
     problems = []
     for key, value in flat.items():

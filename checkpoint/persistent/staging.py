@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from checkpoint import _torch_private
 from checkpoint.errors import CheckpointConfigError
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class StagingPool:
             # One call for every copy: a Python loop over thousands of small tensors costs
             # more than their bytes.
             with torch.no_grad():
-                torch._foreach_copy_(
+                _torch_private.foreach_copy(
                     [self._views[path] for path, _ in leaves],
                     [src for _, src in leaves],
                     non_blocking=any_cuda,

@@ -18,10 +18,10 @@ from collections.abc import Generator
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
+from checkpoint import _torch_private
 from checkpoint.persistent.integrity import CrcStream
 from checkpoint.persistent.layout import CheckpointDirs
 from checkpoint.persistent.tensor_bytes import ArchiveTemplates
@@ -86,9 +86,7 @@ def make_writer(
             dirpath, sync_files=True, thread_count=thread_count, overwrite=False
         )
     else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        writer = FsspecWriter(
+        writer = _torch_private.fsspec_writer_class()(
             dirs.url_of(dirpath), sync_files=False, thread_count=thread_count, overwrite=False
         )
     writer.fs = _ChecksummingFs(writer.fs, sink, cancel)
@@ -102,7 +100,7 @@ def write_files(
     file (same names, same split into ``thread_count`` files, byte items first), fsynced when the
     writer syncs files. Called by the background worker; blocks until every file is closed."""
     buckets = (
-        _split_by_size_and_type(writer.thread_count, plan.items)
+        _torch_private.split_write_items(writer.thread_count, plan.items)
         if writer.single_file_per_rank
         else [[item] for item in plan.items]
     )
@@ -131,7 +129,9 @@ def _write_file(
             else:
                 raise TypeError(f"{item.index.fqn}: expected a staged CPU tensor")
             length = stream.tell() - offset
-            results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
+            results.append(
+                WriteResult(item.index, length, _torch_private.storage_info(name, offset, length))
+            )
         if writer.sync_files:
             stream.flush()
             os.fsync(stream.fileno())
@@ -142,6 +142,5 @@ def make_reader(dirs: CheckpointDirs, dirpath: str) -> StorageReader:
     """A plain DCP reader for one of our checkpoint directories."""
     if dirs.is_local:
         return FileSystemReader(dirpath)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(dirs.url_of(dirpath))
+    reader: StorageReader = _torch_private.fsspec_reader_class()(dirs.url_of(dirpath))
+    return reader

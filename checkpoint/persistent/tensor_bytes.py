@@ -22,13 +22,14 @@ from __future__ import annotations
 import ctypes
 import io
 import logging
-import pickle
 import struct
 import threading
 import zipfile
 from typing import Any
 
 import torch
+
+from checkpoint import _torch_private
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +55,6 @@ class _Recorder(io.RawIOBase):
         view = memoryview(b)
         self.chunks.append(bytes(view) if view.nbytes <= _KEEP_BYTES else view.nbytes)
         return view.nbytes
-
-
-def _serialize_without_crc(tensor: torch.Tensor, sink: Any) -> None:
-    """What ``torch.save(tensor, sink)`` writes with CRC32 off, without changing the process-wide
-    option (other threads may be saving)."""
-    writer = torch._C.PyTorchFileWriter(sink, False, torch.serialization._get_storage_alignment())
-    torch.serialization._save(tensor, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
 
 
 class _Sparse(io.RawIOBase):
@@ -181,7 +174,7 @@ class ArchiveTemplates:
     def _build(self, tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
         rec = _Recorder()
         try:
-            _serialize_without_crc(tensor, rec)
+            _torch_private.save_without_crc(tensor, rec)
         except Exception as e:  # a torch without these internals: torch.save it is
             log.info("checkpoint: tensor archive templates unavailable (%s); using torch.save", e)
             return None

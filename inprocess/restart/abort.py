@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from inprocess import _torch_private
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,7 @@ def abort_process_groups() -> list[Any]:
         return []
     groups: list[Any] = []
     try:
-        groups = list(dist.distributed_c10d._world.pg_map)
+        groups = _torch_private.live_groups()
     except Exception as exc:  # private registry changed: only the reaper's protection is lost
         log.debug("could not list process groups: %r", exc)
     if torch.cuda.is_available():
@@ -174,7 +176,7 @@ def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
 def _abort_nccl() -> None:
     """Abort the NCCL communicators of every group (the ncclCommAbort path of torch)."""
     try:
-        groups = list(dist.distributed_c10d._world.pg_map)
+        groups = _torch_private.live_groups()
     except Exception:
         return
     for pg in groups:

@@ -8,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from inprocess import _torch_private
 from inprocess.config import RestartConfig
 from inprocess.protocol import keys
 
@@ -54,7 +55,7 @@ def init_iteration_group(
     # rank: found by the fault matrix). Ranks whose counters differ wait forever for each
     # other's connect keys; this iteration's keys are under their own prefix, so start at 0.
     if not dist.is_initialized():
-        dist.distributed_c10d._world.group_count = 0
+        _torch_private.reset_group_counter()
     try:
         dist.init_process_group(
             backend=backend,
