@@ -14,6 +14,14 @@ from typing import Any
 import torch
 
 
+def default_store() -> Any:
+    """The store the current default group was created with (our group-creation barrier runs on
+    it, so the dedicated group's ranks meet where the default group's did)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
 def is_live_group(group: Any) -> bool:
     """Whether ``group`` is still in torch's registry of process groups (not yet destroyed).
 

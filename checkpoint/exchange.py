@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from checkpoint import _torch_private
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class Attempts:
             self._token, self._seq, self._last = token, 0, None
         self._seq += 1
         ex = StoreExchange(
-            dist.distributed_c10d._get_default_store(),
+            _torch_private.default_store(),
             f"restartable/ckpt/{self._kind}/{token}/{self._seq}",
             rank=dist.get_rank(group),
             world=dist.get_world_size(group),

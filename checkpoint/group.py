@@ -121,6 +121,7 @@ class BackgroundGroup:
                 self._drop_locked()
                 return None
             default = dist.group.WORLD
+            assert default is not None  # initialized, checked above
             built_for = self._default() if self._default is not None else None
             group = self._group() if self._group is not None else None
             if group is not None and default is built_for:
@@ -128,7 +129,7 @@ class BackgroundGroup:
             self._drop_locked()
             self._built_on_default = self._built_on_default + 1 if default is built_for else 1
             _arrive(
-                dist.distributed_c10d._get_default_store(),
+                _torch_private.default_store(),
                 f"restartable/bg/{self._name}/{self._built_on_default}",
                 world=dist.get_world_size(),
                 timeout=self._timeout,

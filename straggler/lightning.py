@@ -21,6 +21,7 @@ except ImportError as exc:  # an optional extra: say how to get it
 
 import torch.distributed as dist
 
+from straggler._torch_private import default_store
 from straggler.config import DetectorConfig
 from straggler.detector import Detector
 from straggler.errors import ConfigError
@@ -103,7 +104,7 @@ class StragglerDetectionCallback(pl.Callback):
                 )
             # The job's store (Lightning's, or @restartable's group's): scores never travel
             # through the training group. A prefix keeps our keys apart from torch's.
-            store = dist.PrefixStore("straggler/", dist.distributed_c10d._get_default_store())
+            store = dist.PrefixStore("straggler/", default_store())
         self.detector = Detector(
             self.config, store=store, rank=trainer.global_rank, world_size=world
         )

@@ -9,12 +9,12 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.protocol import keys
 from inprocess.restart.progress import ProgressTracker
@@ -203,8 +203,10 @@ class Monitor:
         redeliver_interval: float,
         sections: SectionClock | None = None,
         atomic_timeout: float = 60.0,
+        clock: Clock = SYSTEM,
     ) -> None:
         self._store = store
+        self._clock = clock
         self._give_back = give_back
         self._report_store = report_store
         self._iteration = iteration
@@ -235,7 +237,7 @@ class Monitor:
     def _watch_store(self) -> None:
         try:
             result = keys.wait_outcome(
-                self._store, self._iteration, timeout=None, clock=time.monotonic
+                self._store, self._iteration, timeout=None, clock=self._clock.monotonic
             )
         except Exception as exc:
             if not self._stop.is_set():
@@ -302,7 +304,7 @@ class Monitor:
                     kind=kind,
                     detail=detail,
                     step=self._step(),
-                    time=time.time(),
+                    time=self._clock.wall(),
                     section=section,
                 ),
             )
@@ -314,7 +316,7 @@ class Monitor:
         return self._report_store
 
     def _fire(self) -> None:
-        self.fired_at = time.time()
+        self.fired_at = self._clock.wall()
         # The lock is held by an atomic block (ctx.atomic()) that the restart must not cut.
         # Such a block is meant to be short; one that outlasts the atomic bound is a hang that
         # nothing else could end (its heartbeats go on), so this rank ends itself as a lost one.
@@ -322,9 +324,9 @@ class Monitor:
             self._end_stuck_in_atomic()
             return
         try:
-            t0 = time.monotonic()
+            t0 = self._clock.monotonic()
             self._abort()
-            self.abort_s = time.monotonic() - t0
+            self.abort_s = self._clock.monotonic() - t0
             delivered = self._interrupter.deliver()
         finally:
             self._interrupter.lock.release()

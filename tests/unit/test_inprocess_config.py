@@ -15,6 +15,7 @@ from inprocess import RestartConfig, context, restartable
 from inprocess.errors import ConfigError, ContextError, InprocessError
 from inprocess.faults import inject
 from inprocess.restart.progress import ProgressTracker
+from tests.fake_clock import FakeClock
 
 
 @pytest.mark.parametrize(
@@ -109,19 +110,6 @@ def test_context_outside_train_says_where_to_call_it() -> None:
 def test_unknown_fault_kind_is_rejected() -> None:
     with pytest.raises(ConfigError, match="kind \\('explode'\\) must be one of"):
         inject("explode", rank=0)
-
-
-class FakeClock:
-    """A clock for ``ProgressTracker(clock=...)`` that moves only when a test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 _SYNC_S = 10.0  # real-time bound of each wait on the other thread: reached only when broken

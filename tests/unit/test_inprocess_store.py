@@ -10,14 +10,7 @@ import pytest
 
 from inprocess.errors import StoreTimeoutError
 from inprocess.protocol import keys
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 class FakeStore:

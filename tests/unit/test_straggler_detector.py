@@ -14,16 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from straggler import ConfigError, Detector, DetectorConfig, Report, SectionError
-
-
-class CpuClock:
-    """What a section measures, advanced by the test instead of by real work."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 @dataclass
@@ -133,7 +124,7 @@ def test_a_section_nested_in_itself_raises_and_others_nest() -> None:
 
 
 def test_profiling_interval_times_every_nth_entry() -> None:
-    clock = CpuClock()
+    clock = FakeClock(0.0)
     det = Detector(timer="cpu", profiling_interval=3, cpu_clock=clock)
     for i in range(9):
         with det.section("step"):
@@ -166,7 +157,7 @@ def run_ranks(
         )
         for r in range(n)
     ]
-    clocks = [CpuClock() for _ in range(n)]
+    clocks = [FakeClock(0.0) for _ in range(n)]
     config = DetectorConfig(**{"report_time_interval": 1e-4, "timer": "cpu", **options})
     dets = [
         Detector(config, context=contexts[r], cpu_clock=clocks[r], host=f"node{r}")
@@ -323,7 +314,7 @@ def test_report_json_round_trip() -> None:
 
 
 def test_without_store_a_single_rank_reports_on_its_own() -> None:
-    clock, wall = CpuClock(), CpuClock()  # one second per step, a report every 10 seconds
+    clock, wall = FakeClock(0.0), FakeClock(0.0)  # one second per step, a report every 10 seconds
     det = Detector(timer="cpu", report_time_interval=10.0, cpu_clock=clock, clock=wall)
     got = []
     for s in range(60):

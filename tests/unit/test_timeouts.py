@@ -13,14 +13,7 @@ from inprocess.errors import SectionError
 from inprocess.timeouts.estimator import MIN_SAMPLES, WARMUP, TimeoutEstimator
 from inprocess.timeouts.sections import SectionClock
 from inprocess.timeouts.state_file import read_state, write_state
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def feed(est: TimeoutEstimator, key: str, durations: list[float]) -> None:

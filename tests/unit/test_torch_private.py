@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from checkpoint import _torch_private as ckpt_private
 from inprocess import _torch_private as inproc_private
+from straggler import _torch_private as straggler_private
 
 
 def _free_port() -> int:
@@ -44,6 +45,10 @@ def test_live_groups_lists_the_default_group_and_subgroups_until_destroyed(
     _init(store, "a")
     sub = dist.new_group([0])
     groups = inproc_private.live_groups()
+    before = store.num_keys()
+    ckpt_private.default_store().set("probe", "1")
+    assert store.num_keys() == before + 1  # the default group's store writes into ``store``
+    assert straggler_private.default_store().get("probe") == b"1"
     assert dist.group.WORLD in groups and sub in groups
     assert ckpt_private.is_live_group(sub)
     dist.destroy_process_group()
