@@ -1,4 +1,4 @@
-"""Any @restartable job run with a journal directory gets the downtime cli."""
+"""Any @restartable job run with a journal directory gets the downtime report."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inprocess import journal
-from inprocess.report import cli
+from inprocess import journal, report
 from tests.multiproc import run_ranks
 
 
@@ -25,7 +24,7 @@ def test_report_of_a_job_that_is_not_the_example(tmp_path: Path) -> None:
         env={journal.ENV_DIR: str(jdir)},
     )
     assert [o.result["value"] for o in outs] == [80, 80]
-    (rep,) = cli.reports(jdir)
+    (rep,) = report.reports(jdir)
     # The terms add up to the wall time by construction; the wall time is the job's own.
     assert rep.startup + rep.productive + rep.downtime == pytest.approx(rep.wall, abs=1e-9)
     measured = max(o.result["t_return"] for o in outs) - min(o.result["t_call"] for o in outs)
@@ -42,7 +41,7 @@ def test_report_of_a_job_that_is_not_the_example(tmp_path: Path) -> None:
     terms = w.terms
     assert sum(v for k, v in terms.items() if k != "downtime") == pytest.approx(terms["downtime"])
 
-    out = tmp_path / "cli.json"
+    out = tmp_path / "report.json"
     cli = subprocess.run(
         [sys.executable, "-m", "inprocess.report", str(jdir), "--json", str(out)],
         capture_output=True,

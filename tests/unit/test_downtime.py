@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from inprocess.report import cli, downtime
+from inprocess import report
+from inprocess.report import downtime
 
 
 def _steps(t0: float, first: int, n: int, dt: float, it: int) -> list[dict[str, Any]]:
@@ -75,7 +76,7 @@ def test_the_window_names_the_injected_fault_in_the_dict_and_the_text() -> None:
     assert row["fault"] == "hang@rank1:step10" and row["kind"] == "soft_timeout"
     terms = ("lost_before_s", "detection_s", "restart_s", "reload_s", "redo_s")
     assert sum(row[k] for k in terms) == pytest.approx(row["downtime_s"])
-    text = cli.format_report(r)
+    text = report.format_report(r)
     assert "hang@rank1:step10" in text
     # Every column says its unit; no "seconds(steps)" packed into one cell.
     for header in ("lost-before [s]", "detect [s]", "restart [s]", "reload [s]", "redo [s]",
@@ -99,7 +100,7 @@ def test_a_fault_that_was_not_injected_has_no_name() -> None:
     recs = [r for r in _run_with_one_fault() if r["event"] != "fault_fired"]
     (w,) = downtime.build(recs).windows
     assert w.fault is None and w.sign == pytest.approx(4.05)  # its first sign: the fault record
-    rows = [line for line in cli.format_report(downtime.build(recs)).splitlines()]
+    rows = [line for line in report.format_report(downtime.build(recs)).splitlines()]
     assert any(line.startswith("  -  ") and "soft_timeout" in line for line in rows), rows
 
 
@@ -174,7 +175,7 @@ def test_a_respawn_is_a_window_of_its_own_outside_the_downtime_sum() -> None:
     assert r.respawns == 1
     (row,) = r.as_dict()["respawn_windows"]
     assert row["recovery_s"] == pytest.approx(1.3) and row["how"] == "was killed by SIGKILL"
-    text = cli.format_report(r)
+    text = report.format_report(r)
     assert "respawns (outside the downtime" in text
     (line,) = [x for x in text.splitlines() if "was killed by SIGKILL" in x]
     assert "kill@rank1:step10" in line and "1.300" in line and "0.150" in line
@@ -185,7 +186,7 @@ def test_a_respawn_that_never_became_ready_has_no_recovery() -> None:
     (rw,) = downtime.build(recs).respawn_windows
     assert rw.terms["recovery"] is None and rw.terms["join"] is None
     assert rw.terms["start"] == pytest.approx(0.05)
-    text = cli.format_report(downtime.build(recs))
+    text = report.format_report(downtime.build(recs))
     (line,) = [x for x in text.splitlines() if "was killed by SIGKILL" in x]
     assert line.split()[-2:] == ["-", "-"], line  # join and recovery: never ready
 
@@ -248,7 +249,7 @@ def test_an_in_job_restart_is_a_window_with_its_own_detection_and_recovery() -> 
     assert (second.level, second.round, second.iteration) == (downtime.IN_PROCESS, 1, 0)
     assert second.detected == pytest.approx(4.95) and second.tier == "memory"
     assert r.startup + r.productive + r.downtime == pytest.approx(r.wall)
-    text = cli.format_report(r)
+    text = report.format_report(r)
     assert "in-job restarts 1" in text
     (row,) = [x for x in text.splitlines() if "exception@rank1:step10" in x]
     assert "in-job" in row and "2.500" in row
