@@ -97,34 +97,16 @@ def reassign(
     ready to wait as reserves; new ones join the back of the pool, before demoted ranks.
     ``node_of`` lists the node of each initial rank (``node_index`` maps the other identities).
     """
-    world_size = len(node_of)
-    _check_common(world_size=world_size, node_of=node_of, granularity=granularity)
-    if not 1 <= min_active_world_size <= active_world_size:
-        raise ValueError(
-            f"min_active_world_size ({min_active_world_size}) must be between 1 and "
-            f"active_world_size ({active_world_size}): lower min_active_world_size"
-        )
-    bad_joined = sorted(r for r in joined if r < world_size)
-    if bad_joined:
-        raise ValueError(
-            f"joined ({bad_joined}) holds initial ranks: pass respawned identities (>= "
-            f"{world_size}, see respawn_identity)"
-        )
-    known = (
-        set(range(world_size))
-        | set(previous.active)
-        | set(previous.reserve)
-        | previous.retired
-        | set(joined)
+    known = _check_reassign(
+        previous,
+        node_of=node_of,
+        lost=lost,
+        demoted=demoted,
+        joined=joined,
+        granularity=granularity,
+        active_world_size=active_world_size,
+        min_active_world_size=min_active_world_size,
     )
-    for name, ranks in (("lost", lost), ("demoted", demoted)):
-        bad = sorted(r for r in ranks if r not in known)
-        if bad:
-            raise ValueError(
-                f"{name} ({bad}) holds ranks that are not in the job (initial ranks "
-                f"0..{world_size - 1} or joined identities): pass ranks of the job"
-            )
-
     retired = previous.retired | frozenset(lost)
     leaving = set(demoted) - retired
     if granularity == "node":
@@ -167,6 +149,48 @@ def reassign(
         reserve=tuple(r for r in pool if r not in taken),
         retired=retired,
     )
+
+
+def _check_reassign(
+    previous: Assignment,
+    *,
+    node_of: Sequence[int],
+    lost: Collection[int],
+    demoted: Collection[int],
+    joined: Collection[int],
+    granularity: str,
+    active_world_size: int,
+    min_active_world_size: int,
+) -> set[int]:
+    """Validate ``reassign``'s arguments; return every identity the job knows."""
+    world_size = len(node_of)
+    _check_common(world_size=world_size, node_of=node_of, granularity=granularity)
+    if not 1 <= min_active_world_size <= active_world_size:
+        raise ValueError(
+            f"min_active_world_size ({min_active_world_size}) must be between 1 and "
+            f"active_world_size ({active_world_size}): lower min_active_world_size"
+        )
+    bad_joined = sorted(r for r in joined if r < world_size)
+    if bad_joined:
+        raise ValueError(
+            f"joined ({bad_joined}) holds initial ranks: pass respawned identities (>= "
+            f"{world_size}, see respawn_identity)"
+        )
+    known = (
+        set(range(world_size))
+        | set(previous.active)
+        | set(previous.reserve)
+        | previous.retired
+        | set(joined)
+    )
+    for name, ranks in (("lost", lost), ("demoted", demoted)):
+        bad = sorted(r for r in ranks if r not in known)
+        if bad:
+            raise ValueError(
+                f"{name} ({bad}) holds ranks that are not in the job (initial ranks "
+                f"0..{world_size - 1} or joined identities): pass ranks of the job"
+            )
+    return known
 
 
 def respawn_identity(slot: int, generation: int, *, world_size: int) -> int:
