@@ -61,15 +61,7 @@ class Detector:
         cpu_clock: Callable[[], float] = time.process_time,
         **options: Any,
     ) -> None:
-        if config is not None and options:
-            raise ConfigError(
-                f"Detector got a config and keyword options {sorted(options)}: pass one of them"
-            )
-        if config is None:
-            try:
-                config = DetectorConfig(**options)
-            except TypeError as exc:
-                raise ConfigError(f"Detector: {exc}: the options are DetectorConfig's") from None
+        config = _config_from(config, options)
         self.config = config
         # The restart context's replace_rank(rank, reason=, tag=) (duck-typed: no inprocess import).
         self._demote: Callable[..., bool] | None = None
@@ -83,20 +75,7 @@ class Detector:
             self._demote = getattr(context, "replace_rank", None)
         rank = 0 if rank is None else rank
         world_size = 1 if world_size is None else world_size
-        if not 0 <= rank < world_size:
-            raise ConfigError(f"rank ({rank}) must be in 0..world_size-1 ({world_size - 1})")
-        if store is None and world_size > 1:
-            raise ConfigError(
-                f"Detector needs a store for world_size {world_size}: pass context=ctx under "
-                "@restartable, or store= (e.g. the TCPStore of the job) with rank= and "
-                "world_size="
-            )
-        if config.replace_if_detected and self._demote is None:
-            log.warning(
-                "replace_if_detected is ignored: replacing a straggler needs @restartable "
-                "(Detector(context=ctx)); stragglers are reported%s only",
-                " and stopped" if config.stop_if_detected else "",
-            )
+        _check_membership(config, store, rank, world_size, can_demote=self._demote is not None)
         self.rank, self.world_size = rank, world_size
         self.host = host or socket.gethostname()
         self.on_report = on_report
@@ -300,3 +279,38 @@ class Detector:
         # return, the restart interrupts it; without a free reserve every rank gets False.
         if not self._demote(rank, reason=reason, tag=f"straggler-{report.round}"):
             log.info("rank %d: no warm reserve to replace rank %d: reported only", self.rank, rank)
+
+
+def _config_from(config: DetectorConfig | None, options: dict[str, Any]) -> DetectorConfig:
+    """``Detector``'s config: the one given, or one built from its keyword options."""
+    if config is not None and options:
+        raise ConfigError(
+            f"Detector got a config and keyword options {sorted(options)}: pass one of them"
+        )
+    if config is not None:
+        return config
+    try:
+        return DetectorConfig(**options)
+    except TypeError as exc:
+        raise ConfigError(f"Detector: {exc}: the options are DetectorConfig's") from None
+
+
+def _check_membership(
+    config: DetectorConfig, store: Any, rank: int, world_size: int, *, can_demote: bool
+) -> None:
+    """Reject a rank outside the world or a multi-rank detector without a store; warn when
+    ``replace_if_detected`` cannot act."""
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank ({rank}) must be in 0..world_size-1 ({world_size - 1})")
+    if store is None and world_size > 1:
+        raise ConfigError(
+            f"Detector needs a store for world_size {world_size}: pass context=ctx under "
+            "@restartable, or store= (e.g. the TCPStore of the job) with rank= and "
+            "world_size="
+        )
+    if config.replace_if_detected and not can_demote:
+        log.warning(
+            "replace_if_detected is ignored: replacing a straggler needs @restartable "
+            "(Detector(context=ctx)); stragglers are reported%s only",
+            " and stopped" if config.stop_if_detected else "",
+        )
