@@ -202,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
     log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)
     if initial_rank == 0:
         log.info("details of every rank: %s", log_file.parent)
+        respawns = int(os.environ.get("INPROCESS_MAX_RESPAWNS", "0"))
+        shrink = faults.shrink_warning(plan, world_size=world, active=active, max_respawns=respawns)
+        if shrink is not None:
+            log.warning("%s", shrink)
     # One journal directory per launch (a resumed run is a new launch with the same run dir):
     # the report of this launch reads only its own records.
     journal_dir = run_dir / "journal" / launch
