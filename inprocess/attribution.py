@@ -18,7 +18,9 @@ match wins:
 2. hardware, direct evidence: a failed health check, an NVML/CUDA/Xid/ECC error, a re-run
    verdict that the fault persists on that hardware.
 3. application: every rank that faulted in the window (two or more) hit the same exception at
-   the same code location; or the same error (type, place, step) on two or more hosts.
+   the same code location; or the same error (type, place, step) on two or more hosts; or the
+   same exception at the same place and step in two or more windows (a deterministic repeat,
+   which is also what stops the restarts with ``max_same_fault``).
 4. hardware, by recurrence: the host faulted in two or more launches while the set holds
    several hosts (on a single host every fault recurs there: no evidence).
 5. unknown: none of the above.
@@ -259,6 +261,16 @@ def _unrecorded(
     return out
 
 
+def text_origin(text: str) -> str | None:
+    """ "infrastructure" or "hardware" when an error's text names a storage, store, network or
+    GPU error; None otherwise (the restart policy asks before it calls a repeat a bug)."""
+    if _STORAGE.search(text) or _STORE.search(text):
+        return "infrastructure"
+    if _HARDWARE.search(text):
+        return "hardware"
+    return None
+
+
 def classify(f: Fault) -> str:
     """kill | hang | exception | numerical | straggler | unhealthy."""
     if f.kind.startswith("rerun:") or f.exc_type.endswith("FloatingPointError"):
@@ -355,6 +367,12 @@ def _finding(
     same = by_sig.get(f.signature, [])
     if len({s.host for s in same if s.host}) >= 2 and f.exc_type:
         return found("application", "the same error at the same step on different hosts", same)
+    if len({s.window for s in same}) >= 2 and f.kind == "exception" and f.exc_type and f.where:
+        # Deterministic: the restart policy's max_same_fault stop calls this a bug too.
+        return found(
+            "application", f"the same exception at the same place and step in {len(same)} "
+            "windows", same,
+        )  # fmt: skip
     return found("unknown", "seen once, no evidence of an origin")
 
 
