@@ -225,7 +225,9 @@ def _unrecorded(
     """A restart that blames a rank with no record of its own in that window (a killed rank, a
     hard-timeout kill: the watchdog reports to the store, not to a journal): evidence from the
     restart's cause."""
-    own = {(f.window, f.rank) for f in seen if not f.in_collective}
+    # Any record of the blamed rank in the window speaks for it: a collective failure the policy
+    # counted as its own (no other rank's fault came first) stays a collective failure.
+    own = {(f.window, f.rank) for f in seen}
     out: list[Fault] = []
     done: set[tuple[Window, int]] = set()
     for r in records:

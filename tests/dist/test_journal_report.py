@@ -61,7 +61,7 @@ def test_report_of_a_script_that_never_pings_nor_saves(tmp_path: Path) -> None:
         2,
         target="tests.dist.workers_journal:job",
         kwargs={"root": str(tmp_path / "ckpt"), "record_dir": str(tmp_path / "faults"),
-                "ping": False, "step_s": 0.1},
+                "ping": False, "step_s": 0.05},
         host_store=True,
         deadline=60,
         env={journal.ENV_DIR: str(jdir)},

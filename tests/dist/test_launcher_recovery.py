@@ -247,6 +247,7 @@ def test_lost_node_without_enough_ranks_ends_with_requeue_status() -> None:
 pytestmark = pytest.mark.timeout(150)
 
 
+@slow("a launcher case")
 def test_a_bug_every_rank_hits_ends_the_job_without_restart_or_requeue() -> None:
     # Every rank raises at step 1, every time: after max_same_fault (3) in-process restarts the
     # launcher neither restarts the job in place nor asks for a requeue (it did: 75).

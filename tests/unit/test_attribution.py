@@ -162,3 +162,16 @@ def test_recurrence_on_the_only_host_is_no_evidence() -> None:
     b = _fault("b", "vm", 1, 9, where="y.py:2")
     found = attribution.analyse([a, b])
     assert [f.origin for f in found] == ["unknown", "unknown"] and not any(f.exclude for f in found)
+
+
+def test_a_restart_that_blames_a_collective_failure_is_one_infrastructure_finding() -> None:
+    # Seen under load: after a kill, the re-formed group timed out on every rank (gloo); the
+    # policy counted rank 0's record as its own. One window, one finding, no invented fault.
+    records = [
+        _fault("a", "vm", r, 100, iteration=2, t=10.0 + r / 10, in_collective=True,
+               exc_type="builtins.RuntimeError", detail="Timed out waiting 2500ms for send")
+        for r in (0, 2, 3)
+    ] + [_restart("a", 3, "exception on rank 0 (collateral, not counted: rank(s) 2, 3)", 10.5,
+                  [0, 3, 2])]  # fmt: skip
+    (f,) = attribution.analyse(records)
+    assert (f.fault.iteration, f.origin) == (2, "infrastructure"), f.line()
