@@ -30,6 +30,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -386,10 +387,18 @@ def _tell_restart(
     tier = getattr(restore, "tier", None) or "no"
     if record is not None:
         down = sum(record.phases.values()) + reload_s
+        # The cause names initial ranks (RANK at launch); the fault plan and the report name a
+        # rank as ctx.rank did in the faulted iteration: say both, as the report does.
+        before = list(record.active_before)
+
+        def both(m: re.Match[str]) -> str:
+            r = int(m[1])
+            return f"on rank {before.index(r)} (initial {r})" if r in before else m[0]
+
         log.info(
             "restart %d: %s; back at step %d from the %s tier, %.2f s after the fault",
             record.iteration,
-            record.cause,
+            re.sub(r"on rank (\d+)", both, record.cause),
             step or 0,
             tier,
             down,

@@ -14,7 +14,9 @@ the framework saw of training rank 0, from the first source that has any (``prog
     wall       = job_end - job_start (the launch's first "job_start", last "job_end")
     startup    = first step reached - job_start
     per fault window (one per in-process restart, and one per in-job restart of
-    ``inprocess.launch``; a restart that starts before the previous window closed extends it):
+    ``inprocess.launch``; a restart that starts before the previous window closed extends it,
+    and an in-process window so extended keeps the first fault's iteration, cause, ranks and
+    detection: the failed re-entry is part of its ``restart``):
       last     = the last step reached before the fault's first sign
       sign     = the injected fault's "fault_fired" stamp, else the first "fault" record
       fault    = the name of that injected fault (e.g. "hang@rank0:step150"), else None
@@ -335,9 +337,12 @@ def _windows(
         before = [(t, s) for t, s in progress if t <= sign]
         last, reached = before[-1] if before else (sign, 0)
         restored = float(c.restores[0]["t"]) if c.restores else c.reentered
+        first: Window | None = None  # an in-process window this restart extends
         if out and last < out[-1].back:  # a fault before the previous window closed: merge
             prev = out.pop()
             last, sign, reached, fault = prev.last, prev.sign, prev.reached_step, prev.fault
+            if prev.level == IN_PROCESS and c.level == IN_PROCESS:
+                first = prev
         restored_step = c.restores[0].get("step") if c.restores else None
         if stepped and restored_step is not None and int(restored_step) > reached:
             # The fault's first sign came from a rank ahead of rank 0 (a NaN on rank 1 before
@@ -371,6 +376,14 @@ def _windows(
                 training_ranks=_training_ranks(c.rec, in_job_level),
             )
         )
+        if first is not None:
+            # The window is the first fault's: its row names that fault, its iteration and
+            # ranks, and its detection; the failed re-entry until the later restart is part of
+            # ``restart`` (a kill, then a gloo timeout while the group re-formed under load).
+            w = out[-1]
+            w.iteration, w.cause, w.kind = first.iteration, first.cause, first.kind
+            w.faulting_ranks, w.training_ranks = first.faulting_ranks, first.training_ranks
+            w.detected = first.detected
     return out
 
 
