@@ -103,6 +103,9 @@ class CheckpointManager:
         self._local_group: BackgroundGroup | None = None
         self._closed = False
         self.last_restore: Restore | None = None
+        # A persistent save that was due but never committed (a fault cancelled it): the next
+        # save() writes the persistent tier whatever its interval (see _owe_persistent).
+        self._persistent_owed: int | None = None
         # Closed at interpreter exit if the user did not: the save in flight is then finished or
         # abandoned, and the log says which. The hook holds the manager until close(): one
         # dropped with a save in flight would otherwise leave its writer blocked on peers while
@@ -178,9 +181,11 @@ class CheckpointManager:
         if self._local is not None and local_due:
             self._local.save(step, state)
             tiers.append("local")
-        persistent_due = force_persistent or step % self._cfg.every == 0
+        owed = self._persistent_owed is not None and step >= self._persistent_owed
+        persistent_due = force_persistent or step % self._cfg.every == 0 or owed
         if persistent_due and self._persistent.save(step, state):
             tiers.append("persistent")
+            self._persistent_owed = None
         if tiers and _journal.handlers:
             stall = time.perf_counter() - t0
             _journal.debug(
@@ -225,6 +230,7 @@ class CheckpointManager:
             # instead of waiting on a peer that may be gone.
             result = self._local.load(state, min_step=newest)
             if result is not None:
+                self._owe_persistent(int(result.step), newest)
                 self._restored(int(result.step), str(result.tier), float(result.seconds))
                 log.info(
                     "checkpoint: restored step %d from the %s tier in %.3f s",
@@ -243,6 +249,27 @@ class CheckpointManager:
             return None
         self._restored(ckpt.step, "persistent", seconds)
         return ckpt.step
+
+    def _owe_persistent(self, step: int, newest: int | None) -> None:
+        """After a restore of ``step`` from the local tier: when the persistent tier misses a
+        step that was due at or before it (its save was cancelled by the fault, or never
+        committed), the next save writes it instead of waiting a whole interval. Otherwise a
+        later shrink, whose ranks cannot use the local tier, would go back further than one
+        persistent interval (found with the demo: a fault at step 50 cancelled the save of
+        step 50, a kill at 100 the one of 100, and the job resumed from step 0).
+
+        Every rank computes the same answer: ``step`` and ``newest`` are agreed collectively.
+        """
+        due = step - step % self._cfg.every
+        if due > 0 and (newest is None or newest < due):
+            self._persistent_owed = step
+            log.info(
+                "checkpoint: the persistent tier's newest step is %s but step %d was due: the "
+                "next save (after step %d) writes the persistent tier",
+                "none" if newest is None else newest,
+                due,
+                step,
+            )
 
     def _restored(self, step: int | None, tier: str | None, seconds: float) -> None:
         self.last_restore = Restore(step=step, tier=tier, seconds=seconds)

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -202,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
     log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)
     if initial_rank == 0:
         log.info("details of every rank: %s", log_file.parent)
+        respawns = int(os.environ.get("INPROCESS_MAX_RESPAWNS", "0"))
+        shrink = faults.shrink_warning(plan, world_size=world, active=active, max_respawns=respawns)
+        if shrink is not None:
+            log.warning("%s", shrink)
     # One journal directory per launch (a resumed run is a new launch with the same run dir):
     # the report of this launch reads only its own records.
     journal_dir = run_dir / "journal" / launch
@@ -382,10 +387,18 @@ def _tell_restart(
     tier = getattr(restore, "tier", None) or "no"
     if record is not None:
         down = sum(record.phases.values()) + reload_s
+        # The cause names initial ranks (RANK at launch); the fault plan and the report name a
+        # rank as ctx.rank did in the faulted iteration: say both, as the report does.
+        before = list(record.active_before)
+
+        def both(m: re.Match[str]) -> str:
+            r = int(m[1])
+            return f"on rank {before.index(r)} (initial {r})" if r in before else m[0]
+
         log.info(
             "restart %d: %s; back at step %d from the %s tier, %.2f s after the fault",
             record.iteration,
-            record.cause,
+            re.sub(r"on rank (\d+)", both, record.cause),
             step or 0,
             tier,
             down,

@@ -72,8 +72,13 @@ class RestartAbortedError(InprocessError):
     enough healthy ranks left, or a rank that left the job. ``history`` lists every fault seen.
     """
 
-    def __init__(self, message: str, history: Sequence[FaultRecord] = ()) -> None:
+    def __init__(
+        self, message: str, history: Sequence[FaultRecord] = (), *, origin: str = ""
+    ) -> None:
         self.history: tuple[FaultRecord, ...] = tuple(history)
+        # "application": the stop is a bug in the code (the same exception at the same place
+        # and step every time): neither an in-job restart nor a requeue would get past it.
+        self.origin = origin
         lines = [message]
         if self.history:
             lines.append("fault history:")

@@ -208,11 +208,11 @@ def restore(
         plan, fetched = None, None
     if plan is None or fetched is None or target is None:
         level = logging.WARNING if any(inventories) else logging.INFO
+        newer = "" if min_step is None else f" >= {min_step} (the persistent tier's newest)"
         log.log(
             level,
-            "local tier: no step >= %s that every one of %d ranks can obtain; use the "
-            "persistent tier",
-            min_step,
+            "local tier: no step%s that every one of %d ranks can obtain at this world size",
+            newer,
             world,
         )
         return None

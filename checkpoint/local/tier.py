@@ -30,6 +30,7 @@ from checkpoint.config import LocalConfig
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local import directory, integrity, packing, placement
+from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import RestoreResult, Shard, restore
 from checkpoint.local.transport import Outgoing, transfer
 from checkpoint.worker import BackgroundWorker
@@ -400,9 +401,10 @@ class LocalTier:
         pg = self._group.current()
         rank, world = rank_and_size(pg)
         with self._lock:
-            held = {k: s for k, s in self._held.items() if s.world == world}
+            every = list(self._held.values())
+        held = {(s.step, s.owner): s for s in every if s.world == world}
         fp = replicated_owner if self._algo == "fully_parallel" else None
-        return restore(
+        found = restore(
             state,
             pg=pg,
             rank=rank,
@@ -412,6 +414,14 @@ class LocalTier:
             min_step=min_step,
             replicated_owner=fp,
         )
+        if found is not None:
+            return found
+        # The world size changed (a rank lost with no reserve): the shards of the old world
+        # are on this node, resharded before the manager falls back to the persistent tier.
+        return restore_resharded(
+            state, pg=pg, rank=rank, world=world, held=every, local_dir=self._dir,
+            min_step=min_step,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Wait for background work, stop the worker thread and drop every buffer. Idempotent."""

@@ -221,9 +221,12 @@ class PersistentSaver:
         job = self._pending_job
         if job is not None:
             job.exchange.abandon()
+            # Not yet "abandoned": rank 0 may be past its commit already. drain_abandoned()
+            # says which, once the save stopped (a commit 0.1 s after an "abandoning" line
+            # read as a contradiction).
             log.warning(
                 "checkpoint: process group changed with the save of step %d in flight: "
-                "abandoning it (it never becomes visible unless it had already committed)",
+                "cancelling it",
                 job.step,
             )
         self._abandoned, self._pending, self._pending_job = self._pending, None, None
@@ -245,7 +248,13 @@ class PersistentSaver:
             return
         self._abandoned = None
         if isinstance(outcome, _Failed):
-            log.info("checkpoint: abandoned save stopped: %s", outcome.args[0])
+            log.info("checkpoint: cancelled save stopped, never visible: %s", outcome.args[0])
+        else:
+            log.info(
+                "checkpoint: the cancelled save of step %d had committed before the cancel "
+                "reached it: it stays a valid checkpoint",
+                outcome.step,
+            )
 
     def close(self) -> None:
         """Finish or abandon the save in flight, say which, and stop the worker (bounded).

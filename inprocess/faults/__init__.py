@@ -25,6 +25,7 @@ from inprocess.faults.plan import (
     demo_plan,
     parse_plan,
     plan_help,
+    shrink_warning,
 )
 from inprocess.faults.record import FiredFault, fired
 
@@ -49,6 +50,7 @@ __all__ = [
     "kinds_help",
     "parse_plan",
     "plan_help",
+    "shrink_warning",
     "slowdown",
     "trigger",
 ]

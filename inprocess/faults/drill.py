@@ -152,4 +152,14 @@ def start_in_rank(
     if kind == "random":
         kind = rng.choice(("rank_killed", "rank_hung"))
     delay = cfg.simulated_fault_base_delay * (1 + rng.random())
+    reserves = env.world_size - (cfg.active_world_size or env.world_size)
+    if reserves <= 0 and env.max_respawns == 0:  # both kinds lose the rank (killed, hung)
+        log.warning(
+            "fault drill: %s on rank %d with no warm reserve and respawn off: the job will "
+            "shrink to %d ranks (keep a reserve with active_world_size, or launch with "
+            "--max-respawns 1)",
+            kind,
+            target,
+            env.world_size - 1,
+        )
     return RankDrill(kind=kind, rank=target, delay=delay)

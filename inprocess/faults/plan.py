@@ -97,3 +97,21 @@ def parse_plan(text: str, *, steps: int, world_size: int | None = None) -> list[
             )
         plan.append(fault)
     return plan
+
+
+def shrink_warning(
+    plan: list[PlannedFault], *, world_size: int, active: int, max_respawns: int
+) -> str | None:
+    """One line when ``plan`` loses more ranks than the warm reserves (``world_size - active``)
+    replace and no respawn refills the pool: the job then goes on with fewer ranks and
+    restores onto the smaller world (the local tier by resharding, else the persistent tier,
+    losing the steps since its newest commit). None when every lost rank is replaced."""
+    losing = [f.name for f in plan if f.loses_rank]
+    reserves = world_size - active
+    if len(losing) <= reserves or max_respawns > 0:
+        return None
+    return (
+        f"the fault plan loses {len(losing)} rank(s) ({', '.join(losing)}) with {reserves} warm "
+        f"reserve(s) and respawn off: the job will shrink below {active} ranks and restore onto "
+        "the smaller world (lower --active, or launch with --max-respawns 1, to keep its size)"
+    )

@@ -3,6 +3,10 @@
     status 0   the job finished                      -> flag removed (never requeued)
     status 17  results failed validation (rerun)     -> flag removed (a model issue: requeueing
                                                         would fail again)
+    status 70  an application fault: the in-process restart stopped on the same exception at
+               the same place each time (a bug)      -> flag removed (requeueing would hit it
+                                                        again; the launcher's exit line and its
+                                                        "launcher_exit" journal record say why)
     status 75  requeue: in-job restarts exhausted, a node is gone, or the job was preempted
                                                      -> flag written while job retries remain
     other      the status of the first rank that failed in a job without ``@restartable``
@@ -24,6 +28,7 @@ EXIT_DONE = 0
 EXIT_VALIDATION_FAILED = 17  # rerun: the same wrong result on other hardware (not requeued)
 EXIT_RERUN_ELSEWHERE = 16  # rerun: re-run the step on other hardware (requeue)
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: try again later (also what a preempted job exits with)
+EXIT_APPLICATION = 70  # EX_SOFTWARE: a bug in the training code (not requeued)
 # A rank exiting with one of these speaks for the whole job: the launcher neither respawns it
 # nor restarts the job in place.
 VERDICT_STATUSES = frozenset({EXIT_VALIDATION_FAILED, EXIT_RERUN_ELSEWHERE, EXIT_REQUEUE})

@@ -231,6 +231,9 @@ def rank_env(
         "INPROCESS_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
         "INPROCESS_LAUNCH_ROUND": str(round_),
+        # So a script can tell whether a lost rank comes back (e.g. the example's warning
+        # when its fault plan loses more ranks than it has reserves).
+        "INPROCESS_MAX_RESPAWNS": str(getattr(args, "max_respawns", 0)),
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
@@ -386,7 +389,10 @@ def _run_round(
     )
 
     def on_stopped(reason: str) -> None:
-        control.request(k, restart_or_end(k, max_restarts=args.max_restarts, reason=reason))
+        origin = job_keys.stop_origin(store) if store is not None else ""
+        control.request(
+            k, restart_or_end(k, max_restarts=args.max_restarts, reason=reason, origin=origin)
+        )
 
     def poll_action() -> str | None:
         a = control.action(k)
@@ -448,12 +454,15 @@ def _finish(args: argparse.Namespace, status: int, reason: str) -> int:
         attempt=attempt,
         max_retries=args.num_job_retries_on_failure,
     )
-    what = {0: "finished", 17: "failed validation (not requeued)", 75: "requeue"}.get(
-        status, "failed"
-    )
+    what = {
+        0: "finished",
+        17: "failed validation (not requeued)",
+        autoresume.EXIT_APPLICATION: "application fault (not requeued)",
+        75: "requeue",
+    }.get(status, "failed")
     # A clean finish says nothing: the job's own output ends the story (each recovery action
     # was logged when it happened).
-    journal.record("launcher_exit", status=status, reason=reason, requeue_flag=flagged)
+    journal.record("launcher_exit", status=status, reason=reason, requeue_flag=flagged, why=what)
     log.log(
         logging.DEBUG if status == 0 else logging.WARNING,
         "exit %d (%s): %s%s",

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from inprocess.launch.autoresume import EXIT_REQUEUE
+from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
 
 log = logging.getLogger(__name__)
 
@@ -340,9 +340,18 @@ class JobControl:
         self.store = None
 
 
-def restart_or_end(k: int, *, max_restarts: int, reason: str) -> Action:
+def restart_or_end(k: int, *, max_restarts: int, reason: str, origin: str = "") -> Action:
     """The proposal after the in-process path of round ``k`` stopped: restart while the budget
-    (``--max-restarts``) lasts, else end the job asking for a requeue."""
+    (``--max-restarts``) lasts, else end the job asking for a requeue. A stop of ``origin``
+    "application" (the same exception at the same place every time: a bug) ends the job with
+    ``EXIT_APPLICATION`` at once: a restart or a requeue would only run into it again."""
+    if origin == "application":
+        return Action(
+            "end",
+            EXIT_APPLICATION,
+            f"{reason}; an application fault (the same exception at the same place each "
+            "time): not restarted and not requeued, fix the code and resubmit",
+        )
     if k < max_restarts:
         return Action("restart", 0, reason)
     return Action(

@@ -32,6 +32,9 @@ class LaunchEnv:
     # How many times inprocess.launch respawned this rank's slot (INPROCESS_RESPAWN_GENERATION):
     # 0 for the processes started with the job; a respawned process joins as a new reserve.
     respawn_generation: int = 0
+    # inprocess.launch's --max-respawns (INPROCESS_MAX_RESPAWNS): whether a lost rank's slot is
+    # refilled (the config's drill warns when it loses a rank that nothing replaces).
+    max_respawns: int = 0
     # The coordination store on etcd (INPROCESS_STORE, "etcd://h1:2379,..."; None: the TCPStore
     # at MASTER_ADDR:MASTER_PORT) and the job id its keys live under (INPROCESS_JOB_ID, else
     # SLURM_JOB_ID, else TORCHELASTIC_RUN_ID); see docs/etcd.md.
@@ -89,6 +92,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         store_hosted=hosted,
         launcher_pid=get_int("INPROCESS_LAUNCHER_PID", default=0) or None,
         respawn_generation=_generation(get_int("INPROCESS_RESPAWN_GENERATION", default=0)),
+        max_respawns=max(0, get_int("INPROCESS_MAX_RESPAWNS", default=0)),
         store_url=_store_url(env.get("INPROCESS_STORE", "")),
         job_id=_job_id(env),
         launch_round=get_int("INPROCESS_LAUNCH_ROUND", "TORCHELASTIC_RESTART_COUNT", default=0),

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 ITERATION_KEY = keys.ROOT + "iteration"
 JOINERS_KEY = keys.ROOT + "joiners"
 STOPPED_KEY = keys.ROOT + "stopped"
+STOPPED_ORIGIN_KEY = keys.ROOT + "stopped_origin"
 JOURNAL_DIR_KEY = keys.ROOT + "journal_dir"  # where the ranks journal: the launcher joins them
 INIT_DONE_KEY = keys.ROOT + "init/go"  # released by the initial barrier: the job is restartable
 # The iteration a respawned process's watchdog reports for until it is admitted: no rank ever
@@ -122,10 +123,19 @@ def mark_gone(store: keys.StoreLike, identity: int) -> None:
     store.append(keys.GONE_KEY, f"{identity},")
 
 
-def mark_stopped(store: keys.StoreLike, reason: str) -> None:
+def mark_stopped(store: keys.StoreLike, reason: str, *, origin: str = "") -> None:
     """The in-process path gave up (``RestartAbortedError``, a barrier timeout): the launcher
-    restarts the job in place. First writer wins; never blocks."""
+    restarts the job in place, unless ``origin`` is "application" (a bug: it ends the job
+    without a requeue). First writer wins; never blocks. The origin is set before the reason,
+    so a launcher that sees the reason sees its origin too."""
+    if origin:
+        store.compare_set(STOPPED_ORIGIN_KEY, "", origin)
     store.compare_set(STOPPED_KEY, "", reason[:2000])
+
+
+def stop_origin(store: keys.StoreLike) -> str:
+    """The origin ``mark_stopped`` was given ("application" or ""); never blocks."""
+    return store.get(STOPPED_ORIGIN_KEY).decode() if store.check([STOPPED_ORIGIN_KEY]) else ""
 
 
 def job_state(store: keys.StoreLike) -> str:

@@ -21,6 +21,7 @@ from inprocess.protocol.ranks import (
     encode_ranks,
     reassign,
 )
+from inprocess.report.attribution import text_origin
 
 # Kinds that remove a rank for good (besides its process being gone).
 RETIRING_KINDS = frozenset({"unhealthy"})
@@ -99,6 +100,7 @@ class Decision:
     assignment: Assignment | None
     stop: str | None
     collateral_omitted: int = 0  # collateral faults left out of the published form
+    stop_origin: str = ""  # "application" when ``stop`` is a repeated exception of the code
 
     @property
     def faults(self) -> tuple[FaultRecord, ...]:
@@ -150,6 +152,7 @@ class Decision:
                     "retired": encode_ranks(sorted(a.retired)),
                 },
                 "stop": self.stop,
+                "stop_origin": self.stop_origin,
             }
         )
 
@@ -175,6 +178,7 @@ class Decision:
             ),
             stop=d["stop"],
             collateral_omitted=int(d.get("collateral_omitted", 0)),
+            stop_origin=str(d.get("stop_origin", "")),
         )
 
 
@@ -205,7 +209,7 @@ def decide(
     retired = _retirements(observed, counted, history, participants, config)
     lost = {r.rank for r in retired}
     demoted = _demotions(counted, lost, assignment)
-    stop = _stop_rule(observed.iteration, counted, history, config)
+    stop, stop_origin = _stop_rule(observed.iteration, counted, history, config)
     new: Assignment | None = None
     if stop is None:
         try:
@@ -220,7 +224,7 @@ def decide(
                 min_active_world_size=min(config.min_active_world_size, target),
             )
         except NotEnoughRanksError as exc:
-            stop = f"not enough healthy ranks to continue: {exc}"
+            stop, stop_origin = f"not enough healthy ranks to continue: {exc}", ""
     return Decision(
         iteration=observed.iteration,
         counted=counted,
@@ -229,6 +233,7 @@ def decide(
         demoted=demoted,
         assignment=new,
         stop=stop,
+        stop_origin=stop_origin,
     )
 
 
@@ -365,7 +370,8 @@ def _stop_rule(
     counted: Sequence[FaultRecord],
     history: Sequence[Sequence[FaultRecord]],
     config: RestartConfig,
-) -> str | None:
+) -> tuple[str | None, str]:
+    """Why the job stops, or None; and "application" for a stop that is a bug of the code."""
     n = config.max_same_fault
     sigs = [signature(h) for h in history[-(n - 1) :]] if n > 1 else []
     last = signature(counted)
@@ -373,11 +379,26 @@ def _stop_rule(
         own = next(f for f in counted if f.kind in OWN_FAULT_KINDS)
         return (
             f"the same fault repeated {n} times in a row (max_same_fault={n}): "
-            f"{own.summary()}; fix the fault (or raise max_same_fault)"
+            f"{own.summary()}; fix the fault (or raise max_same_fault)",
+            _repeated_origin(counted),
         )
     if config.max_iterations is not None and iteration + 1 >= config.max_iterations:
         return (
             f"max_iterations ({config.max_iterations}) reached: train() ran {iteration + 1} "
             "times and the last run faulted; raise max_iterations or fix the fault"
-        )
-    return None
+        ), ""
+    return None, ""
+
+
+def _repeated_origin(counted: Sequence[FaultRecord]) -> str:
+    """ "application" when the repeated fault is an exception raised by the code at one place
+    (type and ``file:line`` known) whose text names no storage, network or GPU error: the same
+    exception at the same place and step on every restart is a bug, which a restart of the
+    processes or a requeue of the job would hit again. "" otherwise (a hang or a death may be
+    the machine's)."""
+    own = [f for f in counted if f.kind in OWN_FAULT_KINDS]
+    if not own or any(f.kind != "exception" or not f.exc_type or not f.where for f in own):
+        return ""
+    if any(text_origin(f"{f.exc_type} {f.detail}") for f in own):
+        return ""
+    return "application"

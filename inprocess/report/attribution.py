@@ -1,222 +1,255 @@
-"""Fault attribution: what kind of fault, and where it most likely came from (pure rules).
+"""Fault attribution: one finding per fault window, its class and its likely origin (pure rules).
 
 Input: the journal records of one or several launches or jobs (``journal.read`` of each run
-directory). Every fault becomes one ``Finding``: its class (crash, hang, numerical, slowdown),
-a suspected origin (hardware, application, infrastructure, unknown) and the evidence, i.e.
-the rule that fired and the hosts, steps and launches involved. The rules, first match wins:
+directory), turned into evidence by ``inprocess.report.evidence``. A fault window is one restart
+iteration that faulted, ``(launch, round, iteration)``; every window gets exactly one
+``Finding``, however many ranks wrote about it (the NaN's re-run verdict is written by every
+rank; a killed rank's peers record broken collectives; the killed rank writes nothing). The
+finding names the fault's class and a suspected origin with the rule that fired and its
+evidence. Classes: ``kill`` (the process died), ``hang`` (soft, section, atomic or hard
+timeout), ``exception``, ``numerical`` (a re-run verdict, a ``FloatingPointError``),
+``straggler``, ``unhealthy`` (a failed health check). Origins, first match wins:
 
-1. infrastructure: a storage error (the error text names ENOSPC, EIO, a read-only or full
-   file system, or a checkpoint storage error), a lost coordination store, or at least half of
-   a launch's ranks failing in collectives within ``BURST_S`` with no fault of their own.
-2. application: the same error (exception type, place, step) on two or more hosts: code or
-   data, not a machine.
-3. hardware: two or more faults on one host at different steps or in different launches; a
-   failed health check; a re-run verdict that the fault persists on that hardware. The host
-   is named with a Slurm ``--exclude`` line.
-4. unknown: none of the above (one fault, once).
+0. injected: the fault plan or a drill fired it (a ``fault_fired`` record of the blamed process
+   in the window): what the plan says, nothing to attribute.
+1. infrastructure: a storage error (ENOSPC, EIO, a read-only or full file system, a checkpoint
+   storage error), a lost coordination store or network error, or two or more ranks failing in
+   collectives at once with no fault of their own.
+2. hardware, direct evidence: a failed health check, an NVML/CUDA/Xid/ECC error, a re-run
+   verdict that the fault persists on that hardware.
+3. application: every rank that faulted in the window (two or more) hit the same exception at
+   the same code location; or the same error (type, place, step) on two or more hosts; or the
+   same exception at the same place and step in two or more windows (a deterministic repeat,
+   which is also what stops the restarts with ``max_same_fault``).
+4. hardware, by recurrence: the host faulted in two or more launches while the set holds
+   several hosts (on a single host every fault recurs there: no evidence).
+5. unknown: none of the above.
+
+A Slurm ``--exclude`` line is suggested only for a hardware origin in a set with several hosts.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-CRASH_KINDS = frozenset({"exception", "dead", "unhealthy", "completion_timeout"})
-HANG_KINDS = frozenset({"soft_timeout", "hard_timeout", "section_timeout"})
+from inprocess.report.evidence import Fault, Window, faults_of
+
+__all__ = ["Fault", "Finding", "analyse", "attribute", "classify", "faults_of", "text_origin"]
+
+HANG_KINDS = frozenset({"soft_timeout", "hard_timeout", "section_timeout", "atomic_timeout"})
+GONE_KINDS = frozenset({"dead"})
 BURST_S = 2.0
 _STORAGE = re.compile(
     r"ENOSPC|No space left|EIO|Input/output error|Read-only file system|Disk quota|"
     r"CheckpointStorageError|Stale file handle",
     re.IGNORECASE,
 )
-_STORE = re.compile(r"store unreachable|DistStoreError|StoreTimeoutError|TCPStore", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One fault as the journal saw it (from a "fault" or "rerun_verdict" record)."""
-
-    launch: str
-    iteration: int
-    rank: int
-    host: str
-    kind: str
-    exc_type: str
-    where: str
-    step: int | None
-    detail: str
-    in_collective: bool
-    t: float
-
-    @property
-    def signature(self) -> tuple[str, str, int | None]:
-        return (self.exc_type or self.kind, self.where, self.step)
+_STORE = re.compile(
+    r"store unreachable|DistStoreError|StoreTimeoutError|TCPStore|Connection refused|"
+    r"Network is unreachable|No route to host|etcd",
+    re.IGNORECASE,
+)
+_HARDWARE = re.compile(
+    r"NVML|CUDA error|cudaError|Xid|ECC error|uncorrectable|illegal memory access|"
+    r"GPU is lost|fallen off the bus",
+    re.IGNORECASE,
+)
 
 
 @dataclass
 class Finding:
-    """The classification of one fault, with the evidence for it."""
+    """The classification of one fault window, with the evidence for it."""
 
     fault: Fault
-    fault_class: str  # crash | hang | numerical | slowdown
-    origin: str  # hardware | application | infrastructure | unknown
+    fault_class: str  # kill | hang | exception | numerical | straggler | unhealthy
+    origin: str  # injected | hardware | application | infrastructure | unknown
     rule: str
     hosts: list[str] = field(default_factory=list)
     steps: list[int | None] = field(default_factory=list)
     launches: list[str] = field(default_factory=list)
-    exclude: str = ""  # e.g. "--exclude=node7" for a hardware origin
+    exclude: str = ""  # e.g. "--exclude=node7": a hardware origin among several hosts
+    ranks: list[int] = field(default_factory=list)  # initial ranks with a fault of their own
 
     def as_dict(self) -> dict[str, Any]:
         f = self.fault
         return {
             "launch": f.launch,
+            "round": f.round,
             "iteration": f.iteration,
             "rank": f.rank,
+            "training_rank": f.training_rank,
             "host": f.host,
             "kind": f.kind,
             "error": f.exc_type,
             "where": f.where,
             "step": f.step,
+            "injected": f.injected,
             "class": self.fault_class,
             "origin": self.origin,
             "rule": self.rule,
             "hosts": self.hosts,
             "steps": self.steps,
             "launches": self.launches,
+            "ranks": self.ranks,
             "exclude": self.exclude,
         }
 
+    def line(self) -> str:
+        """One line for the report: where, what, why, and the advice if any."""
+        f = self.fault
+        who = f"rank {f.training_rank} (initial {f.rank})" if f.training_rank is not None else (
+            f"initial rank {f.rank}"
+        )  # fmt: skip
+        step = "-" if f.step is None else str(f.step)
+        return (
+            f"{f.launch or '-'} it {f.iteration} step {step} {who} on {f.host or '?'}: "
+            f"{self.fault_class}, origin {self.origin}: {self.rule}"
+            + (f"; hosts {', '.join(self.hosts)}" if self.origin == "hardware" else "")
+            + (f"; {self.exclude}" if self.exclude else "")
+        )
 
-def faults_of(records: list[dict[str, Any]]) -> list[Fault]:
-    """The faults in journal records: "fault" records and re-run verdicts that name a fault."""
-    host_of = {
-        (str(r.get("launch", "")), int(r["rank"])): str(r.get("host", ""))
-        for r in records
-        if "rank" in r and r.get("host")
-    }
-    out = []
-    for r in records:
-        event = r.get("event")
-        launch = str(r.get("launch", ""))
-        if event == "fault":
-            rank = int(r.get("fault_rank", r.get("rank", -1)))
-            out.append(
-                Fault(
-                    launch=launch,
-                    iteration=int(r.get("iteration", 0)),
-                    rank=rank,
-                    host=host_of.get((launch, rank), str(r.get("host", ""))),
-                    kind=str(r.get("kind", "")),
-                    exc_type=str(r.get("exc_type", "")),
-                    where=str(r.get("where", "")),
-                    step=r.get("step"),
-                    detail=str(r.get("detail", "")),
-                    in_collective=bool(r.get("in_collective", False)),
-                    t=float(r["t"]),
-                )
-            )
-        elif event == "rerun_verdict" and r.get("verdict") not in (None, "correct_result"):
-            out.append(
-                Fault(
-                    launch=launch,
-                    iteration=int(r.get("iteration", 0)),
-                    rank=int(r.get("rank", -1)),
-                    host=str(r.get("host", "")),
-                    kind="rerun:" + str(r["verdict"]),
-                    exc_type="",
-                    where="",
-                    step=r.get("step"),
-                    detail=", ".join(map(str, r.get("suspect_hardware", []))),
-                    in_collective=False,
-                    t=float(r["t"]),
-                )
-            )
-    return out
+
+def analyse(records: list[dict[str, Any]]) -> list[Finding]:
+    """The findings of a set of journal records (one or several directories), by time."""
+    hosts = {str(r["host"]) for r in records if r.get("host")}
+    return attribute(faults_of(records), hosts=hosts)
+
+
+def text_origin(text: str) -> str | None:
+    """ "infrastructure" or "hardware" when an error's text names a storage, store, network or
+    GPU error; None otherwise (the restart policy asks before it calls a repeat a bug)."""
+    if _STORAGE.search(text) or _STORE.search(text):
+        return "infrastructure"
+    if _HARDWARE.search(text):
+        return "hardware"
+    return None
 
 
 def classify(f: Fault) -> str:
-    """crash | hang | numerical | slowdown."""
-    if f.kind.startswith("rerun:") or f.exc_type == "FloatingPointError":
+    """kill | hang | exception | numerical | straggler | unhealthy."""
+    if f.kind.startswith("rerun:") or f.exc_type.endswith("FloatingPointError"):
         return "numerical"
     if f.kind in HANG_KINDS:
         return "hang"
-    if f.kind == "straggler":
-        return "slowdown"
-    return "crash"
+    if f.kind in GONE_KINDS:
+        return "kill"
+    if f.kind in ("straggler", "unhealthy"):
+        return f.kind
+    return "exception"
 
 
-def attribute(faults: list[Fault]) -> list[Finding]:
-    """One ``Finding`` per fault that is not a consequence of another (collective failures that
-    are not part of a burst are left out: the fault of their peer is the one to explain)."""
+def attribute(faults: list[Fault], *, hosts: Iterable[str] | None = None) -> list[Finding]:
+    """Exactly one ``Finding`` per fault window, oldest first.
+
+    ``hosts``: every host of the records (default: the hosts of ``faults``); an ``--exclude``
+    line is given only when there are several.
+    """
+    known = {h for h in (hosts if hosts is not None else (f.host for f in faults)) if h}
+    windows: dict[Window, list[Fault]] = defaultdict(list)
+    for f in faults:
+        windows[f.window].append(f)
+    primaries = {w: _primary(fs) for w, fs in windows.items()}
     by_sig: dict[tuple[str, str, int | None], list[Fault]] = defaultdict(list)
+    for p in primaries.values():
+        if not p.in_collective and not p.injected:
+            by_sig[p.signature].append(p)
+    several = len(known) >= 2
+    out = [_finding(primaries[w], windows[w], by_sig, several_hosts=several) for w in windows]
+    # Recurrence, last: only the faults no other rule explained count against their host.
     by_host: dict[str, list[Fault]] = defaultdict(list)
-    for f in faults:
-        if not f.in_collective:
-            by_sig[f.signature].append(f)
-            if f.host:
-                by_host[f.host].append(f)
-    out = []
-    for f in faults:
-        burst = _burst(f, faults)
-        if f.in_collective and not burst:
-            continue
-        out.append(_finding(f, burst, by_sig, by_host))
-    return out
+    for x in out:
+        if x.origin in ("unknown", "hardware") and x.fault.host:
+            by_host[x.fault.host].append(x.fault)
+    for i, x in enumerate(out):
+        mine = by_host.get(x.fault.host, [])
+        if x.origin == "unknown" and several and len({m.launch for m in mine}) >= 2:
+            out[i] = _evidence(
+                x.fault, x.fault_class, "hardware", "the host faulted again in another launch",
+                mine, x.ranks, several_hosts=several,
+            )  # fmt: skip
+    return sorted(out, key=lambda x: x.fault.t)
+
+
+def _primary(window: list[Fault]) -> Fault:
+    """The fault that explains the window: a re-run verdict (the numerical fault, not the
+    exception that carries it out of ``train()``), else a rank's own fault (the injected one
+    first, then the earliest), else the earliest collective failure."""
+    verdicts = [f for f in window if f.kind.startswith("rerun:")]
+    if verdicts:
+        # Every rank writes the verdict: the one of the rank whose exception carried it out.
+        raisers = {f.rank for f in window if f.exc_type}
+        v = min(verdicts, key=lambda f: (not f.injected, f.rank not in raisers, f.t))
+        # The step as ctx.ping names it (the exception's), not the re-run machine's count.
+        steps = [f.step for f in window if f.rank == v.rank and f.exc_type and f.step is not None]
+        return replace(v, step=steps[0]) if steps else v
+    own = [f for f in window if not f.in_collective]
+    pool = own or window
+    return min(pool, key=lambda f: (not f.injected, f.t))
 
 
 def _finding(
     f: Fault,
-    burst: list[Fault],
+    window: list[Fault],
     by_sig: dict[tuple[str, str, int | None], list[Fault]],
-    by_host: dict[str, list[Fault]],
+    *,
+    several_hosts: bool,
 ) -> Finding:
+    """Rules 0-3 and 5 (``attribute`` applies the recurrence rule, 4, to what is left)."""
     cls = classify(f)
-    text = f"{f.exc_type} {f.detail}"
+    own = [g for g in window if not g.in_collective and not g.kind.startswith("rerun:")]
+    ranks = sorted({g.rank for g in own})
+
+    def found(origin: str, rule: str, evidence: list[Fault] | None = None) -> Finding:
+        return _evidence(f, cls, origin, rule, evidence or [f], ranks, several_hosts=several_hosts)
+
+    if f.injected:
+        return found("injected", f"fired by the fault plan ({f.injected})")
+    # A peer's broken collective says nothing of the fault's origin when a rank had its own.
+    text = " ".join(f"{g.exc_type} {g.detail}" for g in (own or window))
     if _STORAGE.search(text):
-        return Finding(f, cls, "infrastructure", "storage error", [f.host], [f.step], [f.launch])
+        return found("infrastructure", "storage error")
     if _STORE.search(text):
-        return Finding(f, cls, "infrastructure", "coordination store lost", [f.host])
-    if burst:
-        hosts = sorted({b.host for b in burst})
-        return Finding(
-            f, cls, "infrastructure", f"{len(burst)} ranks failed in collectives at once", hosts
-        )
+        return found("infrastructure", "coordination store or network error")
+    if not own and len({g.rank for g in window if g.in_collective}) >= 2:
+        burst = [g for g in window if abs(g.t - f.t) <= BURST_S]
+        return found("infrastructure", f"{len(burst)} ranks failed in collectives at once", burst)
+    if f.kind == "unhealthy" or "persistent" in f.kind or _HARDWARE.search(text):
+        return found("hardware", "a failed health check, a GPU error or a persistent verdict")
+    places = {(g.exc_type, g.where) for g in own}
+    if len(ranks) >= 2 and len(places) == 1 and f.exc_type and f.where:
+        return found("application", "every rank that faulted hit the same error at one place", own)
     same = by_sig.get(f.signature, [])
-    hosts = sorted({s.host for s in same if s.host})
-    if len(hosts) >= 2 and f.exc_type:
-        return Finding(
-            f, cls, "application", "the same error at the same step on different hosts",
-            hosts, sorted({s.step for s in same}, key=_step_key), sorted({s.launch for s in same}),
+    if len({s.host for s in same if s.host}) >= 2 and f.exc_type:
+        return found("application", "the same error at the same step on different hosts", same)
+    if len({s.window for s in same}) >= 2 and f.kind == "exception" and f.exc_type and f.where:
+        # Deterministic: the restart policy's max_same_fault stop calls this a bug too.
+        return found(
+            "application", f"the same exception at the same place and step in {len(same)} "
+            "windows", same,
         )  # fmt: skip
-    if f.kind == "unhealthy" or "persistent" in f.kind:
-        return _hardware(f, cls, "a failed health check or a persistent re-run verdict", [f])
-    mine = by_host.get(f.host, []) if f.host else []
-    steps = {m.step for m in mine}
-    launches = {m.launch for m in mine}
-    if len(mine) >= 2 and (len(steps) >= 2 or len(launches) >= 2):
-        return _hardware(f, cls, "recurs on one host at different steps or launches", mine)
-    return Finding(f, cls, "unknown", "seen once", [f.host], [f.step], [f.launch])
+    return found("unknown", "seen once, no evidence of an origin")
 
 
-def _hardware(f: Fault, cls: str, rule: str, evidence: list[Fault]) -> Finding:
+def _evidence(
+    f: Fault,
+    cls: str,
+    origin: str,
+    rule: str,
+    evidence: list[Fault],
+    ranks: list[int],
+    *,
+    several_hosts: bool,
+) -> Finding:
+    exclude = f"--exclude={f.host}" if origin == "hardware" and several_hosts and f.host else ""
     return Finding(
-        f, cls, "hardware", rule, [f.host],
+        f, cls, origin, rule, sorted({e.host for e in evidence if e.host}),
         sorted({e.step for e in evidence}, key=_step_key), sorted({e.launch for e in evidence}),
-        exclude=f"--exclude={f.host}" if f.host else "",
+        exclude, ranks,
     )  # fmt: skip
-
-
-def _burst(f: Fault, faults: list[Fault]) -> list[Fault]:
-    """Collective failures of many ranks at once in f's launch and iteration, with no rank's
-    own fault among them: a network problem rather than any one rank's."""
-    same = [g for g in faults if g.launch == f.launch and g.iteration == f.iteration]
-    if any(not g.in_collective for g in same):
-        return []
-    close = [g for g in same if abs(g.t - f.t) <= BURST_S]
-    ranks = {g.rank for g in close}
-    return close if len(ranks) >= 2 else []
 
 
 def _step_key(step: int | None) -> int:

@@ -1,8 +1,10 @@
 """``python -m inprocess.report JOURNAL_DIR [--json OUT] [--png OUT]`` and ``--attribute DIR...``.
 
 The downtime report of every launch recorded in a journal directory (terms defined in
-``inprocess.report.downtime``), and the attribution of faults across one or several directories
-(``inprocess.report.attribution``). Reads only the journal files; needs no torch.
+``inprocess.report.downtime``; with several launches, e.g. a requeued job's attempts, also the
+job view over them, ``inprocess.report.job_view``), and the attribution of faults across one or
+several directories (``inprocess.report.attribution``). Reads only the journal files; needs no
+torch.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from inprocess import journal
-from inprocess.report import attribution, downtime
+from inprocess.report import attribution, downtime, job_view
+
+EXIT_NO_PLOT = 3  # --png without matplotlib: the text and the JSON were written, the PNG not
 
 
 def reports(directory: str | Path) -> list[downtime.LaunchReport]:
@@ -37,10 +41,16 @@ def format_report(r: downtime.LaunchReport) -> str:
     (outside the downtime sum: the ranks that train go on meanwhile).
     """
     title = f"launch {r.launch}" if r.launch else "downtime report"
+    reached = {
+        "ping": f"highest step reached {r.steps}",
+        "saves": f"highest step saved {r.steps} (no ctx.ping: progress from checkpoint saves)",
+        "probe": "steps unknown (no ctx.ping, no checkpoint save: progress from the progress "
+        "probe; redo not measured)",
+    }[r.progress_source]
     lines = [
         f"{title}: wall {r.wall:.2f} s = startup {r.startup:.2f} s + productive "
         f"{r.productive:.2f} s + downtime {r.downtime:.2f} s; goodput {100 * r.goodput:.1f} %",
-        f"  highest step reached {r.steps}, restarts {r.restarts}, checkpoint stalls outside "
+        f"  {reached}, restarts {r.restarts}, checkpoint stalls outside "
         f"fault windows {r.checkpoint:.3f} s",
     ]
     if r.respawns or r.in_job_restarts:  # only in a journal the launcher wrote to as well
@@ -54,17 +64,19 @@ def format_report(r: downtime.LaunchReport) -> str:
 
 def _window_rows(windows: list[downtime.Window]) -> list[str]:
     lines = [
-        f"  {'injected fault':24} {'level':10} {'it':>3} {'cause':14} {'initial ranks':13} "
+        f"  {'injected fault':24} {'level':10} {'it':>3} {'cause':14} {'rank':>5} "
+        f"{'initial rank':>12} "
         f"{'lost-before [s]':>15} {'detect [s]':>10} {'restart [s]':>11} {'reload [s]':>10} "
         f"{'redo [s]':>8} {'downtime [s]':>12}  {'tier':9} {'from step':>9} "
         f"{'back at step':>12}"
     ]
     for w in windows:
         t = w.terms
-        ranks = ",".join(map(str, w.faulting_ranks)) or "-"
+        trained, initial = _ranks(w)
         from_step = "-" if w.restored_step is None else str(w.restored_step)
         lines.append(
-            f"  {w.fault or '-':24} {w.level:10} {w.iteration:3d} {w.kind:14} {ranks:13} "
+            f"  {w.fault or '-':24} {w.level:10} {w.iteration:3d} {w.kind:14} {trained:>5} "
+            f"{initial:>12} "
             f"{t['lost_before']:15.3f} {t['detection']:10.3f} {t['restart']:11.3f} "
             f"{t['reload']:10.3f} {t['redo']:8.3f} {t['downtime']:12.3f}  "
             f"{w.tier or '-':9} {from_step:>9} {w.reached_step:>12}"
@@ -72,10 +84,21 @@ def _window_rows(windows: list[downtime.Window]) -> list[str]:
     return [
         *lines,
         "  (level: in-process restart, or in-job (the launcher restarted every rank); it: the "
-        "iteration that faulted; initial ranks: the blamed processes' RANK at launch;",
+        "iteration that faulted; rank: the blamed rank as the fault plan and ctx.rank name it; "
+        "initial rank: its RANK at launch, as the restart's cause names it;",
         "   from step: the checkpoint restored; back at step: the step reached before the fault, "
         "reached again where the window ends; each row's terms add up to its downtime)",
     ]
+
+
+def _ranks(w: downtime.Window) -> tuple[str, str]:
+    """The blamed ranks as the fault plan and ``ctx.rank`` name them ("-" where unknown: an
+    in-job restart), and their RANK at launch (what the restart's cause and logs say)."""
+    trained = []
+    for i in range(len(w.faulting_ranks)):
+        r = w.training_ranks[i] if i < len(w.training_ranks) else None
+        trained.append("-" if r is None else str(r))
+    return ",".join(trained) or "-", ",".join(map(str, w.faulting_ranks)) or "-"
 
 
 def _respawn_rows(windows: list[downtime.RespawnWindow]) -> list[str]:
@@ -102,22 +125,28 @@ def _respawn_rows(windows: list[downtime.RespawnWindow]) -> list[str]:
     return lines
 
 
+class PlotUnavailable(RuntimeError):
+    """``plot`` needs matplotlib, which is not installed; the message names the extra."""
+
+
 def plot(reps: list[downtime.LaunchReport], records: list[dict[str, Any]], out: Path) -> None:
-    """A timeline PNG: rank 0's step over time, each fault window shaded, checkpoints marked."""
+    """A timeline PNG: rank 0's progress over time, each fault window shaded, checkpoints marked.
+
+    Raises ``PlotUnavailable`` (nothing written) without matplotlib.
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit(f"--png needs matplotlib: pip install 'restartable[plot]' ({e})") from e
+        raise PlotUnavailable(
+            f"the timeline needs matplotlib ({e}): install the extra, pip install "
+            "'restartable[plot]' (or pip install matplotlib)"
+        ) from e
     t0 = min(r.start for r in reps)
     fig, ax = plt.subplots(figsize=(10, 4))
-    rank0 = [
-        (float(r["t"]) - t0, int(r["step"]))
-        for r in records
-        if r["event"] == "step" and r.get("training_rank") == 0
-    ]
+    rank0 = [(t - t0, s) for rep in reps for t, s in rep.progress]
     ax.plot([t for t, _ in rank0], [s for _, s in rank0], ".", ms=2, label="step (rank 0)")
     for rep in reps:
         for w in rep.windows:
@@ -154,26 +183,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.attribute:
             records = [r for d in args.dirs for r in journal.read(d)]
-            findings = attribution.attribute(attribution.faults_of(records))
+            findings = attribution.analyse(records)
             out["attribution"] = [f.as_dict() for f in findings]
             for f in findings:
-                print(
-                    f"{f.fault.launch or '-'} it {f.fault.iteration} rank {f.fault.rank} "
-                    f"({f.fault.host}): {f.fault_class}, origin {f.origin}: {f.rule}"
-                    + (f"; hosts {', '.join(f.hosts)}" if f.hosts else "")
-                    + (f"; {f.exclude}" if f.exclude else "")
-                )
+                print(f.line())
         else:
             if len(args.dirs) != 1:
                 p.error("a report reads one journal directory (several only with --attribute)")
             reps = reports(args.dirs[0])
             out["launches"] = [r.as_dict() for r in reps]
             print("\n".join(format_report(r) for r in reps))
-            if args.png:
-                plot(reps, journal.read(args.dirs[0]), args.png)
+            if len(reps) > 1:  # several attempts (a requeued job): the job over all of them
+                view = job_view.build(reps)
+                out["job"] = view.as_dict()
+                print(job_view.format_view(view))
     except ValueError as e:
         print(f"inprocess.report: error: {e}", file=sys.stderr)
         return 2
-    if args.json:
+    if args.json:  # before the picture: a missing plotting library costs the PNG alone
         args.json.write_text(json.dumps(out, indent=2))
+    if args.png and not args.attribute:
+        try:
+            plot(reps, journal.read(args.dirs[0]), args.png)
+        except PlotUnavailable as e:
+            written = f"; {args.json} was written" if args.json else ""
+            print(f"inprocess.report: --png: {e}{written}", file=sys.stderr)
+            return EXIT_NO_PLOT
     return 0

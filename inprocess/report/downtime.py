@@ -1,13 +1,22 @@
 """Downtime terms of one launch, computed from its journal records (pure; no I/O).
 
-Definitions (all times are the journal's ``time.time()`` stamps, seconds). Progress is the
-training rank 0's ``step`` records: ``step`` s at time t means rank 0 reached step s (it
-called ``ctx.ping(s)``), so step s - 1 was complete.
+Definitions (all times are the journal's ``time.time()`` stamps, seconds). Progress is what
+the framework saw of training rank 0, from the first source that has any (``progress_source``):
+
+    ping       its ``step`` records: ``step`` s at time t means rank 0 reached step s (it called
+               ``ctx.ping(s)``), so step s - 1 was complete
+    saves      its checkpoint ``save`` records (a script that never calls ``ctx.ping``): step s
+               at t means s was saved, so the steps between two saves are one unit of progress
+    probe      its ``progress`` records (the soft timeout's progress probe saw its main thread
+               run, at most one a second, written only while no step is known): no step
+               numbers; the windows' redo is zero and ``steps`` is None
 
     wall       = job_end - job_start (the launch's first "job_start", last "job_end")
     startup    = first step reached - job_start
     per fault window (one per in-process restart, and one per in-job restart of
-    ``inprocess.launch``; a restart that starts before the previous window closed extends it):
+    ``inprocess.launch``; a restart that starts before the previous window closed extends it,
+    and an in-process window so extended keeps the first fault's iteration, cause, ranks and
+    detection: the failed re-entry is part of its ``restart``):
       last     = the last step reached before the fault's first sign
       sign     = the injected fault's "fault_fired" stamp, else the first "fault" record
       fault    = the name of that injected fault (e.g. "hang@rank0:step150"), else None
@@ -18,7 +27,8 @@ called ``ctx.ping(s)``), so step s - 1 was complete.
       reentered= the first "iteration_start" of the next iteration (in-job: of the new round)
       restored = the "restore" record of rank 0 in that iteration (so ``reload`` holds the
                  set-up of the new iteration too: model, DDP, a joining reserve's first steps)
-      back     = the first time rank 0 reaches again the step it had reached at ``last``
+      back     = the first time after ``restored`` that rank 0 reaches again the step it had
+                 reached at ``last`` (probe: its first sign of progress after ``restored``)
       terms    : lost_before = sign - last, detection = detected - sign,
                  restart = reentered - detected, reload = restored - reentered,
                  redo = back - restored;  downtime = back - last (their sum)
@@ -78,6 +88,9 @@ class Window:
     level: str = IN_PROCESS  # or IN_JOB: inprocess.launch restarted every rank
     round: int = 0  # the in-job restart round the fault happened in
     resumed: float | None = None  # rank 0's first step after ``reentered``
+    # The blamed ranks' training ranks in the faulted iteration (what a fault plan and
+    # ``ctx.rank`` call them), in the order of ``faulting_ranks``; None where unknown.
+    training_ranks: list[int | None] = field(default_factory=list)
 
     @property
     def terms(self) -> dict[str, float]:
@@ -132,10 +145,12 @@ class LaunchReport:
     checkpoint: float
     windows: list[Window] = field(default_factory=list)
     restarts: int = 0
-    steps: int = 0  # the highest step rank 0 reached (``ctx.ping``): steps - 1 were complete
+    steps: int | None = 0  # the highest step rank 0 reached (None: no step known, see below)
     respawns: int = 0  # processes the launcher started again (its journal, when it keeps one)
     in_job_restarts: int = 0
     respawn_windows: list[RespawnWindow] = field(default_factory=list)
+    progress_source: str = "ping"  # "ping" | "saves" | "probe" (see the module docstring)
+    progress: list[tuple[float, int]] = field(default_factory=list, repr=False)
 
     @property
     def wall(self) -> float:
@@ -166,6 +181,7 @@ class LaunchReport:
             "respawns": self.respawns,
             "in_job_restarts": self.in_job_restarts,
             "steps": self.steps,
+            "progress_source": self.progress_source,
             "faults": [
                 {
                     **asdict(w),
@@ -192,23 +208,22 @@ def launches(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 def build(records: list[dict[str, Any]], launch: str = "") -> LaunchReport:
     """The report of one launch's records (sorted by time, as ``journal.read`` returns them).
 
-    Raises ``ValueError`` when the records hold no step of training rank 0 (a journal of a job
-    that never trained, or a script that never calls ``ctx.ping(step)``).
+    Raises ``ValueError`` when the records hold no sign of training rank 0's progress at all (a
+    journal of a job that never trained).
     """
     ev = _by_event(records)
-    progress = [
-        (float(r["t"]), int(r["step"])) for r in ev.get("step", []) if r.get("training_rank") == 0
-    ]
+    progress, source = progress_of(ev)
     if not progress:
         raise ValueError(
-            "no step of training rank 0 in the journal: call ctx.ping(step) at each step "
-            "(the report measures progress from it)"
+            "no progress of training rank 0 in the journal (no step, checkpoint save or "
+            "progress probe record): the job never trained with the journal on; once it does, "
+            "ctx.ping(step) at each step gives the report step numbers (optional)"
         )
     start = min(float(r["t"]) for r in ev.get("job_start", records[:1]))
     ends = ev.get("job_end") or records[-1:]
     end = max(float(r["t"]) for r in ends)
     rounds = _rounds(records)
-    windows = _windows(rounds, ev.get("in_job_restart", []), progress)
+    windows = _windows(rounds, ev.get("in_job_restart", []), progress, stepped=source != "probe")
     stalls = [
         (float(r["t"]), float(r.get("stall_s", 0.0)))
         for r in ev.get("save", [])
@@ -227,9 +242,25 @@ def build(records: list[dict[str, Any]], launch: str = "") -> LaunchReport:
         ),
         respawns=len(ev.get("respawn", [])),
         in_job_restarts=len({int(r.get("round", 0)) for r in ev.get("in_job_restart", [])}),
-        steps=max(s for _, s in progress),
+        steps=None if source == "probe" else max(s for _, s in progress),
         respawn_windows=_respawn_windows(records, ev, rounds),
+        progress_source=source,
+        progress=progress,
     )
+
+
+def progress_of(ev: dict[str, list[dict[str, Any]]]) -> tuple[list[tuple[float, int]], str]:
+    """Training rank 0's progress ``[(t, step)]`` and its source (see the module docstring);
+    the probe's points all carry step 0."""
+    for event, source in (("step", "ping"), ("save", "saves"), ("progress", "probe")):
+        points = [
+            (float(r["t"]), int(r.get("step", 0)))
+            for r in ev.get(event, [])
+            if r.get("training_rank") == 0
+        ]
+        if points:
+            return points, source
+    return [], "ping"
 
 
 def _by_event(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -290,6 +321,8 @@ def _windows(
     rounds: list[dict[str, list[dict[str, Any]]]],
     in_job: list[dict[str, Any]],
     progress: list[tuple[float, int]],
+    *,
+    stepped: bool,
 ) -> list[Window]:
     cands: list[_Candidate] = []
     for k, ev in enumerate(rounds):
@@ -304,10 +337,18 @@ def _windows(
         before = [(t, s) for t, s in progress if t <= sign]
         last, reached = before[-1] if before else (sign, 0)
         restored = float(c.restores[0]["t"]) if c.restores else c.reentered
+        first: Window | None = None  # an in-process window this restart extends
         if out and last < out[-1].back:  # a fault before the previous window closed: merge
             prev = out.pop()
             last, sign, reached, fault = prev.last, prev.sign, prev.reached_step, prev.fault
-        back_at = [t for t, s in progress if t > c.reentered and s >= reached]
+            if prev.level == IN_PROCESS and c.level == IN_PROCESS:
+                first = prev
+        restored_step = c.restores[0].get("step") if c.restores else None
+        if stepped and restored_step is not None and int(restored_step) > reached:
+            # The fault's first sign came from a rank ahead of rank 0 (a NaN on rank 1 before
+            # rank 0 reached that step): rank 0 resumes at the restored step, nothing to redo.
+            reached = int(restored_step)
+        back_at = [t for t, s in progress if t > max(c.reentered, restored) and s >= reached]
         back = back_at[0] if back_at else restored
         resumed = next((t for t, _ in progress if t > c.reentered), None)
         in_job_level = c.level == IN_JOB
@@ -326,15 +367,32 @@ def _windows(
                 restored=restored,
                 back=back,
                 tier=c.restores[0].get("tier") if c.restores else None,
-                restored_step=c.restores[0].get("step") if c.restores else None,
+                restored_step=restored_step,
                 reached_step=reached,
                 fault=fault,
                 level=c.level,
                 round=c.round,
                 resumed=resumed,
+                training_ranks=_training_ranks(c.rec, in_job_level),
             )
         )
+        if first is not None:
+            # The window is the first fault's: its row names that fault, its iteration and
+            # ranks, and its detection; the failed re-entry until the later restart is part of
+            # ``restart`` (a kill, then a gloo timeout while the group re-formed under load).
+            w = out[-1]
+            w.iteration, w.cause, w.kind = first.iteration, first.cause, first.kind
+            w.faulting_ranks, w.training_ranks = first.faulting_ranks, first.training_ranks
+            w.detected = first.detected
     return out
+
+
+def _training_ranks(rec: dict[str, Any], in_job: bool) -> list[int | None]:
+    """Where each blamed initial rank stood among the active ranks of the faulted iteration."""
+    if in_job:
+        return []
+    before = [int(x) for x in rec.get("active_before", [])]
+    return [before.index(r) if r in before else None for r in rec.get("faulting_ranks", [])]
 
 
 def _fired_before(ev: dict[str, list[dict[str, Any]]], it: int, t: float) -> list[Any]:

@@ -344,6 +344,15 @@ def _settle(
                 iteration,
                 record.detail,
             )
+        elif hasattr(call.exc, "restartable_rank_action"):
+            # A verdict handed to the restart on purpose (rerun's RerunExit: a NaN re-run and
+            # judged): the designed path, not a failure to log with a traceback.
+            log.info(
+                "rank %d: train() handed a verdict to the restart in iteration %d: %s",
+                svc.me,
+                iteration,
+                record.detail,
+            )
         else:
             log.error(
                 "rank %d: train() raised in iteration %d", svc.me, iteration, exc_info=call.exc

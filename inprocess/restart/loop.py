@@ -314,7 +314,9 @@ class _Job:
         except (RestartAbortedError, StoreTimeoutError) as exc:
             self.outcome = "stopped"
             if self.store is not None:
-                job_keys.mark_stopped(self.store, str(getattr(exc, "reason", exc)))
+                job_keys.mark_stopped(
+                    self.store, str(getattr(exc, "reason", exc)), origin=getattr(exc, "origin", "")
+                )
             raise
 
     def _freeze_gc(self) -> None:
@@ -387,7 +389,9 @@ class _Job:
             t_barrier = time.monotonic()
             decision = self._restart_phase(iteration, assignment, target)
             if decision.stop is not None or decision.assignment is None:
-                raise RestartAbortedError(decision.stop or "no assignment", self.history)
+                raise RestartAbortedError(
+                    decision.stop or "no assignment", self.history, origin=decision.stop_origin
+                )
             first = min((f.time for f in decision.faults if f.time), default=out.noticed)
             pending = _PendingRestart(
                 decision=decision,

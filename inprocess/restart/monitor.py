@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any
 
+from inprocess import journal
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.protocol import keys
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 WAKE_SIGNAL = signal.SIGUSR2
 # How often a delivery deferred by an import in progress is retried.
 _DEFER_RETRY_S = 0.005
+# At most one "progress" journal record per this many seconds, and only while train() has not
+# reported a step (ctx.ping): the downtime report of a script without ping measures from them.
+PROGRESS_RECORD_S = 1.0
 
 
 # Code in which a main thread that makes no progress is waiting for its peers, not hung itself:
@@ -250,6 +254,7 @@ class Monitor:
             self._fire()
 
     def _watch_progress(self) -> None:
+        recorded = float("-inf")  # when the last "progress" record was written
         while not self._stop.wait(self._tick()):
             overrun = self._section_overrun()
             if overrun is not None:
@@ -269,6 +274,15 @@ class Monitor:
                 limit += soft / 2
             if stalled <= limit:
                 self._progress.poke()
+                now = self._clock.monotonic()
+                if (
+                    stalled < self._check_interval * 2
+                    and now - recorded >= PROGRESS_RECORD_S
+                    and journal.enabled()
+                    and self._step() is None
+                ):
+                    recorded = now
+                    journal.record("progress")
                 continue
             self._record(
                 kind="soft_timeout",

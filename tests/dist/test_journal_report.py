@@ -51,3 +51,27 @@ def test_report_of_a_job_that_is_not_the_example(tmp_path: Path) -> None:
     assert cli.returncode == 0, cli.stderr
     assert "goodput" in cli.stdout and "downtime [s]" in cli.stdout
     assert json.loads(out.read_text())["launches"][0]["restarts"] == 1
+
+
+def test_report_of_a_script_that_never_pings_nor_saves(tmp_path: Path) -> None:
+    # The README calls ctx.ping optional: the report measures such a job from the progress
+    # probe (no step numbers) instead of refusing it.
+    jdir = tmp_path / "journal"
+    outs = run_ranks(
+        2,
+        target="tests.dist.workers_journal:job",
+        kwargs={"root": str(tmp_path / "ckpt"), "record_dir": str(tmp_path / "faults"),
+                "ping": False, "step_s": 0.05},
+        host_store=True,
+        deadline=60,
+        env={journal.ENV_DIR: str(jdir)},
+    )  # fmt: skip
+    assert [o.result["value"] for o in outs] == [80, 80]  # 15 steps done, then 40 from 0
+    (rep,) = report.reports(jdir)
+    assert rep.progress_source == "probe" and rep.steps is None
+    assert rep.startup + rep.productive + rep.downtime == pytest.approx(rep.wall, abs=1e-9)
+    (w,) = rep.windows
+    assert w.kind == "exception" and w.faulting_ranks == [1]
+    # The probe records at most once a second: the window opens within that of the fault.
+    assert 0 <= w.terms["lost_before"] <= 1.5 and w.back >= w.restored
+    assert "steps unknown" in report.format_report(rep)

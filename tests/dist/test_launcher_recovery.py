@@ -22,6 +22,9 @@ from typing import Any
 import pytest
 
 from inprocess.launch.autoresume import EXIT_REQUEUE
+from inprocess import journal
+from inprocess.report import attribution
+from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
 from tests.dist.workers_launcher_recovery import clean_loss
 from tests.multiproc import REPO_ROOT, JobOutput, run_job, slow
 
@@ -244,3 +247,24 @@ def test_lost_node_without_enough_ranks_ends_with_requeue_status() -> None:
 
 
 pytestmark = pytest.mark.timeout(150)
+
+
+@slow("a launcher case")
+def test_a_bug_every_rank_hits_ends_the_job_without_restart_or_requeue() -> None:
+    # Every rank raises at step 1, every time: after max_same_fault (3) in-process restarts the
+    # launcher neither restarts the job in place nor asks for a requeue (it did: 75).
+    flag = Path(tempfile.mkdtemp()) / "autoresume.json"
+    flag.write_text("{}")  # a stale flag of an earlier attempt: removed
+    opts = {"steps": 4, "raise_at": {"step": 1, "rank": None}}
+    job, d = launch(2, opts, "--max-restarts", "1", "--num-job-retries-on-failure", "2",
+                    "--autoresume-file", str(flag))  # fmt: skip
+    assert job.returncode == EXIT_APPLICATION, job.output
+    assert "in-job restart" not in job.output, job.output
+    assert "exit 70 (application fault (not requeued))" in job.output, job.output
+    assert "not restarted and not requeued" in job.output and not flag.exists()
+    records = journal.read(d / "journal")
+    (end,) = [r for r in records if r["event"] == "launcher_exit"]
+    assert (end["status"], end["requeue_flag"]) == (EXIT_APPLICATION, False)
+    # Attribution agrees: each of the three windows is the same exception at one place.
+    found = attribution.analyse(records)
+    assert len(found) == 3 and {f.origin for f in found} == {"application"}, found

@@ -46,7 +46,7 @@ def main(opts: dict[str, Any]) -> None:
     """``opts``: dir, steps, step_time, ckpt_every, config (RestartConfig keywords),
     kills ([{iteration, rank, step}]: SIGKILL ctx.rank at that step, waiting first until a
     respawned process waits in the pool when ``refill``), raise_at ({step, rank, once}: raise at
-    that step), crash_respawned (a respawned process exits 3 at start-up), plain (no
+    that step; rank None: on every rank), crash_respawned (a respawned process exits 3 at start-up), plain (no
     ``@restartable``: one process group from the environment, as under torchrun)."""
     if opts.get("crash_respawned") and os.environ.get("INPROCESS_RESPAWN_GENERATION"):
         print("respawned process crashes at start-up (simulated bad environment)", flush=True)
@@ -83,7 +83,7 @@ def main(opts: dict[str, Any]) -> None:
                                                 "time": time.time()})  # fmt: skip
                     os.kill(os.getpid(), signal.SIGKILL)
             r = opts.get("raise_at")
-            if r and (r["step"], r["rank"]) == (step, ctx.rank):
+            if r and r["step"] == step and r["rank"] in (None, ctx.rank):  # None: every rank
                 marker = d / "raised"
                 if not (r.get("once") and marker.exists()):
                     marker.write_text(repr(time.time()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from inprocess.report import attribution
@@ -58,5 +60,118 @@ def test_collective_failures_follow_their_peer_unless_many_fail_alone() -> None:
 
 
 def test_failed_health_check_is_hardware() -> None:
-    f = _findings([_fault("a", "gpu-node3", 2, 0, kind="unhealthy", exc_type="")])
+    # Two hosts: an --exclude line is advice only where another host can take the work.
+    other = _fault("b", "gpu-node4", 0, 7, kind="soft_timeout", exc_type="")
+    f = _findings([_fault("a", "gpu-node3", 2, 0, kind="unhealthy", exc_type=""), other])
     assert f[("a", 0)].origin == "hardware" and f[("a", 0)].exclude == "--exclude=gpu-node3"
+
+
+# --- one finding per fault window: the demo's journal and a multi-launch set ------------------
+
+DEMO = Path(__file__).parent / "data" / "demo_journal.jsonl"  # the README demo's journal, as
+# written by `inprocess.launch --nproc-per-node 4 examples/train.py --faults demo` (its
+# per-step "step"/"save" records left out: attribution reads none of them)
+DEMO_CLASSES = ["exception", "kill", "hang", "numerical", "exception"]
+DEMO_FAULTS = ["exception@rank1:step50", "kill@rank1:step100", "hang@rank0:step150",
+               "nan@rank1:step200", "exception@rank0:step250"]  # fmt: skip
+
+
+def _demo() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in DEMO.read_text().splitlines()]
+
+
+def test_the_demo_gets_five_findings_for_its_five_faults() -> None:
+    found = attribution.analyse(_demo())
+    assert [f.fault_class for f in found] == DEMO_CLASSES
+    assert [f.fault.injected for f in found] == DEMO_FAULTS
+    assert {f.origin for f in found} == {"injected"}
+    # Each names the rank as the plan does, and the step it fired at.
+    assert [(f.fault.training_rank, f.fault.step) for f in found] == [
+        (1, 50), (1, 100), (0, 150), (1, 200), (0, 250)
+    ]  # fmt: skip
+    assert [f.fault.rank for f in found] == [1, 1, 0, 3, 0]  # initial ranks: 3 took 1's place
+
+
+def test_the_demo_without_its_plan_is_never_hardware_on_its_one_host() -> None:
+    # The same journal as if nothing had been injected: the rules alone must not blame the
+    # only host there is, nor advise excluding it.
+    found = attribution.analyse([r for r in _demo() if r["event"] != "fault_fired"])
+    assert [f.fault_class for f in found] == DEMO_CLASSES
+    assert all(f.origin == "unknown" and not f.exclude for f in found), [f.line() for f in found]
+
+
+def _restart(launch: str, it: int, cause: str, t: float, before: list[int]) -> dict[str, Any]:
+    rank = int(cause.split(" on rank ")[1].split()[0])
+    return {"event": "restart", "t": t, "launch": launch, "host": "n0", "rank": 0,
+            "iteration": it, "cause": cause, "faulting_ranks": [rank],
+            "active_before": before}  # fmt: skip
+
+
+def test_a_multi_launch_set_classifies_each_window_once() -> None:
+    ranks = [0, 1, 2, 3]
+    # Launches a and c ran ranks 0, 1 on n0 and 2, 3 on n1; the requeued launch b got n2, n3.
+    host = {("a", 0): "n0", ("a", 1): "n0", ("a", 2): "n1", ("a", 3): "n1",
+            ("b", 0): "n2", ("b", 1): "n2", ("b", 2): "n3", ("b", 3): "n3"}  # fmt: skip
+    host.update({("c", r): h for (launch, r), h in host.items() if launch == "a"})
+    records = [
+        *[{"event": "job_start", "t": t, "launch": launch, "host": host[(launch, r)], "rank": r}
+          for launch, t in (("a", 0.0), ("b", 9.0), ("c", 19.0)) for r in ranks],
+        # Launch a: a bug every rank hits at the same line (a restart each time).
+        *[_fault("a", host[("a", r)], r, 7, t=1.0 + r / 100, where="model.py:12") for r in ranks],
+        _restart("a", 1, "exception on rank 0", 1.2, ranks),
+        # Launch a: rank 2 killed (no record of its own; its peers' collectives broke).
+        _fault("a", "n0", 0, 9, iteration=1, t=3.0, in_collective=True, exc_type="DistError"),
+        _fault("a", "n0", 1, 9, iteration=1, t=3.0, in_collective=True, exc_type="DistError"),
+        _restart("a", 2, "dead on rank 2 (collateral, not counted: rank(s) 0, 1)", 3.1, ranks),
+        # Launch b: a hard-timeout kill of a GIL-held hang; then a NaN every rank re-ran.
+        _restart("b", 1, "hard_timeout on rank 3", 10.0, ranks),
+        *[{"event": "rerun_verdict", "t": 12.0 + r / 100, "launch": "b",
+           "host": host[("b", r)], "rank": r, "training_rank": r, "iteration": 1, "step": 30,
+           "verdict": "transient_error"} for r in ranks],
+        _fault("b", "n2", 1, 29, iteration=1, t=12.1, exc_type="rerun.errors.RerunExit"),
+        # Launch c: a straggler swapped out; a disk full; a CUDA error on n1; another fault on
+        # n1, which lost rank 2 in launch a as well.
+        _fault("c", "n0", 0, 40, kind="straggler", exc_type="", t=20.0),
+        _fault("c", "n0", 1, 50, iteration=1, t=21.0, exc_type="CheckpointStorageError",
+               detail="[Errno 28] No space left on device"),
+        _fault("c", "n1", 2, 60, iteration=2, t=22.0,
+               detail="CUDA error: an illegal memory access was encountered"),
+        _fault("c", "n1", 3, 70, iteration=3, t=23.0, where="data.py:3"),
+    ]  # fmt: skip
+    found = attribution.analyse(sorted(records, key=lambda r: r["t"]))
+    got = [(f.fault.launch, f.fault.iteration, f.fault_class, f.origin) for f in found]
+    assert got == [
+        ("a", 0, "exception", "application"),
+        ("a", 1, "kill", "hardware"),  # n1 faulted again in launch c
+        ("b", 0, "hang", "unknown"),
+        ("b", 1, "numerical", "unknown"),
+        ("c", 0, "straggler", "unknown"),
+        ("c", 1, "exception", "infrastructure"),
+        ("c", 2, "exception", "hardware"),
+        ("c", 3, "exception", "hardware"),
+    ], [f.line() for f in found]
+    assert found[0].ranks == ranks and found[0].hosts == ["n0", "n1"] and not found[0].exclude
+    assert (found[1].fault.rank, found[1].fault.training_rank, found[1].fault.host) == (2, 2, "n1")
+    assert found[2].fault.host == "n3" and found[3].fault.rank == 1
+    assert [f.exclude for f in found if f.origin == "hardware"] == ["--exclude=n1"] * 3
+    assert all(not f.exclude for f in found if f.origin != "hardware")
+
+
+def test_recurrence_on_the_only_host_is_no_evidence() -> None:
+    a = _fault("a", "vm", 0, 5, where="x.py:1")
+    b = _fault("b", "vm", 1, 9, where="y.py:2")
+    found = attribution.analyse([a, b])
+    assert [f.origin for f in found] == ["unknown", "unknown"] and not any(f.exclude for f in found)
+
+
+def test_a_restart_that_blames_a_collective_failure_is_one_infrastructure_finding() -> None:
+    # Seen under load: after a kill, the re-formed group timed out on every rank (gloo); the
+    # policy counted rank 0's record as its own. One window, one finding, no invented fault.
+    records = [
+        _fault("a", "vm", r, 100, iteration=2, t=10.0 + r / 10, in_collective=True,
+               exc_type="builtins.RuntimeError", detail="Timed out waiting 2500ms for send")
+        for r in (0, 2, 3)
+    ] + [_restart("a", 3, "exception on rank 0 (collateral, not counted: rank(s) 2, 3)", 10.5,
+                  [0, 3, 2])]  # fmt: skip
+    (f,) = attribution.analyse(records)
+    assert (f.fault.iteration, f.origin) == (2, "infrastructure"), f.line()

@@ -62,6 +62,14 @@ def test_a_second_restart_inside_a_window_extends_it() -> None:
     r = downtime.build(sorted(recs, key=lambda x: x["t"]))
     assert len(r.windows) == 1
     assert r.windows[0].last == pytest.approx(2.0) and r.windows[0].back == pytest.approx(4.7)
+    # The row is the first fault's (the hang on rank 1, detected at 4.05), not the later one's.
+    w = r.windows[0]
+    assert (w.iteration, w.kind, w.faulting_ranks, w.fault) == (0, "soft_timeout", [1],
+                                                                "hang@rank1:step10")  # fmt: skip
+    assert w.terms["detection"] == pytest.approx(2.0)
+    assert sum(v for k, v in w.terms.items() if k != "downtime") == pytest.approx(
+        w.terms["downtime"]
+    )
 
 
 def test_a_journal_without_steps_says_what_to_do() -> None:

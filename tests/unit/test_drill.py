@@ -3,6 +3,8 @@ validation, and which process fires it (exactly one, once per job) on an in-memo
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import random
 import warnings
 
@@ -129,3 +131,26 @@ def test_the_launcher_tells_each_rank_its_round_and_launch() -> None:
     assert env["INPROCESS_LAUNCH_ROUND"] == "2"
     assert env["RESTARTABLE_LAUNCH_ID"] == "20261122-203815-1a2b3c"
     assert read_env(env).launch_round == 2
+
+
+def test_a_drill_that_loses_its_rank_with_no_reserve_nor_respawn_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = RestartConfig(**_NEVER, simulated_fault_rank=1, simulated_fault_type="rank_killed")
+    with caplog.at_level(logging.WARNING, logger="inprocess.faults.drill"):
+        armed = drill.start_in_rank(cfg, _env(1), dist.HashStore())
+    assert armed is not None
+    armed.close()
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "no warm reserve and respawn off" in line and "shrink to 3 ranks" in line
+    caplog.clear()
+    # A reserve (active_world_size < world) or respawn replaces it: nothing to say.
+    for cfg2, env in (
+        (RestartConfig(**_NEVER, simulated_fault_rank=1, active_world_size=3), _env(1)),
+        (cfg, dataclasses.replace(_env(1), max_respawns=1)),
+    ):
+        with caplog.at_level(logging.WARNING, logger="inprocess.faults.drill"):
+            d = drill.start_in_rank(cfg2, env, dist.HashStore())
+        assert d is not None
+        d.close()
+    assert not caplog.records

@@ -231,3 +231,17 @@ def test_fire_planned_fires_a_fault_before_claiming_a_nan_at_the_same_step(tmp_p
         ("exception", 0),
         ("nan", 1),
     ]
+
+
+def test_a_plan_that_loses_a_rank_without_reserve_or_respawn_warns_in_one_line() -> None:
+    from inprocess.faults import parse_plan, shrink_warning
+
+    plan = parse_plan("demo", steps=300)
+    line = shrink_warning(plan, world_size=4, active=4, max_respawns=0)
+    assert line is not None and "\n" not in line
+    assert "kill@rank1:step100" in line and "0 warm reserve(s)" in line
+    # A reserve, or respawn, replaces the lost rank: nothing to say.
+    assert shrink_warning(plan, world_size=4, active=3, max_respawns=0) is None
+    assert shrink_warning(plan, world_size=4, active=4, max_respawns=1) is None
+    assert shrink_warning(parse_plan("exception@rank0:step5", steps=9), world_size=2, active=2,
+                          max_respawns=0) is None  # fmt: skip

@@ -346,3 +346,19 @@ def test_properties_of_every_decision(s: dict[str, Any]) -> None:
     assert sorted(everyone) == list(range(world))  # every rank in exactly one role
     assert retired_now <= new.retired and not (set(new.active) & retired_now)
     assert s["min_active_world_size"] <= len(new.active) <= len(a.active)
+
+
+def test_a_repeated_exception_of_the_code_stops_as_an_application_fault() -> None:
+    # The launcher ends such a job with EXIT_APPLICATION instead of restarting or requeueing it.
+    same = [[fault(1, it=i)] for i in range(3)]
+    d = run(same[2], it=2, history=same[:2], max_same_fault=3)
+    assert d.stop_origin == "application"
+    assert Decision.from_json(d.to_json()).stop_origin == "application"
+    # A repeated hang, or an exception that names a storage or GPU error, may be the machine's.
+    hangs = [[fault(1, "soft_timeout", it=i, step=5)] for i in range(3)]
+    assert run(hangs[2], it=2, history=hangs[:2], max_same_fault=3).stop_origin == ""
+    disk = [[fault(1, it=i, detail="OSError: [Errno 28] No space left on device")]
+            for i in range(3)]  # fmt: skip
+    assert run(disk[2], it=2, history=disk[:2], max_same_fault=3).stop_origin == ""
+    # Other stops have no origin.
+    assert run([fault(1, it=1)], it=1, max_iterations=2).stop_origin == ""
