@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from inprocess import report
-from inprocess.report import downtime, job_view
+from inprocess.report import cli, downtime, job_view
 
 
 def _job(event: str, *, launch: str = "L", t0: float = 0.0) -> list[dict[str, Any]]:
@@ -111,8 +111,8 @@ def test_png_without_matplotlib_names_the_extra_and_still_writes_the_json(
     _write(tmp_path / "j", _job("step"))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     out = tmp_path / "report.json"
-    status = report.main([str(tmp_path / "j"), "--json", str(out), "--png", str(tmp_path / "p")])
-    assert status == report.EXIT_NO_PLOT
+    status = cli.main([str(tmp_path / "j"), "--json", str(out), "--png", str(tmp_path / "p")])
+    assert status == cli.EXIT_NO_PLOT
     assert json.loads(out.read_text())["launches"][0]["steps"] == 20
     assert not (tmp_path / "p").exists()
     err = capsys.readouterr().err
@@ -131,7 +131,7 @@ def test_a_requeued_job_gets_a_report_per_attempt_and_a_job_view(
                 "iteration": 0, "launch": "attempt-1"} for i in range(21)]  # fmt: skip
     _write(tmp_path / "j", sorted(first + second, key=lambda r: r["t"]))
     out = tmp_path / "report.json"
-    assert report.main([str(tmp_path / "j"), "--json", str(out)]) == 0
+    assert cli.main([str(tmp_path / "j"), "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "launch attempt-0:" in text and "launch attempt-1:" in text
     assert "job over 2 attempts" in text and "requeue gap" in text
