@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from inprocess.environment import job_attempt
+
 EXIT_DONE = 0
 EXIT_VALIDATION_FAILED = 17  # rerun: the same wrong result on other hardware (not requeued)
 EXIT_RERUN_ELSEWHERE = 16  # rerun: re-run the step on other hardware (requeue)
@@ -41,12 +43,14 @@ class Flag:
 
 
 def attempt_number(flag_path: str | None, environ: dict[str, str] | None = None) -> int:
-    """This run's attempt (0 = first): ``SLURM_RESTART_COUNT``, else the previous flag's
-    attempt + 1, else 0."""
+    """This run's attempt (0 = first), decided once per job: ``environment.job_attempt`` (the
+    launcher's RESTARTABLE_ATTEMPT; under Slurm ``SLURM_RESTART_COUNT``, unset = 0, never the
+    flag file, which another node's launcher of this very attempt may have written already),
+    else the previous flag's attempt + 1, else 0. The launcher calls it once, at its start."""
     env = os.environ if environ is None else environ
-    count = env.get("SLURM_RESTART_COUNT", "")
-    if count.isdigit():
-        return int(count)
+    decided = job_attempt(env)
+    if decided is not None:
+        return decided
     if flag_path and Path(flag_path).is_file():
         try:
             return int(json.loads(Path(flag_path).read_text())["attempt"]) + 1

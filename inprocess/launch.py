@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from inprocess import autoresume, journal, respawn
+from inprocess import autoresume, environment, journal, respawn
 from inprocess.drill import FAULT_TYPES, FaultDrill
 from inprocess.job_control import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
@@ -229,6 +229,7 @@ def rank_env(
         "INPROCESS_LAUNCHER_PID": str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
         "INPROCESS_LAUNCH_ROUND": str(round_),
+        environment.ENV_ATTEMPT: str(getattr(args, "attempt", 0)),
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
@@ -303,6 +304,9 @@ class _LauncherJournal:
 
 
 def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
+    # Decided once, before anything of this attempt exists: read at the exit, the flag file may
+    # already be another node's (written for this attempt), and the launchers would disagree.
+    args.attempt = autoresume.attempt_number(args.autoresume_file)
     try:
         control = JobControl(
             node_rank=args.node_rank,
@@ -313,7 +317,8 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             beat_stale=max(2.0, 20 * args.monitor_interval),
             store_url=args.store,
             job_id=args.job_id,
-            launch_id=os.environ.get(journal.ENV_LAUNCH) or None,
+            # Under Slurm: one id per job attempt (a requeued attempt journals apart).
+            launch_id=environment.launch_id(),
         )
     except Exception as exc:
         return _finish(
@@ -438,7 +443,7 @@ def _status(end: RoundEnd, action: Action | None) -> tuple[int, str]:
 
 def _finish(args: argparse.Namespace, status: int, reason: str) -> int:
     """Log why the job ends, write or remove the autoresume flag, return ``status``."""
-    attempt = autoresume.attempt_number(args.autoresume_file)
+    attempt = args.attempt
     flagged = autoresume.settle(
         args.autoresume_file,
         status=status,

@@ -226,7 +226,9 @@ class SlurmCluster:
         self._spawn("slurmctld", ["/usr/sbin/slurmctld", "-D", "-f", str(self.conf)])
         self._wait(lambda: self._quiet(["scontrol", "ping"]), "slurmctld to answer")
         for name in NODES:
-            self._spawn(f"slurmd-{name}", ["/usr/sbin/slurmd", "-D", "-N", name, "-f", str(self.conf)])
+            self._spawn(
+                f"slurmd-{name}", ["/usr/sbin/slurmd", "-D", "-N", name, "-f", str(self.conf)]
+            )
         self._wait(lambda: self.idle_nodes() == len(NODES), "every node to be idle")
 
     def _quiet(self, argv: list[str]) -> bool:
@@ -360,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t0 = time.monotonic()
     with SlurmCluster(proctrack=args.proctrack) as cluster:
-        print(f"export SLURM_CONF={cluster.conf}  # up in {time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"export SLURM_CONF={cluster.conf}  # up in {time.monotonic() - t0:.1f} s", flush=True
+        )
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     return 0
