@@ -355,6 +355,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
                     return _finish(args, autoresume.EXIT_REQUEUE, "signalled during a restart")
                 continue
             status, reason = _status(end, action)
+            control.publish_end(status)
             control.leave()  # with etcd, the last launcher out deletes the job's keys
             return _finish(args, status, reason)
     except NodeLostError as exc:

@@ -2,6 +2,7 @@
 exits with the job's outcome, not only its rank's.
 
     srun --kill-on-bad-exit=0 python -m inprocess.task train.py --steps 1000
+    srun --kill-on-bad-exit=0 python -m inprocess.task -m inprocess.launch --nnodes 2 ...
 
 Under ``srun --kill-on-bad-exit=0`` a rank that was killed (a fault the job survived: a warm
 reserve took its place and the job finished) would otherwise make srun exit 137 and Slurm record
@@ -14,6 +15,13 @@ after its rank was killed, to read the job's outcome):
   job's state in the coordination store until the job ends, marks the rank as left (the store
   server waits for it: ``store_server --wait-for-tasks``), and exits 0 when the job finished,
   otherwise 128 + the signal (like a shell).
+
+With ``-m inprocess.launch`` the child is a node's launcher (one task per node, several nodes,
+the launchers' TCPStore): when it is killed (its ranks die with it), the task stands in for it
+in the launchers' control store (it beats and leaves in its name, so node 0's launcher waits
+for it) until a surviving launcher published the job's end status, and exits with that status
+(0: the job finished on the other nodes; 75: requeue). Node 0's launcher hosts that store: when
+it is the one killed, the outcome is unknown (128 + the signal); the others end with 75.
 
 It is a child subreaper (Linux): the processes its rank started and left behind (the store
 server of rank 0, a dead rank's watchdog) become its children, so every proctrack plugin keeps
@@ -45,9 +53,20 @@ log = logging.getLogger("inprocess.task")
 
 _PR_SET_CHILD_SUBREAPER = 36
 _OUTCOME_POLL_S = 0.5  # how often a dead rank's task looks at the job's state
+_VALUED = ("--orphan-grace", "--outcome-timeout")  # the task's options that take a value
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The task's options, then ``SCRIPT ARGS`` or ``-m MODULE ARGS`` (``module`` is None or
+    the module; ``script`` the script or the module)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module, rest = None, []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):  # the task's own options come first
+        if argv[i] == "-m" and i + 1 < len(argv):  # the rest belongs to the module
+            module, rest, argv = argv[i + 1], argv[i + 2 :], [*argv[:i], argv[i + 1]]
+            break
+        i += 2 if argv[i] in _VALUED else 1
     p = argparse.ArgumentParser(
         prog="python -m inprocess.task",
         description="Run one rank as a child; exit with the job's outcome (module docstring).",
@@ -68,6 +87,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     args = p.parse_args(argv)
+    args.module = module
+    if module is not None:
+        args.args = rest
     for name in ("orphan_grace", "outcome_timeout"):
         if not getattr(args, name) >= 0:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds")
@@ -84,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.propagate = False
     _become_subreaper()
     # Same process group as this task: a scheduler that signals the group reaches the rank.
+    target = ["-m", args.module] if args.module is not None else [args.script]
     child = subprocess.Popen(
-        [sys.executable, args.script, *args.args], env={**os.environ, ENV_TASK: "1"}
+        [sys.executable, *target, *args.args], env={**os.environ, ENV_TASK: "1"}
     )
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -95,32 +118,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     rc = child.wait()
-    status = rc if rc >= 0 else _after_kill(-rc, args.outcome_timeout)
+    status = rc if rc >= 0 else _after_kill(-rc, args)
     _end_orphans(args.orphan_grace)
     return status
 
 
-def task_status(returncode: int, job_done: bool | None) -> int:
-    """The task's exit status for its rank's ``returncode`` (Popen's: negative = killed by that
-    signal) and whether the job finished (None: unknown, or not a ``@restartable`` job)."""
+def task_status(returncode: int, job_status: int | None) -> int:
+    """The task's exit status for its child's ``returncode`` (Popen's: negative = killed by
+    that signal) and the job's status once it ended without the child (None: unknown, or the
+    job failed: the surviving tasks report that)."""
     if returncode >= 0:
         return returncode
-    return 0 if job_done else 128 - returncode
+    return job_status if job_status is not None else 128 - returncode
 
 
-def _after_kill(signum: int, timeout: float) -> int:
-    """The rank was killed: wait for the job's outcome in the store; the task's status."""
+def _after_kill(signum: int, args: argparse.Namespace) -> int:
+    """The child was killed: wait for the job's outcome in the store; the task's status."""
     name = _signal_name(signum)
+    what = "launcher" if args.module == "inprocess.launch" else "rank"
     try:
-        done = _job_done(timeout)
+        if what == "launcher":
+            job_status = _launcher_job_status(args.args, args.outcome_timeout)
+        else:
+            job_status = 0 if _job_done(args.outcome_timeout) else None
     except Exception as exc:  # no store, no job: the kill stands as this task's failure
-        log.warning("rank killed by %s; the job's outcome is unknown (%s)", name, exc)
-        done = None
-    if done:
-        log.info("rank killed by %s; the job finished without it: exit 0", name)
+        log.warning("%s killed by %s; the job's outcome is unknown (%s)", what, name, exc)
+        job_status = None
+    status = task_status(-signum, job_status)
+    if job_status == 0:
+        log.info("%s killed by %s; the job finished without it: exit 0", what, name)
     else:
-        log.warning("rank killed by %s and the job did not finish: exit %d", name, 128 + signum)
-    return task_status(-signum, done)
+        log.warning("%s killed by %s and the job did not finish: exit %d", what, name, status)
+    return status
+
+
+def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | None:
+    """Stand in for a killed launcher in the control store until the job's end status is
+    published (``JobControl.publish_end``); that status. None with etcd or one node."""
+    from inprocess.launch import parse_args as launch_args
+    from inprocess.store_server import client
+
+    a = launch_args(list(launch_argv))
+    if a.store is not None or a.nnodes == 1:
+        return None
+    store = client(a.master_addr, a.master_port, timeout=30.0)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            # Fresh beats: node 0's launcher waits for this node before its store goes away.
+            store.set(f"launch/beat/{a.node_rank}", repr(time.time()))
+            if store.check(["launch/end"]):
+                return int(store.get("launch/end"))
+            time.sleep(_OUTCOME_POLL_S)
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            store.set(f"launch/left/{a.node_rank}", "1")
 
 
 def _job_done(timeout: float) -> bool | None:

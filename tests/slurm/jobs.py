@@ -82,6 +82,15 @@ class Job:
                     return pid
         raise AssertionError(f"no process of rank {rank} in job {self.id}: {self.processes()}")
 
+    def kill_launcher(self, node: int) -> int:
+        """SIGKILL ``inprocess.launch`` of ``node`` (its ranks die with it: a lost node)."""
+        for pid, argv in self.processes():
+            launcher = argv.split()[1:3] == ["-m", "inprocess.launch"]
+            if launcher and _environ(pid).get("SLURM_NODEID") == str(node):
+                os.kill(pid, signal.SIGKILL)
+                return pid
+        raise AssertionError(f"no launcher of node {node} in job {self.id}: {self.processes()}")
+
     def assert_nothing_left(self, timeout: float = 20.0) -> None:
         """No process of the job may outlive it (store server, watchdogs, ranks)."""
         deadline = time.monotonic() + timeout
@@ -99,6 +108,7 @@ def submit(
     sbatch: tuple[str, ...] = (),
 ) -> Job:
     """``sbatch`` ``examples/slurm/<script>`` from the repository root with ``env`` exported."""
+    out_dir.mkdir(parents=True, exist_ok=True)  # sbatch cannot make it: the job would FAIL
     output = out_dir / f"{script}.out"
     full = {**cluster.env, "PYTHONPATH": str(REPO), **env}
     r = subprocess.run(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from inprocess import autoresume, environment
-from inprocess.task import task_status
+from inprocess.task import parse_args, task_status
 
 
 def test_under_slurm_the_attempt_is_slurms_even_when_a_flag_exists(tmp_path: Path) -> None:
@@ -46,16 +46,25 @@ def test_each_slurm_attempt_has_its_own_launch_id(
 
 
 @pytest.mark.parametrize(
-    ("returncode", "job_done", "status"),
+    ("returncode", "job_status", "status"),
     [
         (0, None, 0),
-        (75, True, 75),  # preempted: the requeue status comes through
-        (1, True, 1),  # a failure of its own is a failure
-        (-9, True, 0),  # killed, and a reserve finished the job: a fault the job survived
-        (-9, False, 137),  # killed, and the job did not finish
-        (-9, None, 137),  # killed, outcome unknown: the kill stands
-        (-15, True, 0),
+        (75, 0, 75),  # preempted: the requeue status comes through
+        (1, 0, 1),  # a failure of its own is a failure
+        (-9, 0, 0),  # killed, and a reserve finished the job: a fault the job survived
+        (-9, 75, 75),  # a killed launcher: the others asked for a requeue
+        (-9, None, 137),  # killed, and the job failed or its outcome is unknown: the kill stands
+        (-15, 0, 0),
     ],
 )
-def test_task_status(returncode: int, job_done: bool | None, status: int) -> None:
-    assert task_status(returncode, job_done) == status
+def test_task_status(returncode: int, job_status: int | None, status: int) -> None:
+    assert task_status(returncode, job_status) == status
+
+
+def test_task_takes_a_module_and_its_arguments() -> None:
+    args = parse_args(["--orphan-grace", "5", "-m", "inprocess.launch", "--nnodes", "2", "t.py"])
+    assert (args.module, args.script, args.args, args.orphan_grace) == (
+        "inprocess.launch", "inprocess.launch", ["--nnodes", "2", "t.py"], 5.0,
+    )  # fmt: skip
+    args = parse_args(["train.py", "--steps", "3", "-m", "x"])  # a script's own "-m" is its own
+    assert (args.module, args.script, args.args) == (None, "train.py", ["--steps", "3", "-m", "x"])
