@@ -8,8 +8,9 @@
     other      the status of the first rank that failed in a job without ``@restartable``
 
 The flag is a small JSON file, written atomically (temporary file + rename), so a script never
-reads half of it. The attempt number comes from Slurm (``SLURM_RESTART_COUNT``, set on a requeue)
-or from the flag of the previous attempt.
+reads half of it. The attempt number is decided once per job (``attempt_number``, at the
+launcher's start): Slurm's ``SLURM_RESTART_COUNT`` (unset: 0), or the flag of the previous
+attempt outside Slurm.
 """
 
 from __future__ import annotations
