@@ -22,14 +22,13 @@ _FRESH_WAIT_S = 120.0  # how long ranks other than 0 wait for rank 0 to clear th
 
 
 def launch_id() -> str:
-    """A name every rank of this launch agrees on: ``inprocess.launch``'s launch id (the same in
-    every in-job restart round, so a restarted round finds the node-local checkpoints and the
-    journal of its launch), else the Slurm job, the torchrun run, or the store address."""
-    found = (
-        os.environ.get("RESTARTABLE_LAUNCH_ID")
-        or os.environ.get("SLURM_JOB_ID")
-        or os.environ.get("TORCHELASTIC_RUN_ID")
-    )
+    """A name every rank of this launch agrees on: the framework's launch id
+    (``inprocess.launch``'s, the same in every in-job restart round, so a restarted round finds
+    the node-local checkpoints and the journal of its launch; under Slurm one per job attempt),
+    else the torchrun run, or the store address."""
+    from inprocess.protocol.environment import launch_id as framework_launch_id
+
+    found = framework_launch_id() or os.environ.get("TORCHELASTIC_RUN_ID")
     return found or f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}"
 
 

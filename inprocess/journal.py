@@ -30,10 +30,12 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from inprocess.protocol import environment
+
 CHANNEL = "restartable.journal"
 SCHEMA_VERSION = 1
 ENV_DIR = "RESTARTABLE_JOURNAL_DIR"
-ENV_LAUNCH = "RESTARTABLE_LAUNCH_ID"  # set by a launcher: groups one launch's files
+ENV_LAUNCH = environment.ENV_LAUNCH  # set by a launcher: groups one launch's files
 
 _log = logging.getLogger(CHANNEL)
 
@@ -127,8 +129,9 @@ def open_journal(
 ) -> Journal:
     """Open ``directory/rank<rank>-<host>-<pid>.jsonl`` for appending and start recording.
 
-    ``launch``: the launch id stamped on every record (default ``$RESTARTABLE_LAUNCH_ID``; a
-    launcher passes the id it gives its ranks).
+    ``launch``: the launch id stamped on every record (default ``environment.launch_id()``:
+    ``$RESTARTABLE_LAUNCH_ID``, under Slurm one per job attempt; a launcher passes the id it
+    gives its ranks).
 
     Raises ``ValueError`` naming the directory when it cannot be created or written.
     """
@@ -149,14 +152,23 @@ def open_journal(
         "host": host,
         "pid": os.getpid(),
         "rank": rank,
-        "launch": os.environ.get(ENV_LAUNCH, "") if launch is None else launch,
+        "launch": (environment.launch_id() or "") if launch is None else launch,
     }
     handler = _Handler(stream, identity)
     _log.addHandler(handler)
     _log.setLevel(logging.DEBUG)
     _log.propagate = False
     journal = Journal(path, handler)
-    record("process_start", argv=sys.argv, python=sys.version.split()[0], versions=_versions())
+    # job / attempt: which attempt of which scheduler job this launch is (a requeued Slurm job
+    # keeps its id); None outside a scheduler.
+    record(
+        "process_start",
+        argv=sys.argv,
+        python=sys.version.split()[0],
+        versions=_versions(),
+        job=os.environ.get("SLURM_JOB_ID") or None,
+        attempt=environment.job_attempt(),
+    )
     return journal
 
 

@@ -1,8 +1,17 @@
 """Hosting of and connecting to the coordination store (never inside a training process).
 
-``python -m inprocess.store_server --port P --world-size N`` runs a detached TCPStore server; it
-exits when every rank has left the job (``restartable/left`` reaches N), or after
-``--idle-timeout`` seconds without any key change.
+``python -m inprocess.store_server --port P --world-size N [--token T]`` runs a detached
+TCPStore server. It exits once every rank of the job has left (``mark_left``) or is known to be
+gone (its watchdog reported its death); with ``--wait-for-tasks`` (every rank runs under
+``inprocess.launch.task``, which marks a dead rank as left once it has read the job's outcome) only
+once every rank has left; or after ``--idle-timeout`` seconds without any key change. It ignores
+SIGTERM: a scheduler that signals every process of the step (Slurm's proctrack/linuxproc) must
+not take the store away from ranks that are writing their preemption checkpoint; it is ended by
+the rules above, or by its owner (``inprocess.launch.task``, Slurm's end of the step).
+
+``--token``: the launch id (``environment.launch_id``); the server publishes it, and every rank
+checks it after connecting, so a rank never joins a store left over from another job or attempt
+on the same port (it fails with an error that names both).
 """
 
 from __future__ import annotations
@@ -11,29 +20,63 @@ import argparse
 import datetime
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch.distributed as dist
 
+from inprocess.errors import ConfigError
 from inprocess.protocol.environment import LaunchEnv
-from inprocess.protocol.keys import ROOT
+from inprocess.protocol.keys import GONE_KEY, ROOT, StoreLike, parse_ranks, peek
 
 log = logging.getLogger(__name__)
 
 LEFT_KEY = ROOT + "left"  # every rank adds 1 when it leaves the wrapper for good
+LEFT_RANKS_KEY = ROOT + "left_ranks"  # the identities that left, "0,3,"
+TOKEN_KEY = ROOT + "token"  # the launch id of the server's job (--token)
 _POLL_S = 1.0  # server housekeeping cadence; not on any rank's critical path
 
 
 def connect(env: LaunchEnv, *, timeout: float) -> dist.TCPStore:
     """A client of the job's store; rank 0 first starts the server if nobody hosts one.
 
-    Blocks until the server answers, at most ``timeout`` seconds (the client retries).
+    Blocks until the server answers, at most ``timeout`` seconds (the client retries). When the
+    server was started here (nobody hosts one) and the launch has an id, checks the server's
+    token: ``ConfigError`` names a store of another launch that holds the port.
     """
-    if not env.store_hosted and env.rank == 0:
-        spawn_server(port=env.master_port, world_size=env.world_size)
-    return client(env.master_addr, env.master_port, timeout=timeout)
+    started_here = not env.store_hosted
+    if started_here and env.rank == 0:
+        spawn_server(
+            port=env.master_port,
+            world_size=env.world_size,
+            token=env.launch,
+            wait_for_tasks=env.under_task,
+        )
+    store = client(env.master_addr, env.master_port, timeout=timeout)
+    if started_here and env.launch:
+        check_token(store, env.launch, where=f"{env.master_addr}:{env.master_port}",
+                    timeout=timeout)  # fmt: skip
+    return store
+
+
+def check_token(store: dist.Store, token: str, *, where: str, timeout: float) -> None:
+    """Raise ``ConfigError`` unless the store at ``where`` belongs to launch ``token``."""
+    try:
+        store.wait([TOKEN_KEY], datetime.timedelta(seconds=timeout))
+        found = store.get(TOKEN_KEY).decode()
+    except Exception as exc:
+        if "timeout" not in str(exc).lower() and not isinstance(exc, TimeoutError):
+            raise
+        found = "(none: a store that is not ours)"
+    if found != token:
+        raise ConfigError(
+            f"the store at {where} belongs to launch {found}, not to this launch ({token}): "
+            "a store server of an earlier job or attempt still holds MASTER_PORT; end it, or "
+            "give this job another MASTER_PORT"
+        )
 
 
 def client(host: str, port: int, *, timeout: float) -> dist.TCPStore:
@@ -47,20 +90,33 @@ def client(host: str, port: int, *, timeout: float) -> dist.TCPStore:
     )
 
 
-def spawn_server(*, port: int, world_size: int, idle_timeout: float = 3600.0) -> int:
-    """Start the detached server process (own session: a signal to the rank spares it)."""
+def spawn_server(
+    *,
+    port: int,
+    world_size: int,
+    idle_timeout: float = 3600.0,
+    token: str | None = None,
+    wait_for_tasks: bool = False,
+) -> int:
+    """Start the detached server process (own session: a signal to the rank's process group
+    spares it). ``token`` and ``wait_for_tasks``: see the module docstring."""
+    argv = [
+        sys.executable,
+        "-m",
+        "inprocess.store_server",
+        "--port",
+        str(port),
+        "--world-size",
+        str(world_size),
+        "--idle-timeout",
+        str(idle_timeout),
+    ]
+    if token:
+        argv += ["--token", token]
+    if wait_for_tasks:
+        argv.append("--wait-for-tasks")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "inprocess.store_server",
-            "--port",
-            str(port),
-            "--world-size",
-            str(world_size),
-            "--idle-timeout",
-            str(idle_timeout),
-        ],
+        argv,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -71,19 +127,43 @@ def spawn_server(*, port: int, world_size: int, idle_timeout: float = 3600.0) ->
     return proc.pid
 
 
-def mark_left(store: dist.Store) -> int:
-    """This rank leaves the job (the server exits once all have); returns how many ranks have
-    left, this one included."""
-    return int(store.add(LEFT_KEY, 1))
+def mark_left(store: StoreLike, identity: int) -> int:
+    """Process ``identity`` leaves the job (the server exits once all have); returns how many
+    have left. Idempotent per identity: the rank and, after its death, its ``inprocess.launch.task``
+    may both mark it."""
+    if store.add(f"{ROOT}left/{identity}", 1) == 1:
+        store.append(LEFT_RANKS_KEY, f"{identity},")
+        return int(store.add(LEFT_KEY, 1))
+    return int(store.add(LEFT_KEY, 0))
 
 
-def serve(*, port: int, world_size: int, idle_timeout: float, host: str = "0.0.0.0") -> None:
-    """Run a server until all ranks left or nothing changed for ``idle_timeout`` seconds."""
+def all_left(store: Any, world_size: int, *, count_gone: bool) -> bool:
+    """Whether every rank 0..world_size-1 has left (or, with ``count_gone``, is gone)."""
+    out = parse_ranks(peek(store, LEFT_RANKS_KEY))
+    if count_gone:
+        out |= parse_ranks(peek(store, GONE_KEY))
+    return len(out & set(range(world_size))) >= world_size
+
+
+def serve(
+    *,
+    port: int,
+    world_size: int,
+    idle_timeout: float,
+    host: str = "0.0.0.0",
+    token: str | None = None,
+    wait_for_tasks: bool = False,
+) -> None:
+    """Run a server until the job is over (module docstring) or nothing changed for
+    ``idle_timeout`` seconds."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # see the module docstring
     server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    if token:
+        server.set(TOKEN_KEY, token)
     last_keys, last_change = -1, time.monotonic()
     while True:
         time.sleep(_POLL_S)
-        if server.check([LEFT_KEY]) and server.add(LEFT_KEY, 0) >= world_size:
+        if all_left(server, world_size, count_gone=not wait_for_tasks):
             return
         n = server.num_keys()
         if n != last_keys:
@@ -97,8 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=3600.0)
+    p.add_argument("--token", default=None)
+    p.add_argument("--wait-for-tasks", action="store_true")
     args = p.parse_args(argv)
-    serve(port=args.port, world_size=args.world_size, idle_timeout=args.idle_timeout)
+    serve(
+        port=args.port,
+        world_size=args.world_size,
+        idle_timeout=args.idle_timeout,
+        token=args.token,
+        wait_for_tasks=args.wait_for_tasks,
+    )
 
 
 if __name__ == "__main__":

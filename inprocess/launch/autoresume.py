@@ -12,8 +12,9 @@
     other      the status of the first rank that failed in a job without ``@restartable``
 
 The flag is a small JSON file, written atomically (temporary file + rename), so a script never
-reads half of it. The attempt number comes from Slurm (``SLURM_RESTART_COUNT``, set on a requeue)
-or from the flag of the previous attempt.
+reads half of it. The attempt number is decided once per job (``attempt_number``, at the
+launcher's start): Slurm's ``SLURM_RESTART_COUNT`` (unset: 0), or the flag of the previous
+attempt outside Slurm.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from inprocess.protocol.environment import job_attempt
 
 EXIT_DONE = 0
 EXIT_VALIDATION_FAILED = 17  # rerun: the same wrong result on other hardware (not requeued)
@@ -46,12 +49,14 @@ class Flag:
 
 
 def attempt_number(flag_path: str | None, environ: dict[str, str] | None = None) -> int:
-    """This run's attempt (0 = first): ``SLURM_RESTART_COUNT``, else the previous flag's
-    attempt + 1, else 0."""
+    """This run's attempt (0 = first), decided once per job: ``environment.job_attempt`` (the
+    launcher's RESTARTABLE_ATTEMPT; under Slurm ``SLURM_RESTART_COUNT``, unset = 0, never the
+    flag file, which another node's launcher of this very attempt may have written already),
+    else the previous flag's attempt + 1, else 0. The launcher calls it once, at its start."""
     env = os.environ if environ is None else environ
-    count = env.get("SLURM_RESTART_COUNT", "")
-    if count.isdigit():
-        return int(count)
+    decided = job_attempt(env)
+    if decided is not None:
+        return decided
     if flag_path and Path(flag_path).is_file():
         try:
             return int(json.loads(Path(flag_path).read_text())["attempt"]) + 1

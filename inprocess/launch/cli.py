@@ -43,7 +43,7 @@ from inprocess.faults.drill import FAULT_TYPES, FaultDrill
 from inprocess.launch import autoresume
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
-from inprocess.protocol import job_keys
+from inprocess.protocol import environment, job_keys
 
 log = logging.getLogger("inprocess.launch")
 
@@ -234,6 +234,7 @@ def rank_env(
         # So a script can tell whether a lost rank comes back (e.g. the example's warning
         # when its fault plan loses more ranks than it has reserves).
         "INPROCESS_MAX_RESPAWNS": str(getattr(args, "max_respawns", 0)),
+        environment.ENV_ATTEMPT: str(getattr(args, "attempt", 0)),
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
@@ -308,6 +309,9 @@ class _LauncherJournal:
 
 
 def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
+    # Decided once, before anything of this attempt exists: read at the exit, the flag file may
+    # already be another node's (written for this attempt), and the launchers would disagree.
+    args.attempt = autoresume.attempt_number(args.autoresume_file)
     try:
         control = JobControl(
             node_rank=args.node_rank,
@@ -318,7 +322,8 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             beat_stale=max(2.0, 20 * args.monitor_interval),
             store_url=args.store,
             job_id=args.job_id,
-            launch_id=os.environ.get(journal.ENV_LAUNCH) or None,
+            # Under Slurm: one id per job attempt (a requeued attempt journals apart).
+            launch_id=environment.launch_id(),
         )
     except Exception as exc:
         return _finish(
@@ -355,6 +360,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
                     return _finish(args, autoresume.EXIT_REQUEUE, "signalled during a restart")
                 continue
             status, reason = _status(end, action)
+            control.publish_end(status)
             control.leave()  # with etcd, the last launcher out deletes the job's keys
             return _finish(args, status, reason)
     except NodeLostError as exc:
@@ -446,7 +452,7 @@ def _status(end: RoundEnd, action: Action | None) -> tuple[int, str]:
 
 def _finish(args: argparse.Namespace, status: int, reason: str) -> int:
     """Log why the job ends, write or remove the autoresume flag, return ``status``."""
-    attempt = autoresume.attempt_number(args.autoresume_file)
+    attempt = args.attempt
     flagged = autoresume.settle(
         args.autoresume_file,
         status=status,

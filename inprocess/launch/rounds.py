@@ -14,6 +14,9 @@ earlier round is ever read again):
 * ``<ns>r{k}/live/{n}``    processes node ``n`` still runs or will respawn
 * ``<ns>beat/{n}``         node ``n``'s launcher was alive at this time.time() (while it runs)
 * ``<ns>left/{n}``         node ``n``'s launcher is leaving (node 0 waits for the live ones)
+* ``<ns>end``              the job's exit status, first launcher to end writes it (read by the
+                           ``inprocess.launch.task`` of a launcher that was killed: it stands in for
+                           that launcher, beating and leaving in its name, until it read this)
 
 With ``--store etcd://...`` (``store_url``) no launcher hosts anything: the control keys are on
 etcd too, in the job's namespace under ``launch/<launch id>/`` (so losing any one node, node 0
@@ -275,6 +278,14 @@ class JobControl:
             return all(int(self.store.get(key)) == 0 for key in keys)
         except Exception as exc:
             raise _store_lost(exc) from exc
+
+    def publish_end(self, status: int) -> None:
+        """The job ends with ``status`` on this node: publish it (first writer wins; never
+        raises) for a killed launcher's ``inprocess.launch.task``."""
+        try:
+            self.store.compare_set(self._k("end"), "", str(status))
+        except Exception as exc:
+            log.debug("publishing the end status: %r", exc)
 
     def leave(self) -> None:
         """This launcher is done (never raises; waits at most ``node_timeout``).

@@ -43,6 +43,11 @@ class LaunchEnv:
     # The in-job restart round of inprocess.launch (INPROCESS_LAUNCH_ROUND) or torchrun's
     # restart count (TORCHELASTIC_RESTART_COUNT): 0 for the job's first start.
     launch_round: int = 0
+    # This launch's id (``launch_id()``): the journal groups records by it, and the store a
+    # rank 0 starts is stamped with it, so that a rank never joins an earlier job's store.
+    launch: str | None = None
+    # Every rank runs under ``python -m inprocess.launch.task`` (INPROCESS_TASK=1, which it sets).
+    under_task: bool = False
 
     @property
     def identity(self) -> int:
@@ -96,7 +101,37 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         store_url=_store_url(env.get("INPROCESS_STORE", "")),
         job_id=_job_id(env),
         launch_round=get_int("INPROCESS_LAUNCH_ROUND", "TORCHELASTIC_RESTART_COUNT", default=0),
+        launch=launch_id(env),
+        under_task=env.get(ENV_TASK) == "1",
     )
+
+
+ENV_LAUNCH = "RESTARTABLE_LAUNCH_ID"  # set by a launcher (or a batch script): one id per attempt
+ENV_ATTEMPT = "RESTARTABLE_ATTEMPT"  # set by inprocess.launch: the job's attempt, 0 first
+ENV_TASK = "INPROCESS_TASK"  # "1": the rank runs under inprocess.launch.task (which sets it)
+
+
+def job_attempt(env: Mapping[str, str] | None = None) -> int | None:
+    """This attempt of the job (0 first, 1 after one requeue, ...), decided once per job:
+    ``RESTARTABLE_ATTEMPT`` (``inprocess.launch`` sets it), else under Slurm
+    ``SLURM_RESTART_COUNT`` (Slurm sets it on a requeue; unset means 0); None elsewhere."""
+    env = os.environ if env is None else env
+    for name in (ENV_ATTEMPT, "SLURM_RESTART_COUNT"):
+        if env.get(name, "").strip().isdigit():
+            return int(env[name])
+    return 0 if env.get("SLURM_JOB_ID") else None
+
+
+def launch_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The id of this launch, the same on every node and different for every attempt of a job:
+    ``RESTARTABLE_LAUNCH_ID``, else under Slurm ``slurm-<SLURM_JOB_ID>-<attempt>`` (a requeued
+    job keeps its job id: the attempt tells the attempts apart), else None."""
+    env = os.environ if env is None else env
+    given = env.get(ENV_LAUNCH, "").strip()
+    if given:
+        return given
+    job = env.get("SLURM_JOB_ID", "").strip()
+    return f"slurm-{job}-{job_attempt(env)}" if job else None
 
 
 # Where a job id comes from, first set wins: ours, then the scheduler's or torchrun's.

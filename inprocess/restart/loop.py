@@ -190,7 +190,7 @@ class _Job:
                     log.warning("closing %s failed: %r", type(owner).__name__, exc)
         if self.store is not None:
             try:
-                left = mark_left(self.store)
+                left = mark_left(self.store, self.me)
                 if self._owns_cleanup() and (
                     left + len(keys.gone_ranks(self.store)) >= self.env.world_size
                 ):

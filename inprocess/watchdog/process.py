@@ -33,6 +33,10 @@ _DEAD_POLL_S = 0.01  # only where pidfd_open is missing (not Linux >= 5.3)
 def main(argv: Sequence[str]) -> int:
     """Watch one rank until it closes us, dies, or stalls; return the process exit status."""
     args = _parse(argv)
+    # A scheduler's SIGTERM to every process of the step (Slurm's proctrack/linuxproc) is for
+    # the rank, which finishes its step and checkpoints meanwhile: the watchdog must go on
+    # watching it. It ends when the rank closes it or dies (or by SIGKILL at the step's end).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _setup_logging(args.logfile, args.initial_rank)
     watched = _Watched(args.pid)
     store = _connect(args)

@@ -1,0 +1,255 @@
+"""``python -m inprocess.launch.task SCRIPT [ARGS]``: one srun task that runs one rank as its
+child and exits with the job's outcome, not only its rank's.
+
+    srun --kill-on-bad-exit=0 python -m inprocess.launch.task train.py --steps 1000
+    srun --kill-on-bad-exit=0 python -m inprocess.launch.task -m inprocess.launch --nnodes 2 ...
+
+Under ``srun --kill-on-bad-exit=0`` a rank that was killed (a fault the job survived: a warm
+reserve took its place and the job finished) would otherwise make srun exit 137 and Slurm record
+the job as FAILED. This process stays in the task's place (stdlib only; it imports torch only
+after its rank was killed, to read the job's outcome):
+
+- its rank exits by itself: this process exits with the same status (0 finished, 75 preempted
+  or requeue, 16 / 17 rerun verdicts, any other failure);
+- its rank is killed by a signal (SIGKILL, a hard-timeout kill, the OOM killer): it reads the
+  job's state in the coordination store until the job ends, marks the rank as left (the store
+  server waits for it: ``store_server --wait-for-tasks``), and exits 0 when the job finished,
+  otherwise 128 + the signal (like a shell).
+
+With ``-m inprocess.launch`` the child is a node's launcher (one task per node, several nodes,
+the launchers' TCPStore): when it is killed (its ranks die with it), the task stands in for it
+in the launchers' control store (it beats and leaves in its name, so node 0's launcher waits
+for it) until a surviving launcher published the job's end status, and exits with that status
+(0: the job finished on the other nodes; 75: requeue). Node 0's launcher hosts that store: when
+it is the one killed, the outcome is unknown (128 + the signal); the others end with 75.
+
+It is a child subreaper (Linux): the processes its rank started and left behind (the store
+server of rank 0, a dead rank's watchdog) become its children, so every proctrack plugin keeps
+them inside the step, and at its exit it waits ``--orphan-grace`` seconds for them to end on
+their own (the store server ends when every rank has left), then kills them: nothing outlives
+the task. SIGTERM / SIGINT are passed to the rank (a preemption notice); this process itself
+ends when its rank has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from inprocess.protocol.environment import ENV_TASK
+
+log = logging.getLogger("inprocess.launch.task")
+
+_PR_SET_CHILD_SUBREAPER = 36
+_OUTCOME_POLL_S = 0.5  # how often a dead rank's task looks at the job's state
+_VALUED = ("--orphan-grace", "--outcome-timeout")  # the task's options that take a value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The task's options, then ``SCRIPT ARGS`` or ``-m MODULE ARGS`` (``module`` is None or
+    the module; ``script`` the script or the module)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module, rest = None, []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):  # the task's own options come first
+        if argv[i] == "-m" and i + 1 < len(argv):  # the rest belongs to the module
+            module, rest, argv = argv[i + 1], argv[i + 2 :], [*argv[:i], argv[i + 1]]
+            break
+        i += 2 if argv[i] in _VALUED else 1
+    p = argparse.ArgumentParser(
+        prog="python -m inprocess.launch.task",
+        description="Run one rank as a child; exit with the job's outcome (module docstring).",
+    )
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=60.0,
+        help="seconds the processes the rank left behind (store server) get to end on their "
+        "own once the rank is gone, before they are killed (default 60)",
+    )
+    p.add_argument(
+        "--outcome-timeout",
+        type=float,
+        default=3600.0,
+        help="after the rank was killed: the longest wait for the job's end (default 3600)",
+    )
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    args = p.parse_args(argv)
+    args.module = module
+    if module is not None:
+        args.args = rest
+    for name in ("orphan_grace", "outcome_timeout"):
+        if not getattr(args, name) >= 0:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the rank; return the task's exit status (module docstring)."""
+    args = parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[inprocess.launch.task %(process)d] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    _become_subreaper()
+    # Same process group as this task: a scheduler that signals the group reaches the rank.
+    target = ["-m", args.module] if args.module is not None else [args.script]
+    child = subprocess.Popen(
+        [sys.executable, *target, *args.args], env={**os.environ, ENV_TASK: "1"}
+    )
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    rc = child.wait()
+    status = rc if rc >= 0 else _after_kill(-rc, args)
+    _end_orphans(args.orphan_grace)
+    return status
+
+
+def task_status(returncode: int, job_status: int | None) -> int:
+    """The task's exit status for its child's ``returncode`` (Popen's: negative = killed by
+    that signal) and the job's status once it ended without the child (None: unknown, or the
+    job failed: the surviving tasks report that)."""
+    if returncode >= 0:
+        return returncode
+    return job_status if job_status is not None else 128 - returncode
+
+
+def _after_kill(signum: int, args: argparse.Namespace) -> int:
+    """The child was killed: wait for the job's outcome in the store; the task's status."""
+    name = _signal_name(signum)
+    what = "launcher" if args.module == "inprocess.launch" else "rank"
+    try:
+        if what == "launcher":
+            job_status = _launcher_job_status(args.args, args.outcome_timeout)
+        else:
+            job_status = 0 if _job_done(args.outcome_timeout) else None
+    except Exception as exc:  # no store, no job: the kill stands as this task's failure
+        log.warning("%s killed by %s; the job's outcome is unknown (%s)", what, name, exc)
+        job_status = None
+    status = task_status(-signum, job_status)
+    if job_status == 0:
+        log.info("%s killed by %s; the job finished without it: exit 0", what, name)
+    else:
+        log.warning("%s killed by %s and the job did not finish: exit %d", what, name, status)
+    return status
+
+
+def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | None:
+    """Stand in for a killed launcher in the control store until the job's end status is
+    published (``JobControl.publish_end``); that status. None with etcd or one node."""
+    from inprocess.launch.cli import parse_args as launch_args
+    from inprocess.store_server import client
+
+    a = launch_args(list(launch_argv))
+    if a.store is not None or a.nnodes == 1:
+        return None
+    store = client(a.master_addr, a.master_port, timeout=30.0)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            # Fresh beats: node 0's launcher waits for this node before its store goes away.
+            store.set(f"launch/beat/{a.node_rank}", repr(time.time()))
+            if store.check(["launch/end"]):
+                return int(store.get("launch/end"))
+            time.sleep(_OUTCOME_POLL_S)
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            store.set(f"launch/left/{a.node_rank}", "1")
+
+
+def _job_done(timeout: float) -> bool | None:
+    """Connect to the job's store; block until the job is done (True) or stopped (False);
+    then mark this task's rank as left. None when it never became a ``@restartable`` job."""
+    from inprocess.protocol import job_keys
+    from inprocess.protocol.environment import read_env
+    from inprocess.store_server import client, mark_left
+
+    env = read_env()
+    store: Any
+    if env.store_url is not None:
+        from inprocess.etcd.connect import open_store
+
+        store = open_store(env.store_url, job_id=env.job_id, timeout=30.0)
+    else:
+        store = client(env.master_addr, env.master_port, timeout=30.0)
+    deadline = time.monotonic() + timeout
+    state = job_keys.job_state(store)
+    while state == job_keys.JOB_RUNNING and time.monotonic() < deadline:
+        time.sleep(_OUTCOME_POLL_S)
+        state = job_keys.job_state(store)
+    with contextlib.suppress(Exception):
+        mark_left(store, env.identity)
+    if state == job_keys.JOB_NOT_STARTED:
+        return None
+    return state == job_keys.JOB_DONE
+
+
+def _become_subreaper() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        log.warning("not a child subreaper: the rank's orphans are not watched")
+
+
+def _end_orphans(grace: float) -> None:
+    """Reap the processes the rank left behind; kill those alive after ``grace`` seconds."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # none left
+        if pid:
+            continue
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pid in _children():
+        log.warning("killing pid %d, left behind by the rank (%.0f s after it)", pid, grace)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, 0)[0]:
+            pass
+
+
+def _children() -> list[int]:
+    me = os.getpid()
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                out.append(int(stat.parent.name))
+    return out
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
