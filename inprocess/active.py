@@ -28,6 +28,7 @@ from inprocess.process_group import init_iteration_group
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment
 from inprocess.rendezvous import Rendezvous
+from inprocess.sealed_store import unsealed
 from inprocess.sections import SectionClock
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def run_active(
         world_size=world,
         initial_rank=svc.me,
         active_ranks=assignment.active,
-        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", store),
+        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", unsealed(store)),
         last_restart=None,
         _progress=svc.progress,
         _interrupter=svc.interrupter,

@@ -5,7 +5,8 @@ from lost processes, cheapest level first.
         --autoresume-file ckpt/autoresume.json train.py --steps 100
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT and INPROCESS_STORE_HOSTED=1 (with ``--store etcd://...``: INPROCESS_STORE and
+MASTER_PORT, INPROCESS_STORE_HOSTED=1 and RESTARTABLE_SECRET (the job's secret that seals every
+store value: docs/security.md) (with ``--store etcd://...``: INPROCESS_STORE and
 INPROCESS_JOB_ID instead of a store hosted here; docs/etcd.md); its output lines are prefixed
 with ``[rank N]`` (``[rank N.g]`` for the g-th respawn of that slot). Unlike torchrun, a rank
 that exits does not take its siblings down (srun ``--kill-on-bad-exit=0`` semantics):
@@ -38,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
+from checkpoint import sealing
 from inprocess import autoresume, journal, respawn
 from inprocess.drill import FAULT_TYPES, FaultDrill
 from inprocess.job_control import Action, JobControl, NodeLostError, restart_or_end
@@ -232,6 +234,8 @@ def rank_env(
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
+    if getattr(args, "secret", None):  # the job's secret, private to this user's processes
+        env[sealing.SECRET_ENV] = args.secret
     if generation:
         env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
     else:
@@ -302,7 +306,33 @@ class _LauncherJournal:
             self.jr = None
 
 
+def _job_secret(args: argparse.Namespace) -> bytes:
+    """The job's secret (``checkpoint.sealing``), handed to the ranks in their environment:
+    the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
+    per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
+    --job-id (a shared home directory; docs/security.md)."""
+    if os.environ.get(sealing.SECRET_ENV) or os.environ.get(sealing.SECRET_FILE_ENV):
+        secret = sealing.job_secret()
+    elif args.nnodes == 1:
+        secret = bytes.fromhex(sealing.new_secret())
+    else:
+        scope = {
+            "MASTER_ADDR": args.master_addr,
+            "MASTER_PORT": str(args.master_port),
+            "INPROCESS_STORE": args.store or "",
+            "INPROCESS_JOB_ID": args.job_id or "",
+        }
+        secret = sealing.job_secret({**os.environ, **scope}, create=args.node_rank == 0)
+    assert secret is not None  # a scope is always given above
+    return secret
+
+
 def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
+    try:
+        secret = _job_secret(args)
+    except (OSError, ValueError) as exc:
+        return _finish(args, 1, f"cannot settle the job's secret: {exc}")
+    args.secret = secret.hex()  # rank_env hands it to every rank
     try:
         control = JobControl(
             node_rank=args.node_rank,
@@ -314,6 +344,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             store_url=args.store,
             job_id=args.job_id,
             launch_id=os.environ.get(journal.ENV_LAUNCH) or None,
+            sealer=sealing.Sealer(secret),
         )
     except Exception as exc:
         return _finish(

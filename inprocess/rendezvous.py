@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from inprocess.sealed_store import unsealed
 from inprocess.store import ROOT
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,8 @@ class Rendezvous:
         Blocks at most ``timeout`` for the host's address (published before it joined, so
         normally present) and to connect; a client is kept per host across iterations.
         """
-        if not self._hosted:
-            return self._coordination
+        if not self._hosted:  # torch's own values: the client under the sealed one
+            return unsealed(self._coordination)
         if host == self._me:
             assert self._server is not None, "prepare(host) was not called"
             return self._server

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
+from checkpoint.sealing import SECRET_ENV
 from inprocess._watchdog_main import CLOSE_MESSAGE, READY_MESSAGE
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,10 @@ class Watchdog:
         termination_grace_time: float,
         heartbeat_interval: float,
         logdir: str | None,
+        secret: bytes | None = None,
     ) -> None:
+        """``secret``: the job's secret (``checkpoint.sealing``), handed to the watchdog process
+        in its environment (private to this user), so its fault reports are sealed."""
         for name, value in (
             ("hard_timeout", hard_timeout),
             ("heartbeat_interval", heartbeat_interval),
@@ -85,6 +89,7 @@ class Watchdog:
         self._grace = termination_grace_time
         self._interval = heartbeat_interval
         self._logdir = logdir
+        self._secret = secret
         self._iteration = 0
         self._lock = threading.Lock()  # one writer at a time on the pipe
         self._stop = threading.Event()
@@ -98,6 +103,12 @@ class Watchdog:
     def pid(self) -> int | None:
         """The watchdog process's pid once started (for logs and tests)."""
         return None if self._proc is None else self._proc.pid
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self._secret is not None:
+            env[SECRET_ENV] = self._secret.hex()
+        return env
 
     def start(self) -> None:
         """Start the watchdog process and the heartbeat thread; wait until the process watches.
@@ -140,6 +151,7 @@ class Watchdog:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 start_new_session=True,
+                env=self._env(),
             )
         finally:
             if stderr is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
+from checkpoint.sealing import job_sealer
 from inprocess import drill, journal, respawn
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
@@ -39,6 +40,7 @@ from inprocess.policy import Decision, Observed, decide
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
 from inprocess.rendezvous import Rendezvous, advertised_host
+from inprocess.sealed_store import seal
 from inprocess.sections import section_clock
 from inprocess.store_server import client, connect, mark_left
 
@@ -216,19 +218,26 @@ class _Job:
     def _start(self) -> RankServices:
         """Connect, start the watchdog and meet every rank once (the initial barrier)."""
         cfg, env = self.cfg, self.env
-        new_client: Callable[[], Any]
+        new_raw: Callable[[], Any]
         advertise = ""
+        # Every value this process writes to the store is sealed with the job's secret (from
+        # inprocess.launch, or made by the first process of the job: docs/security.md).
+        sealer = job_sealer()
         if self.store_url is not None:
-            new_client = functools.partial(
+            new_raw = functools.partial(
                 open_store, self.store_url, job_id=env.job_id, timeout=cfg.barrier_timeout
             )
-            self.store = new_client()
+            self.store = seal(new_raw(), sealer)
             advertise = advertised_host(parse_url(self.store_url).endpoints)
         else:
-            new_client = functools.partial(
+            new_raw = functools.partial(
                 client, env.master_addr, env.master_port, timeout=cfg.barrier_timeout
             )
-            self.store = connect(env, timeout=cfg.barrier_timeout)
+            self.store = seal(connect(env, timeout=cfg.barrier_timeout), sealer)
+
+        def new_client() -> Any:
+            return seal(new_raw(), sealer)
+
         svc = self.svc = RankServices(
             config=cfg,
             me=self.me,
@@ -268,6 +277,7 @@ class _Job:
             termination_grace_time=cfg.termination_grace_time,
             heartbeat_interval=cfg.effective_heartbeat_interval,
             logdir=cfg.monitor_process_logdir,
+            secret=sealer.secret if sealer is not None else None,
         )
         if self.joining:
             # Watched from now on, so that it is a ready reserve the moment it registers; until
