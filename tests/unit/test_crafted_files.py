@@ -52,13 +52,13 @@ def test_a_crafted_local_tier_header_is_refused(tmp_path: Path, tag: str) -> Non
         packing.unpack_into(buf, target)
         assert isinstance(target["x"], dict)
     else:
-        with pytest.raises(CheckpointError, match="not plain data.*refused unread"):
+        with pytest.raises(CheckpointError, match=r"not plain data.*refused unread"):
             packing.unpack_into(buf, target)
     assert not marker.exists()
 
 
 def test_an_object_the_loader_would_refuse_is_refused_at_save_time(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="state entry 'cfg' .*_Payload"):
+    with pytest.raises(CheckpointError, match=r"state entry 'cfg' .*_Payload"):
         packing.leaves({"cfg": _Payload(tmp_path / "x")}, [])
     assert not (tmp_path / "x").exists()
 
@@ -78,7 +78,7 @@ def test_a_crafted_rerun_state_is_refused(tmp_path: Path) -> None:
 
 def test_a_crafted_lightning_part_is_refused(tmp_path: Path) -> None:
     data = _torch_saved({"epoch": 1, "hyper_parameters": _Payload(tmp_path / "pl")})
-    with pytest.raises(CheckpointError, match="Lightning part.*refused unread"):
+    with pytest.raises(CheckpointError, match=r"Lightning part.*refused unread"):
         _load_lightning_part(data, weights_only=None)
     assert not (tmp_path / "pl").exists()
     ok = _load_lightning_part(

@@ -38,7 +38,7 @@ def raw() -> dist.TCPStore:
 def test_a_value_opens_under_its_own_key_only() -> None:
     sealed = SEALER.seal("a", b"fault")
     assert SEALER.open("a", sealed) == b"fault"
-    with pytest.raises(ForgedValueError, match="'b'.*MAC"):
+    with pytest.raises(ForgedValueError, match=r"'b'.*MAC"):
         SEALER.open("b", sealed)  # copied to another key
     with pytest.raises(ForgedValueError, match="MAC"):
         Sealer(b"x" * 32).open("a", sealed)  # another job's secret
@@ -78,7 +78,7 @@ def test_a_forged_launcher_action_stops_the_job_instead_of_ending_it(tmp_path: P
     try:
         raw = control.store.raw
         raw.set(control._k("r0/action"), '{"kind": "end", "status": 0, "reason": "forged"}')
-        with pytest.raises(NodeLostError, match="forged value.*r0/action"):
+        with pytest.raises(NodeLostError, match=r"forged value.*r0/action"):
             control.action(0)
     finally:
         control.close()
@@ -93,7 +93,7 @@ def test_the_save_exchange_is_plain_sealed_data(raw: dist.TCPStore) -> None:
     one.gather("plan", ("err", b"\x00bytes", {"k": (1, 2)}))
     assert ex(0).gather("plan", None) == [None, ("err", b"\x00bytes", {"k": (1, 2)})]
     raw.set("ns/start", pickle.dumps(_Boom()))
-    with pytest.raises(CheckpointError, match="'ns/start'.*rejected unread"):
+    with pytest.raises(CheckpointError, match=r"'ns/start'.*rejected unread"):
         one.receive("start")
 
 
@@ -129,5 +129,5 @@ def test_first_process_makes_the_secret_the_others_read_it(tmp_path: Path) -> No
 
 def test_wait_timeout_is_not_a_forgery(raw: dist.TCPStore) -> None:
     store = SealedStore(raw, SEALER)
-    with pytest.raises(Exception, match="(?i)timeout"):
+    with pytest.raises(Exception, match=r"(?i)timeout"):
         store.wait(["never"], datetime.timedelta(milliseconds=50))
