@@ -138,8 +138,9 @@ def open_journal(
     host = socket.gethostname()
     path = d / f"rank{rank}-{host}-{os.getpid()}.jsonl"
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - owned by the handler
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        stream = os.fdopen(fd, "a", encoding="utf-8")  # owned by the handler
     except OSError as e:
         raise ValueError(
             f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "

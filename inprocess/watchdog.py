@@ -138,7 +138,7 @@ class Watchdog:
                 cmd.append(f"--job-id={self._job_id}")
         stderr = None
         if self._logdir is not None:
-            Path(self._logdir).mkdir(parents=True, exist_ok=True)
+            Path(self._logdir).mkdir(mode=0o700, parents=True, exist_ok=True)
             path = Path(self._logdir) / f"watchdog_rank{self._initial_rank}.log"
             cmd.append(f"--logfile={path}")
             stderr = open(path, "ab")  # noqa: SIM115 - the child keeps its own copy
