@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -147,12 +148,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0: give 0 "
                     "to turn this level off")  # fmt: skip
+    # Finite too: an infinite --stop-grace would never SIGKILL, an infinite --node-timeout
+    # never notice a lost node.
     for name in ("monitor_interval", "node_timeout"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds")
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds "
+                    "and finite")  # fmt: skip
     for name in ("respawn_backoff", "stop_grace", "simulated_fault_base_delay"):
-        if not getattr(args, name) >= 0:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds")
+        if not 0 <= getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds "
+                    "and finite")  # fmt: skip
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
     world = args.nnodes * args.nproc_per_node

@@ -64,12 +64,14 @@ class Watchdog:
             ("hard_timeout", hard_timeout),
             ("heartbeat_interval", heartbeat_interval),
         ):
-            if not value > 0:
-                raise ValueError(f"{name} ({value}) must be > 0 seconds: give a positive duration")
-        if termination_grace_time < 0:
+            if not 0 < value < float("inf"):  # inf: a hung rank would never be killed
+                raise ValueError(
+                    f"{name} ({value}) must be > 0 seconds and finite: give a positive duration"
+                )
+        if not 0 <= termination_grace_time < float("inf"):
             raise ValueError(
-                f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds: "
-                "give the time a rank gets between SIGTERM and SIGKILL"
+                f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds and "
+                "finite: give the time a rank gets between SIGTERM and SIGKILL"
             )
         if heartbeat_interval >= hard_timeout:
             raise ValueError(
