@@ -39,6 +39,7 @@ from typing import Any
 from checkpoint.sealing import ForgedValueError, Sealer
 from inprocess.autoresume import EXIT_REQUEUE
 from inprocess.sealed_store import seal
+from inprocess.store_server import listening_server
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,6 @@ class JobControl:
         wait for it at most ``node_timeout`` (``NodeLostError`` after that). ``sealer``: the
         job's secret; every value of the control store and of the round stores is sealed with
         it (``inprocess.sealed_store``), so a forged action is rejected, never obeyed."""
-        import torch.distributed as dist
 
         self._sealer = sealer
 
@@ -124,10 +124,7 @@ class JobControl:
         if node_rank == 0:
             # Outside every training process: losing any rank loses no coordination state.
             self.store = seal(
-                dist.TCPStore(
-                    "0.0.0.0", port or 0, is_master=True, wait_for_workers=False, use_libuv=True
-                ),
-                sealer,
+                listening_server(addr, port or 0, wait_for_workers=False, use_libuv=True), sealer
             )
             self.port = int(self.store.port)
             self.launch_id = launch_id or new_launch_id()
@@ -203,11 +200,9 @@ class JobControl:
         return port, round_store
 
     def _new_round_store(self, k: int) -> Any:
-        import torch.distributed as dist
 
         store = seal(
-            dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True),
-            self._sealer,
+            listening_server(self.addr, 0, wait_for_workers=False, use_libuv=True), self._sealer
         )
         # The previous round's processes are gone; its store goes (round 0's is the control).
         self._round_stores.pop(k - 1, None)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from inprocess.sealed_store import unsealed
 from inprocess.store import ROOT
+from inprocess.store_server import listening_server
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,8 @@ class Rendezvous:
         this process, start its server (once) and publish the address (one store call)."""
         if not self._hosted or host != self._me or self._server is not None:
             return
-        self._server = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self._timeout
+        self._server = listening_server(
+            self._advertise, 0, wait_for_workers=False, timeout=self._timeout
         )
         where = f"{self._advertise}:{self._server.port}"
         self._coordination.set(f"{_ADDRESS_KEY}{self._me}", where)
