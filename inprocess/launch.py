@@ -176,12 +176,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Validate --store and settle the job id (every launcher of the job must find the same)."""
     from inprocess.errors import ConfigError
-    from inprocess.etcd.url import check_prefix, parse_url
+    from inprocess.etcd.url import check_job_id, parse_url
 
     try:
         address = parse_url(args.store)
         if args.job_id is not None:
-            args.job_id = check_prefix(args.job_id, where="--job-id")
+            args.job_id = check_job_id(args.job_id, where="--job-id")
     except ConfigError as exc:
         p.error(str(exc))
     if address.prefix is not None or args.job_id is not None:
