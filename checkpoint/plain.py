@@ -2,7 +2,7 @@
 
 Replaces pickle on everything read from the store: decoding builds only JSON values, tuples,
 bytes, a few torch value types (``torch.Size``, dtypes, layouts, memory formats) and the DCP
-plan dataclasses listed in ``_CLASSES``, by setting their declared fields. No constructor,
+plan dataclasses listed in ``_classes()``, by setting their declared fields. No constructor,
 ``__reduce__`` or import named by the data runs, so a crafted value can at worst be a wrong
 plan (the MAC of ``checkpoint.sealing`` rejects those before they are decoded).
 """
@@ -12,35 +12,50 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import json
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import filesystem as _fs
-from torch.distributed.checkpoint import metadata as _md
-from torch.distributed.checkpoint import planner as _pl
-from torch.distributed.checkpoint import storage as _st
 
-# The dataclasses a save plan, its global form and its write results are made of.
-_CLASSES: dict[str, type] = {
-    c.__name__: c
-    for c in (
-        _pl.SavePlan,
-        _pl.WriteItem,
-        _pl.TensorWriteData,
-        _pl.BytesIOWriteData,
-        _md.MetadataIndex,
-        _md.ChunkStorageMetadata,
-        _md.TensorProperties,
-        _md.BytesStorageMetadata,
-        _md.TensorStorageMetadata,
-        _md.StorageMeta,
-        _st.WriteResult,
-        _fs._StorageInfo,
-        _fs._StoragePrefix,
-    )
-}
-_ENUMS: dict[str, type[enum.Enum]] = {e.__name__: e for e in (_pl.WriteItemType,)}
+
+@functools.cache
+def _classes() -> dict[str, type]:
+    """The dataclasses a save plan, its global form and its write results are made of
+    (imported on first use: torch.distributed.checkpoint costs ~1 s of CPU, and a rank that
+    never saves must not pay it; see tests/unit/test_import_cost.py)."""
+    from torch.distributed.checkpoint import filesystem as _fs
+    from torch.distributed.checkpoint import metadata as _md
+    from torch.distributed.checkpoint import planner as _pl
+    from torch.distributed.checkpoint import storage as _st
+
+    return {
+        c.__name__: c
+        for c in (
+            _pl.SavePlan,
+            _pl.WriteItem,
+            _pl.TensorWriteData,
+            _pl.BytesIOWriteData,
+            _md.MetadataIndex,
+            _md.ChunkStorageMetadata,
+            _md.TensorProperties,
+            _md.BytesStorageMetadata,
+            _md.TensorStorageMetadata,
+            _md.StorageMeta,
+            _st.WriteResult,
+            _fs._StorageInfo,
+            _fs._StoragePrefix,
+        )
+    }
+
+
+@functools.cache
+def _enums() -> dict[str, type[enum.Enum]]:
+    from torch.distributed.checkpoint import planner as _pl
+
+    return {e.__name__: e for e in (_pl.WriteItemType,)}
+
+
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _LAYOUTS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.layout)}
 _FORMATS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.memory_format)}
@@ -91,9 +106,9 @@ def _enc(obj: Any, where: str) -> Any:
     if isinstance(obj, torch.memory_format):
         return {_TAG: "format", "v": str(obj)}
     name = type(obj).__name__
-    if isinstance(obj, enum.Enum) and _ENUMS.get(name) is type(obj):
+    if isinstance(obj, enum.Enum) and _enums().get(name) is type(obj):
         return {_TAG: "enum", "c": name, "v": obj.name}
-    if dataclasses.is_dataclass(obj) and _CLASSES.get(name) is type(obj):
+    if dataclasses.is_dataclass(obj) and _classes().get(name) is type(obj):
         fields = {
             f.name: _enc(getattr(obj, f.name), f"{where}.{f.name}") for f in dataclasses.fields(obj)
         }
@@ -132,12 +147,12 @@ def _dec(obj: Any) -> Any:
             raise PlainDataError(f"unknown torch {tag} {v!r}")
         return table[v]
     if tag == "enum":
-        enum_cls = _ENUMS.get(obj["c"])
+        enum_cls = _enums().get(obj["c"])
         if enum_cls is None or v not in enum_cls.__members__:
             raise PlainDataError(f"unknown enum value {obj['c']}.{v}")
         return enum_cls[v]
     if tag == "dc":
-        cls: Any = _CLASSES.get(obj["c"])
+        cls: Any = _classes().get(obj["c"])
         if cls is None:
             raise PlainDataError(f"class {obj['c']!r} is not one of the plan classes")
         names = {f.name for f in dataclasses.fields(cls)}
