@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from checkpoint import _torch_private
+from checkpoint import _torch_private, plain
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
+from checkpoint.sealing import ForgedValueError, Sealer, job_sealer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class StoreExchange:
     Created on the training thread at ``save()`` (one per save attempt), used only by the
     background worker. ``store=None`` means a single process: every call returns at once.
     Every wait is bounded by ``timeout`` seconds and ends early, with ``CheckpointAbandoned``,
-    once ``cancel`` is set.
+    once ``cancel`` is set. Values travel as plain data (``checkpoint.plain``), sealed with the
+    job's secret when ``sealer`` is given (``checkpoint.sealing``): a value that fails is
+    rejected (``CheckpointError`` naming the key) and never decoded.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class StoreExchange:
         world: int,
         cancel: threading.Event,
         timeout: float,
+        sealer: Sealer | None = None,
     ) -> None:
         self.rank = rank
         self.world = world
@@ -72,6 +75,7 @@ class StoreExchange:
         self.cancel = cancel  # set by the training thread when the attempt must be abandoned
         self._store = store
         self._timeout = timeout
+        self._sealer = sealer
         self._solo: dict[str, Any] = {}
         # Rank 0: gathered keys to delete once the answer is published (see gather()).
         self._garbage: list[str] = []
@@ -83,7 +87,7 @@ class StoreExchange:
         gathered keys."""
         if self._store is None:
             return [obj]
-        self._store.set(self._key(name, self.rank), pickle.dumps(obj))
+        self._put(self._key(name, self.rank), obj)
         # Arrivals are counted after the value is stored, so rank 0 polls ONE counter (a poll
         # of every rank's key costs the server O(world) per poll), then reads all values at once.
         count = self._key(name, None) + "/n"
@@ -98,14 +102,14 @@ class StoreExchange:
         # one call per rank (c10d has no multi-delete), and made here they kept every peer
         # waiting for the answer (at 1,024 ranks most of a step agreement's time).
         self._garbage.extend([*keys, count])
-        return [pickle.loads(b) for b in blobs]
+        return [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
 
     def publish(self, name: str, obj: Any, *, to: int | None = None) -> None:
         """Rank 0: make ``obj`` readable by ``receive(name)`` on rank ``to`` (None: every rank)."""
         if self._store is None:
             self._solo[name] = obj
             return
-        self._store.set(self._key(name, to), pickle.dumps(obj))
+        self._put(self._key(name, to), obj)
 
     def receive(self, name: str, *, mine: bool = False) -> Any:
         """Wait for rank 0's ``publish(name)``; ``mine``: the value published to this rank only
@@ -117,7 +121,7 @@ class StoreExchange:
             self._delete(k)
         key = self._key(name, self.rank if mine else None)
         self._wait([key], name, from_rank=0)
-        value = pickle.loads(self._store.get(key))
+        value = self._decode(key, self._store.get(key))
         if mine:
             self._delete(key)
         return value
@@ -144,6 +148,20 @@ class StoreExchange:
         """Rank 0: delete a value published to every rank once all of them have read it."""
         if self._store is not None:
             self._delete(self._key(name, None))
+
+    def _put(self, key: str, obj: Any) -> None:
+        data = plain.dumps(obj)
+        self._store.set(key, data if self._sealer is None else self._sealer.seal(key, data))
+
+    def _decode(self, key: str, raw: bytes) -> Any:
+        """A value read from ``key``: verified first (never decoded when forged), then decoded
+        as plain data."""
+        try:
+            data = raw if self._sealer is None else self._sealer.open(key, raw)
+            return plain.loads(data)
+        except (ForgedValueError, plain.PlainDataError) as exc:
+            log.error("checkpoint: %s", exc)
+            raise CheckpointError(f"save exchange: {exc}") from exc
 
     def _delete(self, key: str) -> None:
         try:
@@ -206,6 +224,7 @@ class Attempts:
         self._token: str | None = None
         self._seq = 0
         self._last: StoreExchange | None = None
+        self._sealer: Sealer | None = None  # read once, at the first attempt over a group
 
     def next(self, group: Any, token: str | None) -> tuple[StoreExchange, StoreExchange | None]:
         """The exchange of a new attempt over ``group`` (None: one process), with a fresh
@@ -221,6 +240,8 @@ class Attempts:
 
         if token != self._token:
             self._token, self._seq, self._last = token, 0, None
+        if self._sealer is None:
+            self._sealer = job_sealer()
         self._seq += 1
         ex = StoreExchange(
             _torch_private.default_store(),
@@ -229,6 +250,7 @@ class Attempts:
             world=dist.get_world_size(group),
             cancel=cancel,
             timeout=self._timeout,
+            sealer=self._sealer,
         )
         previous, self._last = self._last, ex
         return ex, previous

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import pickle
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -123,7 +124,7 @@ class TieredCheckpointIO(CheckpointIO):
                 step,
                 self.manager.last_restore.tier if self.manager.last_restore else "?",
             )
-        ckpt = torch.load(io.BytesIO(state["lightning"]), map_location="cpu", weights_only=False)
+        ckpt = _load_lightning_part(state["lightning"], weights_only=weights_only)
         ckpt["state_dict"] = state["state_dict"]
         return dict(ckpt)
 
@@ -184,3 +185,26 @@ class TieredCheckpoint(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last save must land before the processes exit."""
         self.manager.wait()
+
+
+def _load_lightning_part(data: bytes, *, weights_only: bool | None) -> dict[str, Any]:
+    """Lightning's part of a checkpoint (loops, callbacks, optimizer states, hyper-parameters),
+    read with ``torch.load(weights_only=True)``: a checkpoint file is input and runs no code.
+    Only a caller that asks for ``weights_only=False`` itself (``Trainer.fit(...,
+    weights_only=False)``, for hyper-parameters of its own classes) gets the full unpickler."""
+    from checkpoint.local.packing import numpy_globals, short_reason
+
+    try:
+        with torch.serialization.safe_globals(numpy_globals()):
+            return dict(
+                torch.load(
+                    io.BytesIO(data), map_location="cpu", weights_only=weights_only is not False
+                )
+            )
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"the Lightning part of the checkpoint holds objects that are not plain data "
+            f"({short_reason(exc)}): refused unread. If you wrote it yourself and trust it, pass "
+            "weights_only=False to Trainer.fit, or allowlist the class with "
+            "torch.serialization.add_safe_globals"
+        ) from exc

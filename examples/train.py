@@ -310,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
                     rsm.validate_loss(loss)
                 _, exit_now, _ = rsm.should_checkpoint_and_exit()
                 if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
-                    rsm.exit_or_raise()
+                    rsm.exit_or_raise(close=[mgr])  # the checkpoint is committed first
                 opt.step()
             state.step = step + 1
             stop = preempt.should_stop()

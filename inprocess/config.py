@@ -134,10 +134,10 @@ class RestartConfig:
             value = getattr(self, name)
             if value is not None or not name.startswith("heartbeat"):
                 _positive(name, value)
-        if self.termination_grace_time < 0 or math.isnan(self.termination_grace_time):
+        if not 0 <= self.termination_grace_time < math.inf:  # inf: a hung rank never SIGKILLed
             raise ConfigError(
-                f"termination_grace_time ({self.termination_grace_time}) must be >= 0 seconds: "
-                "give 0 to SIGKILL at once, or a small positive grace"
+                f"termination_grace_time ({self.termination_grace_time}) must be >= 0 seconds "
+                "and finite: give 0 to SIGKILL at once, or a small positive grace"
             )
         if self.hard_timeout <= self.soft_timeout:
             raise ConfigError(

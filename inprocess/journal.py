@@ -38,6 +38,7 @@ ENV_DIR = "RESTARTABLE_JOURNAL_DIR"
 ENV_LAUNCH = environment.ENV_LAUNCH  # set by a launcher: groups one launch's files
 
 _log = logging.getLogger(CHANNEL)
+_warn = logging.getLogger(__name__)  # the user's log: what went wrong with the journal itself
 
 
 def enabled() -> bool:
@@ -70,6 +71,9 @@ class _Handler(logging.Handler):
         # that packages which know nothing of restarts (checkpoint, rerun) are placed too.
         self.position: dict[str, Any] = {}
         self._write_lock = threading.Lock()  # records come from every thread
+        # Set by the first failed write (a full disk: ENOSPC): the journal stops there. Its
+        # writers are the fault path, save() and ctx.ping(); none of them may fail for it.
+        self.broken: str | None = None
 
     def emit(self, rec: logging.LogRecord) -> None:
         fields = getattr(rec, "journal", None)
@@ -84,13 +88,28 @@ class _Handler(logging.Handler):
         line.update(fields)
         text = json.dumps(line, default=str) + "\n"
         with self._write_lock:
-            self._stream.write(text)
-            self._stream.flush()
+            if self.broken is not None:
+                return
+            try:
+                self._stream.write(text)
+                self._stream.flush()
+            except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+                self.broken = f"{type(exc).__name__}: {exc}"
+        if self.broken is not None:  # outside the lock: the warning may reach a user handler
+            _warn.warning(
+                "the run journal stopped at %r (%s): training and fault handling go on; the "
+                "report will miss what follows",
+                event,
+                self.broken,
+            )
 
     def close(self) -> None:
         with self._write_lock:
             if not self._stream.closed:
-                self._stream.close()
+                try:
+                    self._stream.close()
+                except OSError as exc:  # the last flush: the disk is full
+                    self.broken = self.broken or f"{type(exc).__name__}: {exc}"
         super().close()
 
 
@@ -141,8 +160,9 @@ def open_journal(
     host = socket.gethostname()
     path = d / f"rank{rank}-{host}-{os.getpid()}.jsonl"
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - owned by the handler
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        stream = os.fdopen(fd, "a", encoding="utf-8")  # owned by the handler
     except OSError as e:
         raise ValueError(
             f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "

@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -52,6 +53,7 @@ def connect(env: LaunchEnv, *, timeout: float) -> dist.TCPStore:
         spawn_server(
             port=env.master_port,
             world_size=env.world_size,
+            host=env.master_addr,
             token=env.launch,
             wait_for_tasks=env.under_task,
         )
@@ -90,11 +92,32 @@ def client(host: str, port: int, *, timeout: float) -> dist.TCPStore:
     )
 
 
+def listening_server(host: str, port: int, **kw: Any) -> dist.TCPStore:
+    """A TCPStore server listening on ``host`` only (torch binds every interface whatever
+    address it is given, so the socket is bound here and handed over). When ``host`` is not an
+    address of this machine (a name for a virtual IP, ...), it listens on every interface, with
+    a warning: the secret still protects the values, but anyone can reach the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        log.warning("cannot listen on %s:%d only (%s): the store listens on every interface",
+                    host, port, exc)  # fmt: skip
+        return dist.TCPStore("0.0.0.0", port, is_master=True, **kw)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, master_listen_fd=sock.detach(), **kw)
+
+
 def spawn_server(
     *,
     port: int,
     world_size: int,
     idle_timeout: float = 3600.0,
+    host: str = "0.0.0.0",
     token: str | None = None,
     wait_for_tasks: bool = False,
 ) -> int:
@@ -110,6 +133,8 @@ def spawn_server(
         str(world_size),
         "--idle-timeout",
         str(idle_timeout),
+        "--host",
+        host,
     ]
     if token:
         argv += ["--token", token]
@@ -157,7 +182,7 @@ def serve(
     """Run a server until the job is over (module docstring) or nothing changed for
     ``idle_timeout`` seconds."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # see the module docstring
-    server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False)
+    server = listening_server(host, port, wait_for_workers=False)
     if token:
         server.set(TOKEN_KEY, token)
     last_keys, last_change = -1, time.monotonic()
@@ -177,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=3600.0)
+    p.add_argument("--host", default="0.0.0.0", help="the address to listen on (MASTER_ADDR)")
     p.add_argument("--token", default=None)
     p.add_argument("--wait-for-tasks", action="store_true")
     args = p.parse_args(argv)
@@ -184,6 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         world_size=args.world_size,
         idle_timeout=args.idle_timeout,
+        host=args.host,
         token=args.token,
         wait_for_tasks=args.wait_for_tasks,
     )

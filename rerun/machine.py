@@ -19,7 +19,8 @@ import logging
 import math
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import torch
@@ -322,11 +323,15 @@ class RerunStateMachine:
                 )
         return exit_decision(self._state)
 
-    def exit_or_raise(self) -> NoReturn:
+    def exit_or_raise(self, *, close: Iterable[Any] = (), close_timeout: float = 120.0) -> NoReturn:
         """Act on an exit decision (call when ``should_checkpoint_and_exit`` says exit).
 
         Standalone (``in_job=False``) and for a correct result (a restart cannot fix the model or
-        the data): destroys the process groups and calls ``sys.exit(code)`` on every rank.
+        the data): closes every object of ``close`` (the ``CheckpointManager`` whose "checkpoint,
+        then exit" save is in flight: its ``close()`` waits for the commit), each bounded by
+        ``close_timeout`` seconds, then destroys the process groups and calls ``sys.exit(code)``
+        on every rank (the distributed exit skips interpreter finalisation, so nothing it would
+        have closed is closed).
         With ``in_job=True`` it raises ``RerunExit`` for ``@restartable``: at once on a rank
         with an action ("demote" / "retire") and on the rank whose result did not reproduce;
         the other ranks first wait until that rank's restart tears the default group down
@@ -336,6 +341,7 @@ class RerunStateMachine:
         exc = self.exit_exception()
         logger.info("rank %d: %s", self._rank(), exc)
         if not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT:
+            _close_bounded(close, close_timeout)
             distributed = agree.is_distributed()
             agree.destroy_before_exit()
             if distributed:
@@ -556,3 +562,27 @@ class RerunStateMachine:
             restartable_rank_action=action,
             message=f"iteration {self.iteration}: {what}",
         )
+
+
+def _close_bounded(owners: Iterable[Any], timeout: float) -> None:
+    """``owner.close()`` for each of ``owners``, each in a helper thread bounded by ``timeout``
+    seconds (a hung storage must not keep the process from leaving with its verdict); a failure
+    or an overrun is logged at ERROR, and the exit goes on."""
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"close_timeout ({timeout}) must be > 0 seconds and finite")
+    for owner in owners:
+        errors: list[BaseException] = []
+
+        def run(owner: Any = owner, errors: list[BaseException] = errors) -> None:
+            try:
+                owner.close()
+            except BaseException as exc:  # reported below, on the exiting thread
+                errors.append(exc)
+
+        t = threading.Thread(target=run, name="rerun-close-before-exit", daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            logger.error("%r did not close within %.0f s; exiting anyway", owner, timeout)
+        elif errors:
+            logger.error("closing %r before the exit failed: %r", owner, errors[0])

@@ -13,7 +13,7 @@ import torch
 
 from rerun.errors import RerunConfigError
 from rerun.record import Rejected
-from rerun.rng import RngSnapshot
+from rerun.rng import RngSnapshot, safe_load
 from rerun.state_machine import State
 
 STATE_DICT_VERSION = 1
@@ -108,6 +108,19 @@ def decode(sd: Mapping[str, Any]) -> Persisted:
         faulty_hardware=list(json.loads(sd["faulty_hardware"])),
         large_values=json.loads(sd["large_values"]),
         injector=json.loads(sd["injector"]),
-        rng=RngSnapshot.from_bytes(sd["rng"]) if sd["rng"] else None,
-        data=torch.load(io.BytesIO(sd["data"]), weights_only=False) if sd["data"] else None,
+        rng=_plain(RngSnapshot.from_bytes, sd["rng"], "rng") if sd["rng"] else None,
+        data=_plain(safe_load, sd["data"], "data") if sd["data"] else None,
     )
+
+
+def _plain(load: Any, data: bytes, field: str) -> Any:
+    """``load(data)`` (a weights-only torch.load: no code runs from a checkpoint), or a
+    ``RerunConfigError`` naming the field when the bytes hold anything else."""
+    try:
+        return load(data)
+    except Exception as exc:
+        reason = next((ln for ln in str(exc).splitlines() if "WeightsUnpickler" in ln), "")
+        raise RerunConfigError(
+            f"state_dict[{field!r}] holds objects that are not plain data ({reason.strip() or exc}"
+            "): refused unread; it was not written by RerunStateMachine.state_dict()"
+        ) from None

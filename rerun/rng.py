@@ -39,8 +39,20 @@ class RngSnapshot:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RngSnapshot:
-        d = torch.load(io.BytesIO(data), weights_only=False)
+        d = safe_load(data)
         return cls(d["python"], d["numpy"], d["torch_cpu"], d["cuda"], d["extra"])
+
+
+def safe_load(data: bytes) -> Any:
+    """``torch.load(weights_only=True)`` of ``data`` (a checkpoint file is input: no code runs
+    from it), with the NumPy types of ``numpy.random.get_state()`` allowlisted. Raises
+    ``pickle.UnpicklingError`` for anything else."""
+    multiarray = getattr(np, "_core", np.core).multiarray  # numpy 2 / 1
+    dtypes = {type(np.dtype(c)) for c in "?bhilqBHILQefdgFDG"}
+    plain = [bytes, bytearray, set, frozenset]
+    allowed = [*plain, multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _cuda_in_use() -> bool:

@@ -24,13 +24,14 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointStorageError
 from checkpoint.local import integrity, packing
 
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
+_STEP_DIR = re.compile(r"^step_(\d{9,19})$")  # 9 digits, more from step 10**9 on
 _META = re.compile(r"^owner_(\d+)\.json$")
 _PROBE = ".restartable-probe"
 _MIN_FREE = 16 << 20  # a directory with less free space than this cannot hold any useful shard
@@ -54,6 +55,13 @@ def validate(local_dir: str | os.PathLike[str]) -> Path:
         raise CheckpointStorageError(
             f"local_dir ({local_dir!r}) does not exist or is not a directory: create it "
             "(node-local NVMe or /dev/shm) or pass local_dir=None for memory only"
+        )
+    owner = path.stat().st_uid
+    if owner != os.getuid():
+        # Another user could read this job's state from it, or plant shards for it to load.
+        raise CheckpointStorageError(
+            f"local_dir ({local_dir!r}) belongs to uid {owner}, not to this user "
+            f"({os.getuid()}): create a directory of your own (e.g. /dev/shm/$USER/job, mode 0700)"
         )
     probe = path / f"{_PROBE}.{os.getpid()}"
     try:
@@ -87,17 +95,22 @@ def check_capacity(path: Path, needed: int, used: int) -> None:
 def write(root: Path, meta: ShardMeta, buf: torch.Tensor) -> None:
     """Write one shard: data, rename; then its .json the same way (no fsync: module docstring)."""
     step_dir = root / f"step_{meta.step:09d}"
-    step_dir.mkdir(exist_ok=True)
+    step_dir.mkdir(mode=0o700, exist_ok=True)  # private: the state is the user's data
     tag = f".{os.getpid()}.tmp"
     data = step_dir / f"owner_{meta.owner}.bin"
-    with open(str(data) + tag, "wb") as f:
+    with _private(str(data) + tag) as f:
         f.write(buf[: meta.nbytes].numpy().data)
     os.replace(str(data) + tag, data)
     doc = json.dumps({**meta.__dict__, "checksum_algo": integrity.ALGORITHM}).encode()
     js = step_dir / f"owner_{meta.owner}.json"
-    with open(str(js) + tag, "wb") as f:
+    with _private(str(js) + tag) as f:
         f.write(doc)
     os.replace(str(js) + tag, js)
+
+
+def _private(path: str) -> BinaryIO:
+    """A new file readable by this user only (0600), open for writing."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
 
 def scan(root: Path) -> list[ShardMeta]:

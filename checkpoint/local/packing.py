@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import base64
 import copy
+import io
 import itertools
 import json
-import pickle
 import struct
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
@@ -47,28 +47,69 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# Header form of a leaf that is neither a tensor nor JSON (bytes, RNG states, small objects): its
-# pickle, base64-encoded. DCP pickles such objects too; the shard comes from this job's own
-# memory, node-local directory or peers and is checksummed, the same trust as a DCP load.
-_PICKLED = "__restartable_pickled__"
+# Header form of a leaf that is neither a tensor nor JSON (bytes, RNG states, small objects):
+# torch.save's bytes, base64-encoded, read back with torch.load(weights_only=True) (the restricted
+# loader DCP and torch use: tensors, containers, primitives and the NumPy types RNG states hold;
+# nothing named by the data is imported or called). A shard comes from a node-local directory or
+# a peer, which others may be able to write: a header never runs code. An object that the
+# restricted loader would refuse is refused at save time, with its key.
+_SAVED = "__restartable_saved__"
 
 
 def _encode_object(key: str, obj: Any) -> dict[str, str]:
+    buf = io.BytesIO()
     try:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        torch.save(obj, buf)
+        payload = buf.getvalue()
+        safe_load(payload)
     except Exception as exc:
         raise CheckpointError(
-            f"state entry {key!r} has type {type(obj).__name__}, which can be neither packed "
-            f"nor pickled ({exc}): use tensors, dicts, lists, scalars, bytes or Stateful objects"
+            f"state entry {key!r} has type {type(obj).__name__}, which the local tier cannot "
+            f"keep as plain data ({short_reason(exc)}): use tensors, dicts, lists, "
+            "scalars, bytes, NumPy arrays or Stateful objects whose state_dict() holds those"
         ) from exc
-    return {_PICKLED: base64.b64encode(payload).decode("ascii")}
+    return {_SAVED: base64.b64encode(payload).decode("ascii")}
 
 
 def _decode_object(src: Any) -> Any:
-    """A header value back into the state's form: unpickled, or a fresh copy of the JSON."""
-    if isinstance(src, dict) and set(src) == {_PICKLED}:
-        return pickle.loads(base64.b64decode(src[_PICKLED]))
+    """A header value back into the state's form: restricted-loaded, or a copy of the JSON."""
+    if isinstance(src, dict) and set(src) == {_SAVED}:
+        try:
+            return safe_load(base64.b64decode(src[_SAVED]))
+        except Exception as exc:
+            raise CheckpointError(
+                f"a local-tier shard holds an object that is not plain data ({short_reason(exc)})"
+                ": refused unread; the file was not written by this job"
+            ) from exc
     return copy.deepcopy(src)
+
+
+def safe_load(payload: bytes) -> Any:
+    """``torch.load(weights_only=True)`` of ``payload``, also allowing the NumPy types of an RNG
+    state (``numpy.random.get_state()``)."""
+    with torch.serialization.safe_globals(numpy_globals()):
+        return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def short_reason(exc: BaseException) -> str:
+    """The line of torch's weights-only refusal that names the global, not its long advice."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "WeightsUnpickler error" in line:
+            return line.strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def numpy_globals() -> list[Any]:
+    """What the restricted loader accepts beyond torch's defaults: the plain built-in types an
+    object's pickle names (bytes, sets) and the NumPy callables and types a NumPy array or
+    scalar unpickles through (an RNG state)."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", np.core).multiarray  # numpy 2 / 1
+    dtypes = {type(np.dtype(c)) for c in "?bhilqBHILQefdgFDG"}
+    plain = [bytes, bytearray, set, frozenset]
+    return [*plain, multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 
 
 def _align(n: int) -> int:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "_COMMITTED.json"
 IN_PROGRESS_MARKER = "_IN_PROGRESS.json"
 FORMAT = "restartable.checkpoint/1"
-_DIR_RE = re.compile(r"^step_(\d{10})-([0-9a-f]{8})$")
+_DIR_RE = re.compile(r"^step_(\d{10,19})-([0-9a-f]{8})$")  # 10 digits, more from 10**10 on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,8 @@ class CheckpointDirs:
     def begin(self, dirpath: str, *, step: int, world_size: int) -> None:
         """Create the attempt directory and its in-progress marker (rank 0, before any data)."""
         self.fs.makedirs(dirpath, exist_ok=True)
+        if self.is_local:
+            os.chmod(dirpath, 0o700)  # the checkpoint's files are this user's data
         body = {"format": FORMAT, "step": step, "world_size": world_size, "started": time.time()}
         self._write_small(self.join_dir(dirpath, IN_PROGRESS_MARKER), body)
 
@@ -126,7 +128,7 @@ class CheckpointDirs:
             self.fs.pipe_file(path, data)
             return
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, data)
             os.fsync(fd)

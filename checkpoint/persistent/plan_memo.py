@@ -1,12 +1,13 @@
-"""Reuse of DCP plans and write results between saves whose pickled form did not change.
+"""Reuse of DCP plans and write results between saves whose encoded form did not change.
 
 Between two persistent saves of an unchanged state layout, every rank's DCP local plan, the
-global plan and every rank's write results are identical. Unpickling them again on rank 0 (about
+global plan and every rank's write results are identical. Decoding them again on rank 0 (about
 4000 objects per rank for a 4000-tensor state) is GIL-bound work in the background thread, and
 it allocates enough tracked objects to trigger full garbage collections, which hold the GIL for
 as long as the heap takes to scan: profiling the writer thread showed this costing more of the
-training loop's time than writing the data. Unpickled objects are keyed by their pickled bytes
-(``load``), so that reuse is correct by construction: equal bytes unpickle to equal objects, and
+training loop's time than writing the data. Decoded objects are keyed by their encoded bytes
+(``checkpoint.plain``; ``load``), so that reuse is correct by construction: equal bytes decode to
+equal objects, and
 DCP's global planning is a function of the local plans alone (``derive`` keyed by the plans'
 bytes). A rank's own local plan is keyed by ``structure`` of the staged tree instead, which
 spares computing the plan to compare it.
@@ -16,13 +17,14 @@ Owned by one ``PersistentSaver`` and used only by its background worker thread.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from checkpoint import plain
+
 
 class PlanMemo:
-    """Unpickled objects by slot, kept while the slot's bytes stay the same."""
+    """Decoded objects by slot, kept while the slot's bytes stay the same."""
 
     def __init__(self) -> None:
         self._blobs: dict[Hashable, bytes] = {}
@@ -30,10 +32,10 @@ class PlanMemo:
         self._derived: dict[Hashable, tuple[Any, Any]] = {}
 
     def load(self, slot: Hashable, blob: bytes) -> Any:
-        """``pickle.loads(blob)``, or the object loaded for ``slot`` last time if ``blob`` is the
+        """``plain.loads(blob)``, or the object loaded for ``slot`` last time if ``blob`` is the
         same bytes. Callers must treat the object as read-only."""
         if self._blobs.get(slot) != blob:
-            self._objs[slot] = pickle.loads(blob)
+            self._objs[slot] = plain.loads(blob)
             self._blobs[slot] = blob
         return self._objs[slot]
 

@@ -37,7 +37,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import pickle
 import secrets
 import signal
 import threading
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from checkpoint import plain
 from checkpoint.config import PersistentConfig, TestHooks
 from checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRankError
 from checkpoint.exchange import Attempts, StoreExchange
@@ -334,8 +334,9 @@ class PersistentSaver:
         )
         planner = DefaultSavePlanner()
         error = job.stage_error or (start_error if rank == 0 else None)
-        # Plans and results travel pickled so that rank 0 can tell unchanged ones from their
-        # bytes and skip unpickling and re-planning them (see plan_memo).
+        # Plans and results travel as plain data (checkpoint.plain, never pickle: they are read
+        # from the store) and as bytes, so that rank 0 can tell unchanged ones from their
+        # bytes and skip decoding and re-planning them (see plan_memo).
         plan_blob = None
         if error is None and start_error is None:
             try:
@@ -375,7 +376,7 @@ class PersistentSaver:
             error = _describe(e)
         job.staged = None  # the pool's views; nothing else may keep them alive
         self._crash("before_commit", rank)
-        results_blob = None if results is None else pickle.dumps(results)
+        results_blob = None if results is None else plain.dumps(results)
         outcomes = ex.gather("write", (error, sums, results_blob))
         if outcomes is not None:  # rank 0
             what = f"save of step {step}"
@@ -413,8 +414,9 @@ class PersistentSaver:
     def _local_plan(
         self, planner: SavePlanner, writer: StorageWriter, staged: Any, rank: int, world: int
     ) -> bytes:
-        """This rank's DCP save plan, pickled (what ``torch.distributed.checkpoint.save`` does
-        first). Planning again is skipped while the staged tree's structure is unchanged."""
+        """This rank's DCP save plan, encoded by ``checkpoint.plain`` (what
+        ``torch.distributed.checkpoint.save`` does first). Planning again is skipped while the
+        staged tree's structure is unchanged."""
         planner.set_up_planner(
             state_dict=staged, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
         )
@@ -422,7 +424,7 @@ class PersistentSaver:
 
         def plan() -> tuple[Any, bytes]:
             local = planner.create_local_plan()
-            return local, pickle.dumps(local)
+            return local, plain.dumps(local)
 
         local, blob = self._memo.derive("local", (rank, world, structure(staged)), plan)
         writer.prepare_local_plan(local)  # creates the directory on this rank's view of storage
@@ -467,10 +469,10 @@ class PersistentSaver:
 def _global_plan(
     planner: SavePlanner, writer: StorageWriter, plans: list[tuple[Any, bytes]]
 ) -> tuple[list[bytes], Any]:
-    """Rank 0: DCP's global plan from every rank's pickled local plan: each rank's part,
-    pickled, and the checkpoint metadata (``writer.finish`` fills in its storage data)."""
-    central, metadata = planner.create_global_plan([pickle.loads(b) for _, b in plans])
-    return [pickle.dumps(p) for p in writer.prepare_global_plan(central)], metadata
+    """Rank 0: DCP's global plan from every rank's encoded local plan: each rank's part,
+    encoded, and the checkpoint metadata (``writer.finish`` fills in its storage data)."""
+    central, metadata = planner.create_global_plan([plain.loads(b) for _, b in plans])
+    return [plain.dumps(p) for p in writer.prepare_global_plan(central)], metadata
 
 
 def _lower_priority() -> None:

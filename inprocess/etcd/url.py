@@ -64,6 +64,26 @@ def check_prefix(prefix: str, *, where: str = "prefix") -> str:
     return stripped
 
 
+# A job id names one namespace: no '/', so that no job's keys lie under another's (job "team"
+# deleting its keys must not delete "team/exp1"'s). inprocess.launch appends "/round<k>" for its
+# in-job restart rounds; a user's id cannot have that form, so a round never meets a real job.
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+_ROUND_RE = re.compile(r"^[A-Za-z0-9._-]+(/round[1-9][0-9]*)?$")
+
+
+def check_job_id(job_id: str, *, where: str, round_suffix: bool = False) -> str:
+    """Return ``job_id``; ``ConfigError`` unless it is a non-empty run of letters, digits, '.',
+    '_', '-' (``round_suffix``: also the ``<id>/round<k>`` that inprocess.launch gives its
+    ranks)."""
+    pattern = _ROUND_RE if round_suffix else _JOB_ID_RE
+    if not isinstance(job_id, str) or not pattern.match(job_id):
+        raise ConfigError(
+            f"{where} {job_id!r} must be non-empty and hold only letters, digits, '.', '_' and "
+            "'-' (no '/': a job's keys must not lie under another job's): for example 'job-4711'"
+        )
+    return job_id
+
+
 def _endpoint(url: str, part: str, form: str) -> tuple[str, int]:
     part = part.strip()
     if part.startswith("["):  # [v6::addr]:port

@@ -88,8 +88,9 @@ def settle(
         retries_left=max_retries - attempt - 1,
         time=time.time(),
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(flag), sort_keys=True) + "\n")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(json.dumps(asdict(flag), sort_keys=True) + "\n")
     os.replace(tmp, path)
     return True

@@ -5,7 +5,8 @@ from lost processes, cheapest level first.
         --autoresume-file ckpt/autoresume.json train.py --steps 100
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT and INPROCESS_STORE_HOSTED=1 (with ``--store etcd://...``: INPROCESS_STORE and
+MASTER_PORT, INPROCESS_STORE_HOSTED=1 and RESTARTABLE_SECRET (the job's secret that seals every
+store value: docs/security.md) (with ``--store etcd://...``: INPROCESS_STORE and
 INPROCESS_JOB_ID instead of a store hosted here; docs/etcd.md); its output lines are prefixed
 with ``[rank N]`` (``[rank N.g]`` for the g-th respawn of that slot). Unlike torchrun, a rank
 that exits does not take its siblings down (srun ``--kill-on-bad-exit=0`` semantics):
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -38,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
+from checkpoint import sealing
 from inprocess import journal
 from inprocess.faults.drill import FAULT_TYPES, FaultDrill
 from inprocess.launch import autoresume
@@ -147,12 +150,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0: give 0 "
                     "to turn this level off")  # fmt: skip
+    # Finite too: an infinite --stop-grace would never SIGKILL, an infinite --node-timeout
+    # never notice a lost node.
     for name in ("monitor_interval", "node_timeout"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds")
+        if not 0 < getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds "
+                    "and finite")  # fmt: skip
     for name in ("respawn_backoff", "stop_grace", "simulated_fault_base_delay"):
-        if not getattr(args, name) >= 0:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds")
+        if not 0 <= getattr(args, name) < math.inf:
+            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds "
+                    "and finite")  # fmt: skip
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
     world = args.nnodes * args.nproc_per_node
@@ -171,12 +178,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Validate --store and settle the job id (every launcher of the job must find the same)."""
     from inprocess.errors import ConfigError
-    from inprocess.etcd.url import check_prefix, parse_url
+    from inprocess.etcd.url import check_job_id, parse_url
 
     try:
         address = parse_url(args.store)
         if args.job_id is not None:
-            args.job_id = check_prefix(args.job_id, where="--job-id")
+            args.job_id = check_job_id(args.job_id, where="--job-id")
     except ConfigError as exc:
         p.error(str(exc))
     if address.prefix is not None or args.job_id is not None:
@@ -238,6 +245,8 @@ def rank_env(
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
+    if getattr(args, "secret", None):  # the job's secret, private to this user's processes
+        env[sealing.SECRET_ENV] = args.secret
     if generation:
         env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
     else:
@@ -308,10 +317,36 @@ class _LauncherJournal:
             self.jr = None
 
 
+def _job_secret(args: argparse.Namespace) -> bytes:
+    """The job's secret (``checkpoint.sealing``), handed to the ranks in their environment:
+    the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
+    per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
+    --job-id (a shared home directory; docs/security.md)."""
+    if os.environ.get(sealing.SECRET_ENV) or os.environ.get(sealing.SECRET_FILE_ENV):
+        secret = sealing.job_secret()
+    elif args.nnodes == 1:
+        secret = bytes.fromhex(sealing.new_secret())
+    else:
+        scope = {
+            "MASTER_ADDR": args.master_addr,
+            "MASTER_PORT": str(args.master_port),
+            "INPROCESS_STORE": args.store or "",
+            "INPROCESS_JOB_ID": args.job_id or "",
+        }
+        secret = sealing.job_secret({**os.environ, **scope}, create=args.node_rank == 0)
+    assert secret is not None  # a scope is always given above
+    return secret
+
+
 def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     # Decided once, before anything of this attempt exists: read at the exit, the flag file may
     # already be another node's (written for this attempt), and the launchers would disagree.
     args.attempt = autoresume.attempt_number(args.autoresume_file)
+    try:
+        secret = _job_secret(args)
+    except (OSError, ValueError) as exc:
+        return _finish(args, 1, f"cannot settle the job's secret: {exc}")
+    args.secret = secret.hex()  # rank_env hands it to every rank
     try:
         control = JobControl(
             node_rank=args.node_rank,
@@ -324,6 +359,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             job_id=args.job_id,
             # Under Slurm: one id per job attempt (a requeued attempt journals apart).
             launch_id=environment.launch_id(),
+            sealer=sealing.Sealer(secret),
         )
     except Exception as exc:
         return _finish(

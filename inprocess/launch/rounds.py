@@ -39,7 +39,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from checkpoint.sealing import ForgedValueError, Sealer
 from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
+from inprocess.protocol.sealed_store import seal
+from inprocess.store_server import listening_server
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +96,15 @@ class JobControl:
         store_url: str | None = None,
         job_id: str | None = None,
         launch_id: str | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         """Connect to (node 0: host, or with etcd: open) the control store and settle the
         launch id: ``launch_id`` on node 0 (default: a new one), node 0's on the others, who
-        wait for it at most ``node_timeout`` (``NodeLostError`` after that)."""
-        import torch.distributed as dist
+        wait for it at most ``node_timeout`` (``NodeLostError`` after that). ``sealer``: the
+        job's secret; every value of the control store and of the round stores is sealed with
+        it (``inprocess.protocol.sealed_store``), so a forged action is rejected, never obeyed."""
+
+        self._sealer = sealer
 
         self.node_rank, self.nnodes, self.addr = node_rank, nnodes, addr
         self.node_timeout = node_timeout
@@ -113,21 +120,21 @@ class JobControl:
             self.port = port or 0
             if node_rank == 0:
                 self.delete_job_keys()  # before any rank of this job can exist: only stale keys
-            self.store = open_store(store_url, job_id=job_id, timeout=node_timeout)
+            self.store = seal(open_store(store_url, job_id=job_id, timeout=node_timeout), sealer)
             self.launch_id = self._settle_token(launch_id)
             self.ns = f"launch/{self.launch_id}/"
             return
         if node_rank == 0:
             # Outside every training process: losing any rank loses no coordination state.
-            self.store = dist.TCPStore(
-                "0.0.0.0", port or 0, is_master=True, wait_for_workers=False, use_libuv=True
+            self.store = seal(
+                listening_server(addr, port or 0, wait_for_workers=False, use_libuv=True), sealer
             )
             self.port = int(self.store.port)
             self.launch_id = launch_id or new_launch_id()
             self.store.set(self._k("id"), self.launch_id)
         else:
             assert port is not None
-            self.store = _client(addr, port, node_timeout)
+            self.store = seal(_client(addr, port, node_timeout), sealer)
             self.port = port
             try:
                 self.store.wait([self._k("id")], datetime.timedelta(seconds=node_timeout))
@@ -186,7 +193,9 @@ class JobControl:
             if self.node_rank != 0 and self.store_url is None:
                 self.store.wait([self._k(f"r{k}/port")], datetime.timedelta(seconds=30))
                 port = int(self.store.get(self._k(f"r{k}/port")))
-                round_store = self.store if k == 0 else _client(self.addr, port, 30.0)
+                round_store = (
+                    self.store if k == 0 else seal(_client(self.addr, port, 30.0), self._sealer)
+                )
         except NodeLostError:
             raise
         except Exception as exc:
@@ -194,9 +203,10 @@ class JobControl:
         return port, round_store
 
     def _new_round_store(self, k: int) -> Any:
-        import torch.distributed as dist
 
-        store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+        store = seal(
+            listening_server(self.addr, 0, wait_for_workers=False, use_libuv=True), self._sealer
+        )
         # The previous round's processes are gone; its store goes (round 0's is the control).
         self._round_stores.pop(k - 1, None)
         self._round_stores[k] = store
@@ -206,7 +216,10 @@ class JobControl:
         from inprocess.etcd.connect import open_store
 
         assert self.store_url is not None
-        store = open_store(self.store_url, job_id=self.job_id, timeout=self.node_timeout, round_=k)
+        store = seal(
+            open_store(self.store_url, job_id=self.job_id, timeout=self.node_timeout, round_=k),
+            self._sealer,
+        )
         old = self._round_stores.pop(k - 1, None)
         if old is not None:
             old.close()
@@ -373,6 +386,8 @@ def restart_or_end(k: int, *, max_restarts: int, reason: str, origin: str = "") 
 
 
 def _store_lost(exc: BaseException) -> NodeLostError:
+    if isinstance(exc, ForgedValueError):
+        return NodeLostError(f"the control store holds a forged value, so the job stops: {exc}")
     return NodeLostError(f"the control store is gone (node 0's launcher, or etcd): {exc}")
 
 

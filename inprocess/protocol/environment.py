@@ -171,11 +171,11 @@ def store_setting(config_store: str | None, env: LaunchEnv) -> str | None:
     if url is None:
         return None
     from inprocess.etcd.connect import job_prefix
-    from inprocess.etcd.url import check_prefix
+    from inprocess.etcd.url import check_job_id
 
     if env.job_id is not None:
         where = "the job id (INPROCESS_JOB_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID)"
-        check_prefix(env.job_id, where=where)
+        check_job_id(env.job_id, where=where, round_suffix=True)
     job_prefix(url, env.job_id)
     return url
 

@@ -24,6 +24,7 @@ from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.protocol import keys
 from inprocess.protocol.ranks import Assignment
+from inprocess.protocol.sealed_store import unsealed
 from inprocess.restart.monitor import Interrupter, Monitor, waits_on_peers
 from inprocess.restart.process_group import init_iteration_group
 from inprocess.restart.progress import ProgressTracker
@@ -161,7 +162,7 @@ def run_active(
         world_size=world,
         initial_rank=svc.me,
         active_ranks=assignment.active,
-        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", store),
+        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", unsealed(store)),
         last_restart=None,
         _progress=svc.progress,
         _interrupter=svc.interrupter,

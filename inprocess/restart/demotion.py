@@ -17,8 +17,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from checkpoint.sealing import job_sealer
 from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
+from inprocess.protocol.sealed_store import seal
 
 if TYPE_CHECKING:
     from inprocess.context import RestartContext
@@ -61,10 +63,11 @@ def replace_rank(
             f"rank ({rank}) must be a training rank of this iteration (0..{ctx.world_size - 1})"
         )
     job = _job_store(ctx)
+    decisions = seal(ctx.store, job_sealer(create=False))  # the answer is sealed too
     key = f"{DECISION_PREFIX}{tag}"
     if ctx.rank == rank:
         granted = bool(free_reserves(job, ctx.iteration))
-        ctx.store.set(key, "yes" if granted else "no")
+        decisions.set(key, "yes" if granted else "no")
         if granted:
             keys.record_fault(
                 job,
@@ -91,7 +94,7 @@ def replace_rank(
         except Exception as exc:  # the store's timeout: the deciding rank is gone
             log.warning("rank %d: no demotion decision for rank %d: %r", ctx.rank, rank, exc)
             return False
-        granted = ctx.store.get(key) == b"yes"
+        granted = decisions.get(key) == b"yes"
     if not granted:
         return False
     deadline = time.monotonic() + wait
@@ -104,11 +107,12 @@ def replace_rank(
 
 def _job_store(ctx: RestartContext) -> Any:
     """The job's store under ``ctx.store`` (the wrapper builds ``ctx.store`` as a PrefixStore
-    of the iteration's user namespace over it; fault records live outside that namespace)."""
+    of the iteration's user namespace over it; fault records live outside that namespace),
+    with the job's values sealed (``inprocess.protocol.sealed_store``)."""
     store = getattr(ctx.store, "underlying_store", None)
     if store is None:
         raise RuntimeError(
             "replace_rank needs the restart context that @restartable built (its store "
             f"is a PrefixStore over the job's store), not {type(ctx.store).__name__}"
         )
-    return store
+    return seal(store, job_sealer(create=False))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
+from checkpoint.sealing import job_sealer
 from inprocess import journal
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
@@ -34,6 +35,7 @@ from inprocess.protocol import job_keys, keys
 from inprocess.protocol.environment import bind_to_launcher, read_env, store_setting
 from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
+from inprocess.protocol.sealed_store import seal
 from inprocess.restart.abort import GroupReaper, abort_process_groups
 from inprocess.restart.active import ClientPool, Outcome, RankServices, disarm, run_active
 from inprocess.restart.health import HealthChecker
@@ -217,19 +219,26 @@ class _Job:
     def _start(self) -> RankServices:
         """Connect, start the watchdog and meet every rank once (the initial barrier)."""
         cfg, env = self.cfg, self.env
-        new_client: Callable[[], Any]
+        new_raw: Callable[[], Any]
         advertise = ""
+        # Every value this process writes to the store is sealed with the job's secret (from
+        # inprocess.launch, or made by the first process of the job: docs/security.md).
+        sealer = job_sealer()
         if self.store_url is not None:
-            new_client = functools.partial(
+            new_raw = functools.partial(
                 open_store, self.store_url, job_id=env.job_id, timeout=cfg.barrier_timeout
             )
-            self.store = new_client()
+            self.store = seal(new_raw(), sealer)
             advertise = advertised_host(parse_url(self.store_url).endpoints)
         else:
-            new_client = functools.partial(
+            new_raw = functools.partial(
                 client, env.master_addr, env.master_port, timeout=cfg.barrier_timeout
             )
-            self.store = connect(env, timeout=cfg.barrier_timeout)
+            self.store = seal(connect(env, timeout=cfg.barrier_timeout), sealer)
+
+        def new_client() -> Any:
+            return seal(new_raw(), sealer)
+
         svc = self.svc = RankServices(
             config=cfg,
             me=self.me,
@@ -269,6 +278,7 @@ class _Job:
             termination_grace_time=cfg.termination_grace_time,
             heartbeat_interval=cfg.effective_heartbeat_interval,
             logdir=cfg.monitor_process_logdir,
+            secret=sealer.secret if sealer is not None else None,
         )
         if self.joining:
             # Watched from now on, so that it is a ready reserve the moment it registers; until

@@ -26,6 +26,8 @@ from typing import Any
 import torch.distributed as dist
 
 from inprocess.protocol.keys import ROOT
+from inprocess.protocol.sealed_store import unsealed
+from inprocess.store_server import listening_server
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,8 @@ class Rendezvous:
         this process, start its server (once) and publish the address (one store call)."""
         if not self._hosted or host != self._me or self._server is not None:
             return
-        self._server = dist.TCPStore(
-            "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self._timeout
+        self._server = listening_server(
+            self._advertise, 0, wait_for_workers=False, timeout=self._timeout
         )
         where = f"{self._advertise}:{self._server.port}"
         self._coordination.set(f"{_ADDRESS_KEY}{self._me}", where)
@@ -89,8 +91,8 @@ class Rendezvous:
         Blocks at most ``timeout`` for the host's address (published before it joined, so
         normally present) and to connect; a client is kept per host across iterations.
         """
-        if not self._hosted:
-            return self._coordination
+        if not self._hosted:  # torch's own values: the client under the sealed one
+            return unsealed(self._coordination)
         if host == self._me:
             assert self._server is not None, "prepare(host) was not called"
             return self._server

@@ -77,7 +77,7 @@ def write_state(
     target: a crash at any moment leaves a whole file (or none). Raises ``OSError``.
     """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     body = json.dumps(
         {
             "version": VERSION,

@@ -8,29 +8,41 @@ job with status 75 instead of a reserve taking the rank's place). So the watchdo
 notice first, and the handler does not count a SIGTERM while its process has one.
 
 A file, not a signal payload: Python's handlers do not see the sender. Named by the rank's pid
-in the temporary directory that both processes share (the watchdog inherits the environment).
+in a directory private to this user (``$XDG_RUNTIME_DIR`` or the temporary directory, then
+``restartable-<uid>``, mode 0700; both processes find it, the watchdog inherits the
+environment): in a shared /tmp another user could create the notice and make a real SIGTERM be
+ignored. A directory of that name that another user owns is refused: no notice is posted then
+(a hard-timeout kill may stop the job as a preemption would, never the other way round).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from pathlib import Path
 
+from checkpoint.sealing import private_dir
+
 
 def _path(pid: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"inprocess-hard-timeout-{pid}"
+    """The notice of ``pid``; raises OSError when the private directory is not ours."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return private_dir(Path(base) / f"restartable-{os.getuid()}") / f"hard-timeout-{pid}"
 
 
 def post(pid: int) -> None:
     """Watchdog: the SIGTERM that follows is a hard-timeout kill of ``pid``. Best effort."""
     with contextlib.suppress(OSError):
-        _path(pid).write_bytes(b"")
+        os.close(os.open(_path(pid), os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def posted(pid: int) -> bool:
     """Rank (in its signal handler): whether a hard-timeout kill of ``pid`` is under way."""
-    return _path(pid).exists()
+    try:
+        return _path(pid).exists()
+    except OSError:  # the directory is someone else's: no notice can be ours
+        return False
 
 
 def clear(pid: int) -> None:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from checkpoint.sealing import SECRET_ENV
+
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
 from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE
 
@@ -55,17 +57,22 @@ class Watchdog:
         termination_grace_time: float,
         heartbeat_interval: float,
         logdir: str | None,
+        secret: bytes | None = None,
     ) -> None:
+        """``secret``: the job's secret (``checkpoint.sealing``), handed to the watchdog process
+        in its environment (private to this user), so its fault reports are sealed."""
         for name, value in (
             ("hard_timeout", hard_timeout),
             ("heartbeat_interval", heartbeat_interval),
         ):
-            if not value > 0:
-                raise ValueError(f"{name} ({value}) must be > 0 seconds: give a positive duration")
-        if termination_grace_time < 0:
+            if not 0 < value < float("inf"):  # inf: a hung rank would never be killed
+                raise ValueError(
+                    f"{name} ({value}) must be > 0 seconds and finite: give a positive duration"
+                )
+        if not 0 <= termination_grace_time < float("inf"):
             raise ValueError(
-                f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds: "
-                "give the time a rank gets between SIGTERM and SIGKILL"
+                f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds and "
+                "finite: give the time a rank gets between SIGTERM and SIGKILL"
             )
         if heartbeat_interval >= hard_timeout:
             raise ValueError(
@@ -85,6 +92,7 @@ class Watchdog:
         self._grace = termination_grace_time
         self._interval = heartbeat_interval
         self._logdir = logdir
+        self._secret = secret
         self._iteration = 0
         self._lock = threading.Lock()  # one writer at a time on the pipe
         self._stop = threading.Event()
@@ -98,6 +106,12 @@ class Watchdog:
     def pid(self) -> int | None:
         """The watchdog process's pid once started (for logs and tests)."""
         return None if self._proc is None else self._proc.pid
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self._secret is not None:
+            env[SECRET_ENV] = self._secret.hex()
+        return env
 
     def start(self) -> None:
         """Start the watchdog process and the heartbeat thread; wait until the process watches.
@@ -127,7 +141,7 @@ class Watchdog:
                 cmd.append(f"--job-id={self._job_id}")
         stderr = None
         if self._logdir is not None:
-            Path(self._logdir).mkdir(parents=True, exist_ok=True)
+            Path(self._logdir).mkdir(mode=0o700, parents=True, exist_ok=True)
             path = Path(self._logdir) / f"watchdog_rank{self._initial_rank}.log"
             cmd.append(f"--logfile={path}")
             stderr = open(path, "ab")  # noqa: SIM115 - the child keeps its own copy
@@ -140,6 +154,7 @@ class Watchdog:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 start_new_session=True,
+                env=self._env(),
             )
         finally:
             if stderr is not None:

@@ -179,8 +179,22 @@ def _read_all(fd: int) -> tuple[bytes, bool]:
 
 
 def _connect(args: argparse.Namespace) -> Any:
-    """A client of the job's store (etcd with ``--store-url``, else the TCPStore), or None when
-    the store cannot be reached (reports are then logged)."""
+    """A client of the job's store (etcd with ``--store-url``, else the TCPStore) whose values
+    are sealed with the job's secret (from the rank, in this process's environment), or None
+    when the store cannot be reached (reports are then logged)."""
+    from checkpoint.sealing import job_sealer
+    from inprocess.protocol.sealed_store import seal
+
+    try:
+        sealer = job_sealer(create=False)
+    except Exception:
+        log.exception("cannot read the job's secret; faults will only be logged")
+        return None
+    store = _connect_raw(args)
+    return None if store is None else seal(store, sealer)
+
+
+def _connect_raw(args: argparse.Namespace) -> Any:
     if args.store_url is not None:
         try:
             from inprocess.etcd.connect import open_store

@@ -263,6 +263,9 @@ def always_fails(
 def atomic_section(*, fail_rank: int) -> dict[str, Any]:
     """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
     from inprocess.protocol import keys
+    from checkpoint.sealing import job_sealer
+    from inprocess.protocol import keys
+    from inprocess.protocol.sealed_store import seal
 
     done: list[int] = []
     seen: list[int] = []
@@ -279,7 +282,7 @@ def atomic_section(*, fail_rank: int) -> dict[str, Any]:
                 _arrive("atomic")
                 # Leave only once the restart was requested (the iteration ended with a fault):
                 # it must wait for the end of the block.
-                root = ctx.store.underlying_store
+                root = seal(ctx.store.underlying_store, job_sealer())
                 _wait_until(
                     lambda: keys.outcome(root, ctx.iteration) == keys.OUTCOME_FAULT,
                     "the peer's fault ended the iteration",

@@ -7,10 +7,11 @@ exactly the parameters of a clean run. The row to play arrives as JSON in ``FAUL
 
     {"kind": "kill", "phase": "step", "rank": 1, "iteration": 0, "step": 5, "precursor": false}
 
-``kind`` is an ``inprocess.faults`` kind (plus ``corrupt_local``, ``corrupt_persistent`` and
-``full_disk``, played by the job itself); ``rank`` is the training rank (``ctx.rank``), or
-"reserve" (the fault fires in the waiting reserve); ``precursor`` adds an exception on rank 1 at
-step 2 of iteration 0, so that the row's fault fires in iteration 1 (after a restart).
+``kind`` is an ``inprocess.faults`` kind (plus ``corrupt_local``, ``corrupt_persistent``,
+``full_disk`` and ``forged_value``, played by the job itself); ``rank`` is the training rank
+(``ctx.rank``), or "reserve" (the fault fires in the waiting reserve); ``precursor`` adds an
+exception on rank 1 at step 2 of iteration 0, so that the row's fault fires in iteration 1
+(after a restart).
 
 Each process writes ``RUN_DIR/end/<initial rank>.json`` as its last act: the result, the
 threads still alive and the open file descriptors against a baseline taken after the first
@@ -74,7 +75,7 @@ class Job:
 
     def fire(self, kind: str, *, rank: int, iteration: int, step: int | None) -> bool:
         """Fire ``kind`` once per run (recorded under RUN_DIR/faults); True if it fired here."""
-        if kind in ("corrupt_local", "corrupt_persistent", "full_disk"):
+        if kind in ("corrupt_local", "corrupt_persistent", "full_disk", "forged_value"):
             return self._storage_fault(kind, rank=rank, iteration=iteration, step=step)
         return trigger(
             PlannedFault(kind, rank, step),
@@ -113,6 +114,16 @@ class Job:
             for f in Path(newest).glob("*.distcp"):
                 _flip(f)
             raise RuntimeError(f"injected: corrupted {newest}")
+        if kind == "forged_value":  # a stranger's unsealed "done" for this iteration's outcome
+            import datetime
+
+            from torch.distributed import TCPStore
+
+            from inprocess.protocol import keys
+
+            stranger = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                timeout=datetime.timedelta(seconds=10))  # fmt: skip
+            stranger.set(keys.end_key(iteration), keys.OUTCOME_DONE)
         if kind == "full_disk":  # fill the persistent tier's filesystem (a tmpfs the test made)
             with open(self.run_dir / "ckpt" / "filler", "wb") as f:
                 try:

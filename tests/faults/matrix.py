@@ -57,7 +57,7 @@ class Row:
     phase: str
     rank: int | str  # training rank, "reserve", or an initial rank for "exit"
     iteration: int = 0
-    expect: str = "finished"  # "finished" | "preempted" | "stopped" | "store_lost"
+    expect: str = "finished"  # "finished" | "preempted" | "stopped" | "store_lost" | "forged"
     extra: dict[str, Any] = field(default_factory=dict)  # more of the row for job.py
 
     @property
@@ -65,6 +65,7 @@ class Row:
         it = f"-it{self.iteration}" if self.iteration else ""
         also = self.extra.get("also")
         pair = f"+{also['kind']}-r{also['rank']}" if also else ""
+        pair += "+journal_full" if "journal_tmpfs_kb" in self.extra else ""
         return f"{self.kind}-{self.phase}-r{self.rank}{it}{pair}".replace(":", "_")
 
     def spec(self) -> dict[str, Any]:
@@ -120,6 +121,12 @@ def full_matrix() -> list[Row]:
         Row("full_disk", "step", 0, extra={"tmpfs_mb": 2}),
         # The store's host (the launcher) is killed: the job ends, nothing lingers.
         Row("store_loss", "step", 0, expect="store_lost"),
+        # The journal's filesystem is full from the start (a tmpfs the test fills): the journal
+        # stops with one warning, and the fault is still delivered and the job finishes.
+        Row("exception", "step", 0, extra={"journal_tmpfs_kb": 64}),
+        # A stranger on the store's port writes an unsealed "done" where the ranks wait for the
+        # iteration's outcome: rejected, named, and the job never ends with success.
+        Row("forged_value", "step", 0, expect="forged"),
     ]
     return rows
 
@@ -161,6 +168,9 @@ def play(row: Row, tmp: Path) -> Outcome:
     mounted = _mount_tmpfs(run_dir / "ckpt", spec["tmpfs_mb"]) if "tmpfs_mb" in spec else False
     tag = uuid.uuid4().hex
     env = {"FAULT_ROW": json.dumps(spec), "FAULT_MATRIX_TAG": tag}
+    journal_full = "journal_tmpfs_kb" in spec
+    if journal_full:
+        env["RESTARTABLE_JOURNAL_DIR"] = str(_full_tmpfs(run_dir / "journal", spec))
     argv = ["-m", "inprocess.launch", "--nproc-per-node", "3", JOB, "--run-dir", str(run_dir)]
     signal_when = None
     if row.kind == "store_loss":
@@ -182,6 +192,8 @@ def play(row: Row, tmp: Path) -> Outcome:
     }
     if mounted:
         subprocess.run(["umount", "-l", str(run_dir / "ckpt")], check=False)
+    if journal_full:
+        subprocess.run(["umount", "-l", str(run_dir / "journal")], check=False)
     # The iteration train() last ran in, on any rank: the number of in-process restarts.
     iterations = [(e.get("result") or {}).get("iteration", 0) for e in ends.values()]
     restarts = max(iterations, default=0)
@@ -200,6 +212,26 @@ def _mount_tmpfs(path: Path, size_mb: int) -> bool:
 
         pytest.skip(f"cannot mount a {size_mb} MiB tmpfs for the full-disk row (needs root)")
     return True
+
+
+def _full_tmpfs(path: Path, spec: dict[str, Any]) -> Path:
+    """A tmpfs of ``journal_tmpfs_kb`` at ``path``, filled: every write there gets ENOSPC."""
+    size = int(spec["journal_tmpfs_kb"])
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        import pytest
+
+        pytest.skip(f"cannot mount a {size} KiB tmpfs for the full-journal row (needs root)")
+    with contextlib.suppress(OSError), open(path / "filler", "wb") as f:
+        while True:
+            f.write(b"\0" * 4096)
+            f.flush()
+    return path
 
 
 def _tagged_pids(tag: str) -> list[int]:
@@ -257,6 +289,11 @@ def check(out: Outcome, clean_params: list[float] | None, run_dir: Path) -> list
             problems.append(f"exit status {out.returncode}, expected a failure status")
         if "RestartAbortedError" not in out.output and "CheckpointError" not in out.output:
             problems.append("the stop does not name its cause")
+    elif row.expect == "forged":
+        if out.returncode in (0, None):
+            problems.append(f"exit status {out.returncode}, expected a failure status")
+        if "rejected unread" not in out.output:
+            problems.append("the forged value is not named in the output")
     elif row.expect == "store_lost" and out.returncode != -9:
         problems.append(f"exit status {out.returncode}, expected -9 (launcher killed)")
     for rank, end in out.ends.items():

@@ -45,6 +45,8 @@ from tests.fake_clock import FakeClock
         ),
         ({"granularity": "gpu"}, "granularity ('gpu') must be one of ('rank', 'node')"),
         ({"termination_grace_time": -1}, "termination_grace_time (-1) must be >= 0"),
+        # inf was accepted: the watchdog then crashed and never killed a hung rank.
+        ({"termination_grace_time": float("inf")}, "termination_grace_time (inf) must be >= 0"),
         ({"backend": ""}, "backend ('') must be a non-empty backend name"),
         ({"prewarm": 3}, "prewarm (3) must be callable"),
         ({"health_checks": [print, "x"]}, "health_checks[1] ('x') must be callable"),
@@ -234,3 +236,14 @@ def test_section_timeouts_are_read_only_and_give_the_configured_bounds() -> None
 def test_a_state_path_without_calculate_timeouts_warns_that_it_is_ignored() -> None:
     with pytest.warns(UserWarning, match="timeouts_state_path .* is ignored: calculate_timeouts"):
         RestartConfig(timeouts_state_path="ft_state.json")
+
+
+@pytest.mark.parametrize("flag", ["--stop-grace", "--node-timeout", "--monitor-interval"])
+def test_the_launcher_refuses_an_infinite_duration(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from inprocess.launch.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc-per-node", "1", flag, "inf", "train.py"])
+    assert f"{flag} (inf) must be" in capsys.readouterr().err

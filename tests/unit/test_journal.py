@@ -57,3 +57,28 @@ def test_directory_from_parameter_then_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(journal.ENV_DIR, "/tmp/env-journal")
     assert journal.resolve_dir(None) == Path("/tmp/env-journal")
     assert journal.resolve_dir("/tmp/param") == Path("/tmp/param")
+
+
+def test_a_full_disk_stops_the_journal_once_and_never_the_fault_path(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """ENOSPC under the journal (/dev/full) used to raise out of record_fault between the
+    fault's append and the end of its iteration: the other ranks were never woken."""
+    from inprocess.errors import FaultRecord
+    from inprocess.protocol import keys
+    from tests.unit.test_inprocess_store import FakeClock, FakeStore
+
+    handler = journal._Handler(open("/dev/full", "w"), {"rank": 0})  # noqa: SIM115
+    journal._log.addHandler(handler)
+    jr = journal.Journal(Path("/dev/full"), handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="inprocess.journal"):
+            store = FakeStore(FakeClock())
+            rec = FaultRecord(iteration=0, initial_rank=1, kind="exception", detail="x", step=3)
+            keys.record_fault(store, rec)
+            journal.record("save", step=4)
+        assert keys.outcome(store, 0) == keys.OUTCOME_FAULT  # the fault was still delivered
+        warned = [r for r in caplog.records if "journal stopped" in r.getMessage()]
+        assert len(warned) == 1 and "No space left" in warned[0].getMessage()
+    finally:
+        jr.close()

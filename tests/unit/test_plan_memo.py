@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 import torch
 
+from checkpoint import plain
 from checkpoint.persistent.plan_memo import PlanMemo, structure
 
 
 def test_load_reuses_the_object_for_the_same_bytes_only() -> None:
     memo = PlanMemo()
-    first = memo.load("a", pickle.dumps([1, 2]))
-    assert memo.load("a", pickle.dumps([1, 2])) is first
-    changed = memo.load("a", pickle.dumps([1, 3]))
+    first = memo.load("a", plain.dumps([1, 2]))
+    assert memo.load("a", plain.dumps([1, 2])) is first
+    changed = memo.load("a", plain.dumps([1, 3]))
     assert changed == [1, 3]
-    assert memo.load("b", pickle.dumps([1, 3])) is not changed  # slots are separate
+    assert memo.load("b", plain.dumps([1, 3])) is not changed  # slots are separate
 
 
 def test_derive_recomputes_when_the_key_changes_and_forgets_failures() -> None:

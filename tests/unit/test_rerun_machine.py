@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -267,6 +269,28 @@ def test_standalone_exit_is_sys_exit_with_the_code() -> None:
     with pytest.raises(SystemExit) as ei:
         loop.rsm.exit_or_raise()
     assert ei.value.code == 16
+
+
+def test_standalone_exit_closes_the_manager_first_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint-then-exit save was lost: the exit skipped the manager's close()."""
+    closed: list[str] = []
+
+    class Manager:
+        def close(self) -> None:
+            closed.append("saved")
+
+    class Hung:
+        def close(self) -> None:
+            threading.Event().wait(30)  # a hung storage: the exit goes on after close_timeout
+
+    loop = Loop(machine("persistent_error"))
+    loop.run(5)
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as ei:
+        loop.rsm.exit_or_raise(close=[Manager(), Hung()], close_timeout=0.2)
+    assert ei.value.code == 16 and closed == ["saved"]
+    assert time.monotonic() - t0 < 5
+    assert any("did not close within" in r.getMessage() for r in caplog.records)
 
 
 def test_in_job_exit_demotes_the_suspect_rank() -> None:

@@ -110,3 +110,15 @@ def test_each_round_of_the_launcher_gets_its_own_namespace() -> None:
     assert parse_url(control.round_store_env(1)["INPROCESS_STORE"]).prefix is None
     control.store_url = None
     assert control.round_store_env(1) == {}
+
+
+@pytest.mark.parametrize("bad", ["team/exp1", "x/round1", "", "a b"])
+def test_a_job_id_never_lies_under_another_jobs_namespace(bad: str) -> None:
+    """Job ids with '/' let job 'team' delete the keys of a running 'team/exp1', and a user's
+    'x/round1' meet the launcher's round 1 of job 'x'."""
+    from inprocess.errors import ConfigError
+    from inprocess.etcd.url import check_job_id
+
+    with pytest.raises(ConfigError, match="no '/'"):
+        check_job_id(bad, where="--job-id")
+    assert check_job_id("x/round1", where="INPROCESS_JOB_ID", round_suffix=True) == "x/round1"

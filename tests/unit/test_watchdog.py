@@ -13,6 +13,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed import TCPStore
@@ -195,3 +196,14 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, float], message: str) ->
     }
     with pytest.raises(ValueError, match=message):
         Watchdog(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["hard_timeout", "termination_grace_time"])
+def test_an_infinite_kill_delay_is_refused(field: str) -> None:
+    from inprocess.watchdog.owner import Watchdog
+
+    kw: dict[str, Any] = {"hard_timeout": 5.0, "termination_grace_time": 1.0}
+    kw[field] = float("inf")
+    with pytest.raises(ValueError, match=f"{field} \\(inf\\) must be .* finite"):
+        Watchdog(store_host="h", store_port=1, initial_rank=0, heartbeat_interval=0.5,
+                 logdir=None, **kw)  # fmt: skip

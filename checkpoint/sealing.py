@@ -1,0 +1,229 @@
+"""Authenticated store values: every value the framework writes carries a MAC over key and value.
+
+The coordination store (torch's TCPStore, or etcd) has no access control: whoever reaches its port
+can read, write and delete every key. A value is sealed with a per-job secret before it is
+written and opened (verified) after it is read; a value that fails is rejected with
+``ForgedValueError`` naming the key, and is never parsed. The secret is handed to a job's
+processes privately (``job_secret``), never through the store. docs/security.md says what this
+protects and what not.
+
+Wire layout of a sealed value: one or more frames (``append`` adds one per call), each
+
+    b"RSM1" | payload length (uint32, big endian) | HMAC-SHA256(secret, key, payload)[:16] | payload
+
+The MAC covers the key, so a sealed value copied to another key fails; it does not cover which
+frames an appended value holds, so frames of one key may be dropped, repeated or reordered by
+someone with write access (they can delete the key anyway: every reader treats that as a fault).
+Sealing is deterministic, so ``compare_set`` can compare sealed values.
+
+``inprocess`` uses this module through ``inprocess.protocol.sealed_store``;
+``checkpoint.exchange`` seals its own values (it talks to the default process group's store
+directly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+MAGIC = b"RSM1"
+_HEAD = struct.Struct(">4sI16s")  # magic, payload length, truncated MAC
+HEAD_SIZE = _HEAD.size
+# 128 bits of MAC: a forger must guess it; truncation to 16 bytes is the usual HMAC practice.
+_MAC_BYTES = 16
+SECRET_ENV = "RESTARTABLE_SECRET"  # hex; set by inprocess.launch for its ranks
+SECRET_FILE_ENV = "RESTARTABLE_SECRET_FILE"  # a file (mode 0600, ours) that holds the hex secret
+# How long a process waits for the first process of its job to create the shared secret file.
+_SHARED_WAIT_S = 60.0
+# Where job_secret keeps the secrets it makes for jobs started without inprocess.launch.
+SECRETS_DIR_ENV = "RESTARTABLE_SECRETS_DIR"
+
+
+class ForgedValueError(RuntimeError):
+    """A store value is not sealed with this job's secret: someone else wrote it."""
+
+
+class Sealer:
+    """Seals and opens the values of one job (one secret). Immutable and thread-safe."""
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError(
+                f"the job secret has {len(secret)} bytes; it must have at least 16: set "
+                f"{SECRET_ENV} to 32 or more hex digits"
+            )
+        self._secret = secret
+
+    @property
+    def secret(self) -> bytes:
+        """The secret (to hand to a child process privately, e.g. in its environment)."""
+        return self._secret
+
+    def _mac(self, key: str, payload: bytes) -> bytes:
+        kb = key.encode()
+        msg = struct.pack(">I", len(kb)) + kb + payload
+        return hmac.new(self._secret, msg, hashlib.sha256).digest()[:_MAC_BYTES]
+
+    def seal(self, key: str, value: str | bytes) -> bytes:
+        """``value`` as one sealed frame for ``key``."""
+        payload = value.encode() if isinstance(value, str) else bytes(value)
+        return _HEAD.pack(MAGIC, len(payload), self._mac(key, payload)) + payload
+
+    def open(self, key: str, raw: bytes) -> bytes:
+        """The payload of ``raw`` (the concatenated payloads of its frames), read from ``key``.
+
+        Raises ``ForgedValueError`` naming the key when any frame is malformed or its MAC fails:
+        nothing of such a value is returned, so nothing of it is parsed.
+        """
+        raw = bytes(raw)
+        out: list[bytes] = []
+        pos = 0
+        while pos < len(raw):
+            if len(raw) - pos < HEAD_SIZE:
+                raise _forged(key, "a truncated frame")
+            magic, n, mac = _HEAD.unpack_from(raw, pos)
+            payload = raw[pos + HEAD_SIZE : pos + HEAD_SIZE + n]
+            if magic != MAGIC or len(payload) != n:
+                raise _forged(key, "no sealed frame (not written by this job's processes)")
+            if not hmac.compare_digest(mac, self._mac(key, payload)):
+                raise _forged(key, "a MAC that does not match this job's secret")
+            out.append(payload)
+            pos += HEAD_SIZE + n
+        if not out:
+            raise _forged(key, "an empty value")
+        return b"".join(out)
+
+
+def _forged(key: str, what: str) -> ForgedValueError:
+    return ForgedValueError(
+        f"store key {key!r} holds {what}: rejected unread. Someone who can reach the store wrote "
+        "or changed it; keep the store's port private to the job (docs/security.md)"
+    )
+
+
+def new_secret() -> str:
+    """A fresh job secret, as the hex text ``RESTARTABLE_SECRET`` holds."""
+    return secrets.token_hex(32)
+
+
+def job_secret(environ: Mapping[str, str] | None = None, *, create: bool = True) -> bytes | None:
+    """This job's secret: ``RESTARTABLE_SECRET`` (hex, set by ``inprocess.launch``), else the
+    file ``RESTARTABLE_SECRET_FILE`` names, else a per-user file shared by the processes of one
+    job started without our launcher (torchrun, srun): the first process creates it (0600, in a
+    0700 directory), the others wait for it. None when the environment names no job at all
+    (no MASTER_ADDR/MASTER_PORT): a single process, nothing to authenticate.
+
+    Called once per process by each user of the store (it reads a file at most); may block up
+    to a minute for the first process of the job. ``create=False``: never create the shared
+    file (a process that only reads, e.g. a watchdog).
+    """
+    env = os.environ if environ is None else environ
+    if env.get(SECRET_ENV):
+        try:
+            return bytes.fromhex(env[SECRET_ENV].strip())
+        except ValueError:
+            raise ValueError(
+                f"{SECRET_ENV} is not hex: set it to the output of "
+                "python -c 'import secrets; print(secrets.token_hex(32))'"
+            ) from None
+    if env.get(SECRET_FILE_ENV):
+        return _read_private(Path(env[SECRET_FILE_ENV]))
+    scope = _job_scope(env)
+    if scope is None:
+        return None
+    return _shared_secret(_secrets_dir(env) / scope, create=create)
+
+
+def _job_scope(env: Mapping[str, str]) -> str | None:
+    """A file name that every process of one job derives alike: the store's address and the
+    job's id (a later job on the same address and id reuses it: docs/security.md)."""
+    if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")) and not env.get("INPROCESS_STORE"):
+        return None
+    parts = [
+        env.get("INPROCESS_STORE", ""),
+        env.get("MASTER_ADDR", ""),
+        env.get("MASTER_PORT", ""),
+        env.get("INPROCESS_JOB_ID") or env.get("SLURM_JOB_ID") or "",
+        env.get("TORCHELASTIC_RUN_ID", ""),
+    ]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _secrets_dir(env: Mapping[str, str]) -> Path:
+    if env.get(SECRETS_DIR_ENV):
+        return Path(env[SECRETS_DIR_ENV])
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "restartable" / "secrets"
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) with mode 0700; refuse one that another user owns or that
+    others may write. Returns ``path``."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()}): another user "
+            "created it; choose a directory of your own"
+        )
+    if st.st_mode & 0o022:
+        raise PermissionError(
+            f"{path} has mode {stat.S_IMODE(st.st_mode):o}: others may write it; "
+            f"chmod go-w {path}, or choose a directory of your own"
+        )
+    return path
+
+
+def _shared_secret(path: Path, *, create: bool) -> bytes:
+    private_dir(path.parent)
+    if create and not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, new_secret().encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic, fails if another process was first: theirs wins
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    deadline = time.monotonic() + _SHARED_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the job's secret file {path} did not appear within {_SHARED_WAIT_S:.0f} s: the "
+                f"job's processes do not share that directory; set {SECRET_ENV} (the same value "
+                f"on every node) or {SECRET_FILE_ENV}"
+            )
+        time.sleep(0.05)
+    return _read_private(path)
+
+
+def _read_private(path: Path) -> bytes:
+    """The hex secret in ``path``; refused unless this user owns it and nobody else may read it."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"secret file {path} must belong to this user and have mode 0600 (it has uid "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): chmod 600 {path}"
+        )
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except ValueError:
+        raise ValueError(f"secret file {path} does not hold hex digits: rewrite it") from None
+
+
+def job_sealer(environ: Mapping[str, str] | None = None, *, create: bool = True) -> Sealer | None:
+    """``Sealer(job_secret())``, or None where there is no job (see ``job_secret``)."""
+    secret = job_secret(environ, create=create)
+    return None if secret is None else Sealer(secret)
