@@ -29,9 +29,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from checkpoint.sealing import ForgedValueError, job_sealer
 from inprocess.errors import ConfigError
 from inprocess.protocol.environment import LaunchEnv
 from inprocess.protocol.keys import GONE_KEY, ROOT, StoreLike, parse_ranks, peek
+from inprocess.protocol.sealed_store import seal
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +187,17 @@ def serve(
     server = listening_server(host, port, wait_for_workers=False)
     if token:
         server.set(TOKEN_KEY, token)
+    # The ranks seal what they append to the "left" and "gone" lists; the rank that started this
+    # server made the job's secret before (its environment or the job's private file).
+    view = seal(server, job_sealer(create=False))
     last_keys, last_change = -1, time.monotonic()
     while True:
         time.sleep(_POLL_S)
-        if all_left(server, world_size, count_gone=not wait_for_tasks):
-            return
+        try:
+            if all_left(view, world_size, count_gone=not wait_for_tasks):
+                return
+        except ForgedValueError:  # logged by the sealed view; only the idle timeout ends us now
+            pass
         n = server.num_keys()
         if n != last_keys:
             last_keys, last_change = n, time.monotonic()

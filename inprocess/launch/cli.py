@@ -317,8 +317,9 @@ class _LauncherJournal:
             self.jr = None
 
 
-def _job_secret(args: argparse.Namespace) -> bytes:
-    """The job's secret (``checkpoint.sealing``), handed to the ranks in their environment:
+def launch_secret(args: argparse.Namespace) -> bytes:
+    """The job's secret (``checkpoint.sealing``), handed to the ranks in their environment (and
+    found the same way by ``inprocess.launch.task`` standing in for a killed launcher):
     the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
     per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
     --job-id (a shared home directory; docs/security.md)."""
@@ -343,7 +344,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     # already be another node's (written for this attempt), and the launchers would disagree.
     args.attempt = autoresume.attempt_number(args.autoresume_file)
     try:
-        secret = _job_secret(args)
+        secret = launch_secret(args)
     except (OSError, ValueError) as exc:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
     args.secret = secret.hex()  # rank_env hands it to every rank

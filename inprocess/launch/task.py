@@ -155,13 +155,17 @@ def _after_kill(signum: int, args: argparse.Namespace) -> int:
 def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | None:
     """Stand in for a killed launcher in the control store until the job's end status is
     published (``JobControl.publish_end``); that status. None with etcd or one node."""
+    from checkpoint.sealing import Sealer
+    from inprocess.launch.cli import launch_secret
     from inprocess.launch.cli import parse_args as launch_args
+    from inprocess.protocol.sealed_store import seal
     from inprocess.store_server import client
 
     a = launch_args(list(launch_argv))
     if a.store is not None or a.nnodes == 1:
         return None
-    store = client(a.master_addr, a.master_port, timeout=30.0)
+    # The control store's values are sealed with the launchers' secret (found as they find it).
+    store = seal(client(a.master_addr, a.master_port, timeout=30.0), Sealer(launch_secret(a)))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -179,8 +183,10 @@ def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | No
 def _job_done(timeout: float) -> bool | None:
     """Connect to the job's store; block until the job is done (True) or stopped (False);
     then mark this task's rank as left. None when it never became a ``@restartable`` job."""
+    from checkpoint.sealing import job_sealer
     from inprocess.protocol import job_keys
     from inprocess.protocol.environment import read_env
+    from inprocess.protocol.sealed_store import seal
     from inprocess.store_server import client, mark_left
 
     env = read_env()
@@ -191,6 +197,8 @@ def _job_done(timeout: float) -> bool | None:
         store = open_store(env.store_url, job_id=env.job_id, timeout=30.0)
     else:
         store = client(env.master_addr, env.master_port, timeout=30.0)
+    # Sealed like the ranks' own values (the rank made the job's secret; we share its env).
+    store = seal(store, job_sealer(create=False))
     deadline = time.monotonic() + timeout
     state = job_keys.job_state(store)
     while state == job_keys.JOB_RUNNING and time.monotonic() < deadline:
