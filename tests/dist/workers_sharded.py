@@ -183,13 +183,17 @@ def train_sharded(
         if ctx.last_restart is not None:
             rec["phases"] = dict(ctx.last_restart.phases)
         seen.append(rec)
-        model, _mesh = build(parallel, ctx.world_size, other_dims=remesh and ctx.iteration > 0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        rsm = RerunStateMachine(mode="validate_results", check_for_nan_in_loss=True)
-        state: dict[str, Any] = (
-            {"train": DCPState(model, opt)} if dcp_state else {"model": model, "optim": opt}
-        )
-        start = mgr.load_latest(state) or 0
+        try:  # a failure here is a test failure: its message goes into the result
+            model, _mesh = build(parallel, ctx.world_size, other_dims=remesh and ctx.iteration > 0)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            rsm = RerunStateMachine(mode="validate_results", check_for_nan_in_loss=True)
+            state: dict[str, Any] = (
+                {"train": DCPState(model, opt)} if dcp_state else {"model": model, "optim": opt}
+            )
+            start = mgr.load_latest(state) or 0
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            raise
         restored = mgr.last_restore
         rec["restored"] = [start, restored.tier if restored else None]
         if start:
