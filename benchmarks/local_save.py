@@ -14,6 +14,10 @@ rounds (each after the same pause) on the same state:
 
 The difference between the save and the two floors is the tier's own work per save (plan,
 header, buffer choice, handing off to the background thread).
+
+``--parallel fsdp`` (or ``tp``) also measures, in the same invocation, the same model sharded by
+examples/parallel.py on a one-rank mesh (gloo): its state is made of DTensors, whose local shards
+the tier packs with their sharding metadata; ``stall_over_copy_floor`` is the ratio per state.
 """
 
 from __future__ import annotations
@@ -34,14 +38,19 @@ sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
 sys.path.insert(0, str(ROOT / "examples"))
 
 
-def example_state() -> dict[str, Any]:
-    """examples/train.py's checkpointed state after one optimizer step."""
+def example_state(parallel: str | None = None) -> dict[str, Any]:
+    """examples/train.py's checkpointed state after one optimizer step (`parallel`: sharded by
+    examples/parallel.py on the current one-rank group)."""
     from gpt import GPTConfig, build_model
     from state import TrainState
 
     from rerun import RerunStateMachine
 
     model = build_model(GPTConfig(), seed=1234)
+    if parallel is not None:
+        from parallel import shard
+
+        shard(model, parallel, world=1, device=torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -97,6 +106,7 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
         "save_median_s": med["save"],
         "save_p90_s": statistics.quantiles(times["save"][skip:], n=10)[-1],
         "tier_own_work_s": med["save"] - med["copy"] - med["walk"],
+        "stall_over_copy_floor": round(med["save"] / med["copy"], 2),
     }
 
 
@@ -105,11 +115,19 @@ def main() -> int:
     p.add_argument("--saves", type=int, default=300)
     p.add_argument("--gap-ms", type=float, default=20.0, help="pause between saves (a step)")
     p.add_argument("--local-dir", default=None, help="node-local directory (default: memory)")
+    p.add_argument("--parallel", choices=("fsdp", "tp"), help="also a sharded state (DTensors)")
     args = p.parse_args()
     torch.set_num_threads(1)  # as in examples/train.py
     state = example_state()
     result = {"benchmark": "local_save", **measure(state, args.saves, args.gap_ms / 1000,
                                                    args.local_dir)}  # fmt: skip
+    if args.parallel:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        sharded = example_state(args.parallel)
+        result[args.parallel] = measure(sharded, args.saves, args.gap_ms / 1000, args.local_dir)
+        dist.destroy_process_group()
     print(json.dumps(result, indent=2))
     return 0
 

@@ -47,6 +47,11 @@ class Scenario:
     target_ratio: float | None = None  # ... and for median / torchrun median
     victim: int = 1  # the rank that faults
     gpu: bool = False  # NCCL on CUDA tensors: run only when named with --scenario
+    # What the ranks run: bare all_reduces, or the steps of a model built inside train()
+    # ("ddp": DistributedDataParallel, "fsdp": FSDP2 fully_shard), peers blocked in its collectives.
+    model: str | None = None
+    compare_to: str | None = None  # a scenario of the same run: ratio of the medians
+    target_compare: float | None = None  # the issue's target for that ratio
 
     @property
     def backend(self) -> str:
@@ -121,6 +126,74 @@ register(
 )
 
 
+# ----- sharded models (issue 29): FSDP2 against DDP, same MLP, same faults, same run ----------
+FSDP_RESERVES = 3
+# A reserve's first model build and DDP broadcast can outlast the default 6.25 s group timeout
+# on a loaded 2-core machine; the faults here are seen by the store and the watchdog, so the
+# soft timeout does not enter the latency.
+MODEL_TIMEOUTS = {"soft_timeout": 10.0, "hard_timeout": 20.0}
+for _model in ("ddp", "fsdp"):
+    register(
+        Scenario(
+            name=f"exception_{_model}",
+            description=(
+                f"RuntimeError in rank 1 while ranks 0, 2, 3 are in the collectives of a {_model} "
+                "step of an MLP (4 x 256 x 256) built inside train(); 4 ranks"
+            ),
+            fault="raise",
+            options=MODEL_TIMEOUTS,
+            model=_model,
+            baseline=False,
+            compare_to="exception_ddp" if _model == "fsdp" else None,
+            target_compare=1.2 if _model == "fsdp" else None,
+        )
+    )
+    register(
+        Scenario(
+            name=f"sigkill_reserve_{_model}",
+            description=(
+                f"SIGKILL of the rank running as rank 1 during {_model} steps of the same MLP; "
+                f"4 active ranks + {FSDP_RESERVES} warm reserves, one taking over per trial"
+            ),
+            fault="sigkill",
+            nproc=4 + FSDP_RESERVES,
+            options={**MODEL_TIMEOUTS, "active_world_size": 4, "termination_grace_time": 0.5},
+            max_trials=FSDP_RESERVES,
+            model=_model,
+            baseline=False,
+            compare_to="sigkill_reserve_ddp" if _model == "fsdp" else None,
+            target_compare=1.2 if _model == "fsdp" else None,
+        )
+    )
+
+
+def _model_step(kind: str) -> Any:
+    """A step function of an MLP built now, on this iteration's group, wrapped by `kind`."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        net: nn.Module = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        net = fully_shard(model, mesh=mesh)
+    x = torch.randn(16, 256)
+
+    def step() -> None:
+        net(x).sum().backward()
+
+    return step
+
+
 def fire_fault(kind: str) -> None:
     """Make the fault happen in this rank now (after its instant was recorded)."""
     import os
@@ -165,14 +238,22 @@ def inprocess_worker(scenario: Scenario, out: Path, trials: int, victim: int) ->
         **scenario.options,
     }
     log = out / f"rank{os.environ['RANK']}.jsonl"
+    if scenario.model == "fsdp":
+        # Imported before @restartable creates a group, as a script does at its top.
+        import torch.distributed.fsdp
 
     @restartable(**options)
     def train() -> None:
         ctx = context()
         ctx.ping(step=ctx.iteration)  # a new step each trial: not "the same fault repeating"
         t = torch.ones(1, device="cuda" if scenario.gpu else "cpu")
-        dist.all_reduce(t)
-        t.item()  # NCCL returns before the reduction ran: wait for it
+        if scenario.model is not None:
+            os.environ["WORLD_SIZE"] = str(ctx.world_size)
+            step = _model_step(scenario.model)
+            step()
+        else:
+            dist.all_reduce(t)
+            t.item()  # NCCL returns before the reduction ran: wait for it
         _append(log, {"iteration": ctx.iteration, "first_allreduce_done": time.time()})
         if ctx.iteration >= trials:
             return
@@ -181,7 +262,10 @@ def inprocess_worker(scenario: Scenario, out: Path, trials: int, victim: int) ->
             _append(log, {"iteration": ctx.iteration, "fault": time.time()})
             fire_fault(scenario.fault)
         while True:  # peers: blocked in collectives, as in training
-            dist.all_reduce(t)
+            if scenario.model is not None:
+                step()
+            else:
+                dist.all_reduce(t)
 
     train()
 
@@ -341,6 +425,16 @@ def main(argv: list[str] | None = None) -> int:
                 s.target_ratio is None or entry.get("ratio_median", 0.0) <= s.target_ratio
             )
         report["scenarios"][name] = entry
+    for name in names:
+        s, entry = SCENARIOS[name], report["scenarios"][name]
+        other = report["scenarios"].get(s.compare_to or "")
+        if other is None:
+            continue
+        a, b = entry["inprocess"].get("median_s"), other["inprocess"].get("median_s")
+        if a and b:
+            entry[f"ratio_to_{s.compare_to}"] = round(a / b, 3)
+            if s.target_compare is not None:
+                entry["target_met"] = a / b <= s.target_compare
     print(json.dumps(report, indent=2))
     return 0
 

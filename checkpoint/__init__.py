@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         CheckpointMismatchError,
         CheckpointRankError,
         CheckpointStorageError,
+        ShardingMismatchError,
     )
     from checkpoint.group import BackgroundGroup
     from checkpoint.local import ReplicatedState
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "BackgroundGroup": "checkpoint.group",
     "CheckpointAbandoned": "checkpoint.errors",
+    "ShardingMismatchError": "checkpoint.errors",
     "CheckpointConfigError": "checkpoint.errors",
     "CheckpointCorruptError": "checkpoint.errors",
     "CheckpointError": "checkpoint.errors",
@@ -55,6 +57,7 @@ __all__ = [
     "PersistentConfig",
     "ReplicatedState",
     "Restore",
+    "ShardingMismatchError",
 ]
 
 

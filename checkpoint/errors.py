@@ -33,6 +33,15 @@ class CheckpointMismatchError(CheckpointError):
         self.keys = list(keys or [])
 
 
+class ShardingMismatchError(CheckpointMismatchError):
+    """A local-tier shard was saved with another mesh or placement than the live DTensors.
+
+    Raised on every rank by a local restore (the ranks agree first), before any tensor is
+    written; ``CheckpointManager.load_latest`` catches it and loads the persistent tier, which
+    reshards.
+    """
+
+
 class CheckpointRankError(CheckpointError):
     """A collective checkpoint operation failed on one or more ranks.
 

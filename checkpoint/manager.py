@@ -11,7 +11,7 @@ from typing import Any
 
 from checkpoint import optimizers
 from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks
-from checkpoint.errors import CheckpointConfigError, CheckpointError
+from checkpoint.errors import CheckpointConfigError, CheckpointError, ShardingMismatchError
 from checkpoint.group import BackgroundGroup
 from checkpoint.local import LocalTier
 from checkpoint.persistent import (
@@ -228,7 +228,15 @@ class CheckpointManager:
         if self._local is not None:
             # load() settles first: after a restart it cancels the background work in flight
             # instead of waiting on a peer that may be gone.
-            result = self._local.load(state, min_step=newest)
+            try:
+                result = self._local.load(state, min_step=newest)
+            except ShardingMismatchError as e:  # raised on every rank, before any write
+                log.warning(
+                    "checkpoint: the local tier's shards do not fit the live mesh (%s); "
+                    "loading the persistent tier, which reshards",
+                    e,
+                )
+                result = None
             if result is not None:
                 self._owe_persistent(int(result.step), newest)
                 self._restored(int(result.step), str(result.tier), float(result.seconds))

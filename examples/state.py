@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from rerun import RerunStateMachine
 
@@ -34,10 +35,10 @@ class TrainState(Stateful):
         Hyperparameters (plain floats, e.g. a scheduled lr) are copied fresh every time.
         """
         live = (
-            *((id(t), t.data_ptr()) for t in self.model.parameters()),
-            *((id(t), t.data_ptr()) for t in self.model.buffers()),
+            *((id(t), _ptr(t)) for t in self.model.parameters()),
+            *((id(t), _ptr(t)) for t in self.model.buffers()),
             *(
-                (id(v), v.data_ptr())
+                (id(v), _ptr(v))
                 for st in self.opt.state.values()
                 for v in st.values()
                 if isinstance(v, torch.Tensor)
@@ -66,3 +67,11 @@ class TrainState(Stateful):
         )
         self.rsm.load_state_dict(sd[self.rerun_key])
         self.step = int(sd["step"])
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """Where a tensor's data lives; a DTensor (FSDP2, TP) has it in its local shard."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return int(t.to_local().data_ptr())
+    return int(t.data_ptr())

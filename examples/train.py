@@ -1,11 +1,13 @@
-"""Train a tiny byte-level GPT with DDP through injected faults, then report the downtime.
+"""Train a tiny byte-level GPT with DDP, FSDP2, TP or HSDP through injected faults, then report.
 
 Run (4 ranks on this machine's CPU, 5 faults, about 30 s on 2 cores):
 
     python -m inprocess.launch --nproc-per-node 4 examples/train.py --faults demo
 
-It trains on the CPU over gloo, also on a machine with GPUs. ``--device cuda`` trains on one GPU
-per rank over NCCL (at most as many processes per node as GPUs; with one GPU e.g.
+``--parallel fsdp|tp|hsdp`` shards the model (FSDP2 ``fully_shard``, tensor parallel, or HSDP on a
+2-D mesh; examples/parallel.py) instead of replicating it with DDP; both checkpoint tiers keep the
+sharded state. It trains on the CPU over gloo, also on a machine with GPUs. ``--device cuda``
+trains on one GPU per rank over NCCL (at most as many processes per node as GPUs; with one GPU e.g.
 ``--nproc-per-node 1 --faults exception@rank0:step50,nan@rank0:step100,hang@rank0:step150``).
 
 It uses all three packages: ``@restartable`` re-runs ``train()`` in place after a fault (warm
@@ -85,6 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="cpu",
         help="cpu: CPU tensors over gloo (default, also where GPUs exist);\n"
         "cuda: one GPU per rank over NCCL",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp", "tp", "hsdp"),
+        default="ddp",
+        help="ddp: replicate the model (default); fsdp: shard it with FSDP2 (fully_shard);\n"
+        "tp: split each block's MLP across the ranks (tensor parallel);\n"
+        "hsdp: shard within pairs of ranks, replicate across pairs (2-D mesh)",
     )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
@@ -187,8 +197,8 @@ def run(args: argparse.Namespace) -> int:
     # once, before it.
     import torch
     from gpt import GPTConfig, batch, build_model, corpus
+    from parallel import data_rank, shard
     from state import TrainState
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from checkpoint import CheckpointManager
     from inprocess import context, restartable
@@ -265,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
             # The group of this iteration has set this rank's GPU (LOCAL_RANK) for NCCL.
             device = torch.device(args.device, torch.cuda.current_device() if cuda else None)
             model = build_model(cfg, args.seed).to(device)
-            ddp = DDP(model, device_ids=[device] if cuda else None)
+            # DDP, or sharded on a mesh of this iteration's group (examples/parallel.py).
+            net = shard(model, args.parallel, world=ctx.world_size, device=device)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
             state = TrainState(model, opt, rsm, ctx.rank)
             ckpt = {"train": state}
@@ -291,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
                                 data,
                                 seed=args.seed,
                                 step=step,
-                                rank=ctx.rank,
+                                rank=data_rank(args.parallel, ctx.rank),
                                 batch_size=args.batch_size,
                                 seq=cfg.seq,
                             )
@@ -303,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
                     attempts += 1
                     opt.zero_grad(set_to_none=True)
                     x, y = next(batches)
-                    loss = ddp(x.to(device), y.to(device))
+                    loss = net(x.to(device), y.to(device))
                     if nan_due is not None and attempts == 1:
                         loss = loss * float("nan")  # a transient numerical fault on this rank
                     loss.backward()

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointMismatchError
+from checkpoint.local import sharded
 
 MAGIC = b"RSTLOCAL"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
@@ -146,6 +147,8 @@ class Leaf:
     container: Any  # the dict / list that holds it
     index: Any  # its key / position in `container`
     replicated: bool = False  # under a ReplicatedState
+    # A DTensor's sharding (checkpoint.local.sharded); `value` is then its local shard.
+    sharding: sharded.Sharding | None = None
 
 
 def is_stateful(obj: Any) -> bool:
@@ -180,7 +183,10 @@ def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]
     # Runs at every local save (a small model's state has a few hundred nodes): the common
     # cases are tested first.
     def walk(obj: Any, prefix: str, container: Any, index: Any, rep: bool) -> None:
-        if isinstance(obj, torch.Tensor) or obj is None or type(obj) in _SCALARS:
+        if isinstance(obj, torch.Tensor) and sharded.is_dtensor(obj):
+            local, sharding = sharded.local_and_sharding(obj)
+            out.append(Leaf(prefix, local, container, index, rep, sharding))
+        elif isinstance(obj, torch.Tensor) or obj is None or type(obj) in _SCALARS:
             out.append(Leaf(prefix, obj, container, index, rep))
         elif isinstance(obj, Mapping):
             rep = rep or isinstance(obj, ReplicatedState)
@@ -214,6 +220,9 @@ class ShardLayout:
     entries: tuple[TensorEntry, ...]
     data_nbytes: int
     tensors_json: str  # the header's tensor table, encoded once
+    # DTensor entries' sharding (sharded.to_json) by key, and its header form, encoded once.
+    sharding: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
+    sharding_json: str = "{}"
     # Typed views of each entry in the save buffers this layout was packed into, by (address,
     # data start). A view keeps its buffer alive, so no other buffer can take its address.
     _views: dict[tuple[int, int], list[torch.Tensor]] = field(
@@ -235,8 +244,11 @@ class ShardLayout:
     @staticmethod
     def of(tensors: list[Leaf]) -> ShardLayout:
         entries = []
+        shardings = {}
         off = 0
         for leaf in tensors:
+            if leaf.sharding is not None:
+                shardings[leaf.key] = sharded.to_json(leaf.sharding)
             t: torch.Tensor = leaf.value
             nbytes = t.numel() * t.element_size()
             dtype = str(t.dtype).removeprefix("torch.")
@@ -248,7 +260,7 @@ class ShardLayout:
             entries.append(TensorEntry(leaf.key, dtype, tuple(t.shape), off, nbytes))
             off = _align(off + nbytes)
         table = [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]
-        return ShardLayout(tuple(entries), off, _compact(table))
+        return ShardLayout(tuple(entries), off, _compact(table), shardings, _compact(shardings))
 
 
 def header_bytes(layout: ShardLayout, objects: dict[str, Any], extra: dict[str, Any]) -> bytes:
@@ -257,7 +269,7 @@ def header_bytes(layout: ShardLayout, objects: dict[str, Any], extra: dict[str, 
     # table is encoded once per layout.
     return (
         f'{{"tensors":{layout.tensors_json},"objects":{_compact(objects)},'
-        f'"extra":{_compact(extra)}}}'
+        f'"extra":{_compact(extra)},"sharding":{layout.sharding_json}}}'
     ).encode()
 
 
@@ -352,6 +364,7 @@ class Parsed:
     objects: dict[str, Any]
     extra: dict[str, Any]
     data_start: int
+    sharding: dict[str, dict[str, Any]] = field(default_factory=dict)  # DTensor entries' only
 
 
 def parse(buf: torch.Tensor) -> Parsed:
@@ -362,7 +375,10 @@ def parse(buf: torch.Tensor) -> Parsed:
     try:
         doc = json.loads(bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy()))
         entries = {k: TensorEntry(k, d, tuple(s), off, n) for k, d, s, off, n in doc["tensors"]}
-        return Parsed(entries, doc["objects"], doc["extra"], _align(_PREFIX.size + hlen))
+        sharding = doc.get("sharding", {})
+        if not isinstance(sharding, dict):
+            raise TypeError(f"sharding is a {type(sharding).__name__}")
+        return Parsed(entries, doc["objects"], doc["extra"], _align(_PREFIX.size + hlen), sharding)
     except (ValueError, KeyError, TypeError) as e:  # a corrupt copy (its checksum fails too)
         raise CheckpointError(f"not a local-tier shard (header does not decode: {e})") from e
 
@@ -431,9 +447,11 @@ def match(
     """Pair every kept leaf with its source in the shard (a TensorEntry or a header value).
 
     Raises CheckpointMismatchError listing every key that is missing or differs in dtype or
-    shape; nothing has been written then.
+    shape, or first sharded.ShardingMismatchError listing every DTensor whose saved mesh or
+    placement differs from the live one (naming both); nothing has been written then.
     """
     bad: list[str] = []
+    resharded: list[str] = []
     todo: list[tuple[Leaf, Any]] = []
     for leaf in state_leaves:
         if not keep(leaf.key):
@@ -441,7 +459,13 @@ def match(
         if isinstance(leaf.value, torch.Tensor):
             e = parsed.entries.get(leaf.key)
             t = leaf.value
-            if e is None:
+            saved = parsed.sharding.get(leaf.key)
+            live = sharded.to_json(leaf.sharding) if leaf.sharding is not None else None
+            if e is not None and saved != live:
+                resharded.append(
+                    f"{leaf.key} (saved {sharded.describe(saved)}; live {sharded.describe(live)})"
+                )
+            elif e is None:
                 bad.append(f"{leaf.key} (missing from the saved shard)")
             elif e.dtype != str(t.dtype).removeprefix("torch.") or e.shape != tuple(t.shape):
                 bad.append(
@@ -453,6 +477,12 @@ def match(
             bad.append(f"{leaf.key} (missing from the saved shard)")
         else:
             todo.append((leaf, parsed.objects[leaf.key]))
+    if resharded:
+        raise sharded.ShardingMismatchError(
+            "local checkpoint was saved with another sharding than the live DTensors (same "
+            "mesh and placements needed; the persistent tier reshards): " + ", ".join(resharded),
+            keys=[b.split(" (")[0] for b in resharded],
+        )
     if bad:
         bad_keys = [b.split(" (")[0] for b in bad]
         raise CheckpointMismatchError(

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, ShardingMismatchError
 from checkpoint.local import directory, integrity, packing, placement
 from checkpoint.local.transport import Outgoing, transfer
 
@@ -147,6 +147,17 @@ class _Target:
         """Whether this rank's own shard holds `key` (fully_parallel splits replicated ones)."""
         return self._owner.get(key, self._rank) == self._rank
 
+    def sharding_mismatch(self, buf: torch.Tensor, parsed: packing.Parsed | None) -> str | None:
+        """Why this rank's shard cannot go into the live DTensors (another mesh or placement),
+        or None. Reads the header only; writes nothing."""
+        try:
+            packing.match(parsed if parsed is not None else packing.parse(buf), self._leaves)
+        except ShardingMismatchError as e:
+            return str(e)
+        except CheckpointError:
+            return None  # another mismatch: the fill reports it, as for plain tensors
+        return None
+
     def fill(
         self, buf: torch.Tensor, parsed: packing.Parsed | None, pg: dist.ProcessGroup | None
     ) -> None:
@@ -216,6 +227,14 @@ def restore(
             world,
         )
         return None
+    # Every rank refuses together, before any rank writes: a rank that filled its DTensors
+    # while another fell back to the persistent tier would train on a mixed state.
+    problem = target.sharding_mismatch(fetched.buf, fetched.parsed)
+    if _any_rank(pg, problem is not None):
+        problems = _gather(pg, problem, world)
+        raise ShardingMismatchError(
+            "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
+        )
     target.fill(fetched.buf, fetched.parsed, pg)
     seconds = time.perf_counter() - t0
     log.info(

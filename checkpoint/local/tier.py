@@ -153,7 +153,7 @@ class LocalTier:
         # A JSON round trip snapshots the scalars (a list mutated after save() must not leak in).
         snapshot = json.loads(json.dumps(objects))
         data_start = nbytes - cache.layout.data_nbytes
-        parsed = packing.Parsed(cache.entries, snapshot, extra, data_start)
+        parsed = packing.Parsed(cache.entries, snapshot, extra, data_start, cache.layout.sharding)
         shard = Shard(step, rank, world, nbytes, None, buf, parsed)
         with self._lock:
             self._held[(step, rank)] = shard
@@ -182,7 +182,7 @@ class LocalTier:
     def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
         # dtype and torch.Size compare and hash as they are: no str() / tuple() per tensor.
         sig = tuple(
-            (x.key, x.value.dtype, x.value.shape, x.replicated)
+            (x.key, x.value.dtype, x.value.shape, x.replicated, x.sharding)
             for x in leaves
             if isinstance(x.value, torch.Tensor)
         )

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from inprocess import _torch_private
+from inprocess.restart import mesh_refs
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class GroupReaper:
             groups, self._held = self._held, []
         if not groups:
             return
+        mesh_refs.release(groups)  # what torch's mesh, FSDP2 and DTensor caches keep of them
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pg-reaper", daemon=True)
             self._thread.start()

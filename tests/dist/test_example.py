@@ -329,3 +329,25 @@ def test_bad_input_is_one_line_once_and_exit_2(
     assert job.output.count("train.py: error:") == 1, job.output
     assert message in job.output, job.output
     assert "Traceback" not in job.output
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        "fsdp",
+        pytest.param("tp", marks=slow("fsdp covers the sharded restore; TP in tests/dist")),
+        pytest.param("hsdp", marks=slow("fsdp covers the sharded restore; HSDP in tests/dist")),
+    ],
+)
+def test_a_sharded_model_through_every_fault_kind_matches_its_clean_loss(
+    tmp_path: Path, parallel: str
+) -> None:
+    extra = ["--parallel", parallel]
+    clean = _launch(tmp_path / "clean", nproc=2, faults="none", extra=extra)
+    assert clean.returncode == 0, clean.output
+    faulty = _launch(tmp_path / "faulty", nproc=3, faults=PLAN, extra=extra, deadline=240)
+    assert faulty.returncode == 0, faulty.output
+    rep = _report(tmp_path / "faulty")
+    assert rep["final_step"] == STEPS and rep["restarts"] == RESTART_FAULTS, faulty.output
+    assert "still referenced" not in faulty.output, faulty.output
+    assert rep["final_loss"] == _report(tmp_path / "clean")["final_loss"]

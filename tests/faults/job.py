@@ -1,9 +1,10 @@
 """The training job every fault-matrix row runs (``python -m inprocess.launch ... job.py``).
 
-A small DDP model, 2 active ranks and 1 warm reserve, a checkpoint every step in the local
-tier (host memory + node-local directory) and every 4 steps in the persistent tier; the batch of
-each step is a function of the step and rank only, so a job that survives its faults ends with
-exactly the parameters of a clean run. The row to play arrives as JSON in ``FAULT_ROW``::
+A small model (DDP, or FSDP2 with ``"parallel": "fsdp"``), 2 active ranks and 1 warm reserve, a
+checkpoint every step in the local tier (host memory + node-local directory) and every 4 steps
+in the persistent tier; the batch of each step is a function of the step and rank only, so a job
+that survives its faults ends with exactly the parameters of a clean run. The row to play
+arrives as JSON in ``FAULT_ROW``::
 
     {"kind": "kill", "phase": "step", "rank": 1, "iteration": 0, "step": 5, "precursor": false}
 
@@ -33,6 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import CheckpointManager
@@ -201,7 +205,13 @@ def main() -> int:
         job.maybe("startup", who=ctx.rank, iteration=it, step=None)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        ddp = DDP(model)
+        if job.row.get("parallel") == "fsdp":  # sharded: DTensor parameters and moments
+            mesh = init_device_mesh("cpu", (ctx.world_size,))
+            for module in (model[0], model[2], model):
+                fully_shard(module, mesh=mesh)
+            ddp: torch.nn.Module = model
+        else:
+            ddp = DDP(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         state = {"model": model, "optim": opt}
         job.maybe("restore", who=ctx.rank, iteration=it, step=None)
@@ -237,7 +247,8 @@ def main() -> int:
             time.sleep(0.3)  # the others are in the completion barrier by now
             job.maybe("completion", who=ctx.rank, iteration=it, step=None)
         mgr.wait()
-        params = torch.cat([q.detach().flatten() for q in model.parameters()])
+        full = [q.full_tensor() if isinstance(q, DTensor) else q for q in model.parameters()]
+        params = torch.cat([q.detach().flatten() for q in full])
         return {"preempted": False, "step": STEPS, "params": params.tolist(), "iteration": it}
 
     result: dict[str, Any] | None = None

@@ -1,7 +1,8 @@
 """The fault matrix: which rows exist, how one is played, and what its outcome must be.
 
 A row is a fault kind fired at a phase on a rank in an iteration of ``tests/faults/job.py``
-(2 active ranks + 1 warm reserve under ``python -m inprocess.launch``). Phases, as the job
+(2 active ranks + 1 warm reserve under ``python -m inprocess.launch``), with the model replicated
+by DDP or (``extra={"parallel": "fsdp"}``) sharded by FSDP2. Phases, as the job
 fires them (the faulting rank fires; its peers go on to wherever the protocol takes them):
 
 * ``startup``     first thing in ``train()``, before any collective of the iteration; in
@@ -66,7 +67,8 @@ class Row:
         also = self.extra.get("also")
         pair = f"+{also['kind']}-r{also['rank']}" if also else ""
         pair += "+journal_full" if "journal_tmpfs_kb" in self.extra else ""
-        return f"{self.kind}-{self.phase}-r{self.rank}{it}{pair}".replace(":", "_")
+        par = f"-{self.extra['parallel']}" if "parallel" in self.extra else ""
+        return f"{self.kind}-{self.phase}-r{self.rank}{it}{pair}{par}".replace(":", "_")
 
     def spec(self) -> dict[str, Any]:
         step_bound = self.phase in ("step", "collective", "atomic", "local_save")
@@ -128,6 +130,11 @@ def full_matrix() -> list[Row]:
         # iteration's outcome: rejected, named, and the job never ends with success.
         Row("forged_value", "step", 0, expect="forged"),
     ]
+    # The parallelism dimension: the same model sharded with FSDP2 (DTensor state in both tiers,
+    # the mesh's groups released at each restart) instead of replicated with DDP.
+    for kind in ("exception", "hang", "kill"):
+        for phase in ("restore", "step", "local_save"):
+            rows.append(Row(kind, phase, 1, extra={"parallel": "fsdp"}))
     return rows
 
 
@@ -137,6 +144,7 @@ SUBSET = (
     "hang_gil-atomic-r1",  # a frozen rank, killed by its watchdog, inside ctx.atomic()
     "kill-persistent_before_commit-r1",  # a rank lost in the persistent writer
     "store_loss-step-r0",  # the store's host is gone: the job ends, nothing lingers
+    "kill-local_save-r1-fsdp",  # FSDP2: a reserve takes the killed rank's local shards
 )
 
 
