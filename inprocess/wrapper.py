@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
-from inprocess import drill, journal, respawn
+from inprocess import drill, journal, respawn, torchrun_env
 from inprocess import store as keys
 from inprocess.abort import GroupReaper, abort_process_groups
 from inprocess.active import ClientPool, Outcome, RankServices, disarm, run_active
@@ -36,6 +36,7 @@ from inprocess.etcd.url import parse_url
 from inprocess.health import HealthChecker
 from inprocess.monitor import Interrupter
 from inprocess.policy import Decision, Observed, decide
+from inprocess.process_group import check_no_default_group
 from inprocess.progress import ProgressTracker
 from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
 from inprocess.rendezvous import Rendezvous, advertised_host
@@ -126,6 +127,8 @@ class _Job:
         if self.env.launcher_pid is not None:
             bind_to_launcher(self.env.launcher_pid)
         cfg.validate_world(self.env.world_size)
+        if cfg.init_process_group:
+            check_no_default_group()
         # The etcd store (docs/etcd.md) when the config or INPROCESS_STORE names one.
         self.store_url = store_setting(cfg.store, self.env)
         if self.store_url is not None and cfg.store is None:
@@ -532,6 +535,16 @@ class _Job:
 
         def on_started(reinit_s: float) -> RestartRecord | None:
             return None if pending is None else self._log_restart(pending, reinit_s=reinit_s)
+
+        # The torchrun contract (RANK, LOCAL_RANK, ...) of this iteration, before train() runs.
+        torchrun_env.export(
+            torchrun_env.iteration_env(
+                me=self.me,
+                active=assignment.active,
+                node_of=self.node_of,
+                launch_local_rank=self.env.local_rank,
+            )
+        )
 
         return run_active(
             self.svc,

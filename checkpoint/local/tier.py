@@ -433,10 +433,14 @@ class LocalTier:
 
 
 def node_key() -> str:
-    """This process's node: its host, and RANK // LOCAL_WORLD_SIZE when both are set (so ranks
-    simulated as several nodes on one machine count as different nodes). Read at construction,
-    before any in-process restart renumbers ranks."""
+    """This process's node: its host, and its node index at launch (so ranks simulated as
+    several nodes on one machine count as different nodes): INPROCESS_LAUNCH_GROUP_RANK, which
+    inprocess sets once it renumbered RANK / LOCAL_WORLD_SIZE for a restart iteration, else
+    RANK // LOCAL_WORLD_SIZE when both are set."""
     key = socket.gethostname()
+    launch_node = os.environ.get("INPROCESS_LAUNCH_GROUP_RANK", "")
+    if launch_node.isdigit():
+        return f"{key}/{int(launch_node)}"
     rank, lws = os.environ.get("RANK"), os.environ.get("LOCAL_WORLD_SIZE")
     if rank and lws and rank.isdigit() and lws.isdigit() and int(lws) > 0:
         key += f"/{int(rank) // int(lws)}"
