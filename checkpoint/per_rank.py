@@ -42,19 +42,21 @@ def keyed_by_rank(state: dict[str, Any], rank: int) -> Iterator[None]:
             "{'model': model, 'own': PerRank(rng=torch.get_rng_state())}"
         )
     swaps: list[tuple[Any, Any, PerRank]] = []
-
-    def walk(obj: Any) -> None:
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        for k, v in list(items):
-            if isinstance(v, PerRank):
-                swaps.append((obj, k, v))
-                obj[k] = {f"rank{rank}": v}
-            elif isinstance(v, (dict, list)):
-                walk(v)
-
-    walk(state)
     try:
+        _swap(state, rank, swaps)
         yield
     finally:
         for container, key, value in reversed(swaps):
             container[key] = value
+
+
+def _swap(obj: Any, rank: int, swaps: list[tuple[Any, Any, PerRank]]) -> None:
+    # Module-level, not a closure that calls itself: such a closure is a reference cycle that
+    # keeps `swaps` (the user's containers, a DDP module among them) until the cyclic GC runs.
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for k, v in list(items):
+        if isinstance(v, PerRank):
+            swaps.append((obj, k, v))
+            obj[k] = {f"rank{rank}": v}
+        elif isinstance(v, (dict, list)):
+            _swap(v, rank, swaps)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from inprocess.torch_defaults import release_module_defaults
+
 log = logging.getLogger(__name__)
 
 
@@ -48,6 +50,7 @@ def abort_process_groups() -> list[Any]:
         dist.destroy_process_group()
     except Exception as exc:  # a group already torn down by the other thread, or broken
         log.debug("destroy_process_group failed (already torn down?): %r", exc)
+    release_module_defaults(groups)
     return groups
 
 
@@ -142,25 +145,9 @@ def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
         if obj is None:
             continue
         found = []
-        for ref in gc.get_referrers(obj):
-            if isinstance(ref, types.FrameType):
-                if ref.f_code.co_filename == __file__:  # this reaper's own frames
-                    continue
-                code = ref.f_code
-                found.append(f"frame {code.co_name} ({code.co_filename}:{ref.f_lineno})")
-            else:
-                # An object's attributes: the referrer is the object itself (inline values,
-                # Python 3.11+) or its __dict__ (then name the object that owns it).
-                attrs = getattr(ref, "__dict__", ref)
-                if isinstance(attrs, dict) and attrs is ref:
-                    owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", 0) is ref]
-                    ref = owners[0] if owners else ref
-                names = (
-                    [str(k) for k, v in attrs.items() if v is obj]
-                    if isinstance(attrs, dict)
-                    else []
-                )
-                found.append(type(ref).__name__ + (f" ({', '.join(names)})" if names else ""))
+        for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
+            if not _own(ref, refs):
+                found.append(_describe(ref, obj))
         del obj
         out.append(
             ", ".join(found[:limit])
@@ -169,6 +156,44 @@ def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
             "before train() first ran)"
         )
     return "; ".join(out)
+
+
+def _own(ref: Any, refs: list[weakref.ref[Any]]) -> bool:
+    """Whether ``ref`` is this diagnostic's own reference to a group: a frame of this module
+    (the reaper's loop) or the list it walks. Named, they made the warning blame "cell" or
+    "frame _run" for a reference that goes away with the diagnostic."""
+    if isinstance(ref, types.FrameType):
+        return ref.f_code.co_filename == __file__
+    return ref is refs
+
+
+def _describe(ref: Any, obj: Any) -> str:
+    """One referrer of ``obj`` for the warning: the owning object and attribute of a
+    ``__dict__`` (or of inline values, Python 3.11+), a frame's function and line, a function
+    whose default argument it is, else the referrer's type.
+
+    Plain loops, no comprehension over ``obj``: a comprehension is a closure on Python < 3.12,
+    and its cell would be one more referrer of ``obj``, named in the warning as "cell".
+    """
+    if isinstance(ref, types.FrameType):
+        code = ref.f_code
+        return f"frame {code.co_name} ({code.co_filename}:{ref.f_lineno})"
+    if isinstance(ref, tuple):  # a function's __defaults__
+        for fn in gc.get_referrers(ref):
+            if isinstance(fn, types.FunctionType) and fn.__defaults__ is ref:
+                return f"default argument of {fn.__module__}.{fn.__qualname__}"
+    attrs = getattr(ref, "__dict__", ref)
+    if isinstance(attrs, dict) and attrs is ref:
+        for owner in gc.get_referrers(ref):
+            if getattr(owner, "__dict__", 0) is ref:
+                ref = owner
+                break
+    names = []
+    if isinstance(attrs, dict):
+        for k, v in attrs.items():
+            if v is obj:
+                names.append(str(k))
+    return type(ref).__name__ + (f" ({', '.join(names)})" if names else "")
 
 
 def _abort_nccl() -> None:
