@@ -293,9 +293,11 @@ class LocalTier:
         eff = placement.effective_factor(nodes, self._factor)
         if eff < self._factor and not self._warned_factor:
             self._warned_factor = True
-            log.warning(
-                "replication_factor %d needs %d nodes, the job has %d (node = host and "
-                "RANK // LOCAL_WORLD_SIZE): keeping %d cop%s per shard",
+            # Once per job (rank 0), not once per rank: the same fact on every rank.
+            log.log(
+                logging.WARNING if shard.owner == 0 else logging.DEBUG,
+                "replication_factor %d needs %d nodes, the job has %d (node = host and launch "
+                "node index): keeping %d cop%s per shard",
                 self._factor,
                 self._factor,
                 placement.num_nodes(nodes),
