@@ -42,6 +42,7 @@ from inprocess.ranks import Assignment, initial_assignment, node_of_ranks
 from inprocess.rendezvous import Rendezvous, advertised_host
 from inprocess.sections import section_clock
 from inprocess.store_server import client, connect, mark_left
+from inprocess.story import RestartStory
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class _PendingRestart:
     before: Assignment
     after: Assignment
     phases: dict[str, float]  # detect, abort, unwind, barrier (seconds)
+    fault_time: float = 0.0  # time.time() of the first fault (the console line's seconds)
 
     def record(self, *, reinit_s: float) -> RestartRecord:
         d = self.decision
@@ -158,6 +160,7 @@ class _Job:
         self.prewarmed = False
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
+        self.story = RestartStory()
         self.drill: drill.RankDrill | None = None  # the config's simulate_fault
         self.outcome = "failed"  # "done" / "stopped" once run() knows (the journal's job_end)
         directory = journal.resolve_dir(cfg.journal_dir)
@@ -180,6 +183,7 @@ class _Job:
             self.drill.close()
         abort_process_groups()
         self.reaper.close(timeout=self.cfg.hard_timeout)
+        self.story.close()
         svc = self.svc
         owners = (
             (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
@@ -401,6 +405,7 @@ class _Job:
                     "unwind": out.unwind_s,
                     "barrier": time.monotonic() - t_barrier,
                 },
+                fault_time=first,
             )
             if self.me in decision.assignment.retired:
                 self._log_restart(pending, reinit_s=0.0)
@@ -534,7 +539,12 @@ class _Job:
         assert self.svc is not None
 
         def on_started(reinit_s: float) -> RestartRecord | None:
-            return None if pending is None else self._log_restart(pending, reinit_s=reinit_s)
+            if pending is None:
+                return None
+            record = self._log_restart(pending, reinit_s=reinit_s)
+            if rank == 0:  # one console line per restart, by the new rank 0 (inprocess.story)
+                self.story.restarted(record, fault_time=pending.fault_time)
+            return record
 
         # The torchrun contract (RANK, LOCAL_RANK, ...) of this iteration, before train() runs.
         torchrun_env.export(
@@ -546,16 +556,19 @@ class _Job:
             )
         )
 
-        return run_active(
-            self.svc,
-            self.fn,
-            args,
-            kwargs,
-            iteration=iteration,
-            assignment=assignment,
-            rank=rank,
-            on_started=on_started,
-        )
+        try:
+            return run_active(
+                self.svc,
+                self.fn,
+                args,
+                kwargs,
+                iteration=iteration,
+                assignment=assignment,
+                rank=rank,
+                on_started=on_started,
+            )
+        finally:
+            self.story.end_iteration()
 
     def _restart_phase(self, iteration: int, assignment: Assignment, target: int) -> Decision:
         """Every live rank meets; the first decision published is the one all ranks act on."""

@@ -77,6 +77,37 @@ def raise_mode() -> None:
     train()
 
 
+def readme_mode(ckpt: str) -> None:
+    """The README-style script (manager outside train(), DDP module in the state) with the
+    cyclic GC off in train(), as if it happened not to run: rank 1 raises at steps 5, 10, ..., 25 while
+    rank 0 waits on it in DDP's all-reduce; the framework's line says how long each restart took."""
+    import gc
+
+    from checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(ckpt, local_every=1, persistent_every=1000)
+
+    @restartable(**{**FAST, "soft_timeout": 4.0, "hard_timeout": 10.0, "active_world_size": None})
+    def train() -> None:
+        gc.disable()  # after freeze_gc, which froze the start-up's objects
+        ctx = context()
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        state = {"model": model, "opt": opt}
+        start = mgr.load_latest(state) or 0
+        for step in range(start + 1, 28):
+            ctx.ping(step=step)
+            if ctx.rank == 1 and step == 5 * (ctx.iteration + 1):
+                raise RuntimeError(f"fault at step {step}")
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            mgr.save(step, state)
+
+    train()
+    mgr.close()
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "env":
@@ -85,5 +116,7 @@ if __name__ == "__main__":
         own_init_mode()
     elif mode == "raise":
         raise_mode()
+    elif mode == "readme":
+        readme_mode(sys.argv[2])
     else:
         sys.exit(f"unknown mode {mode}")
