@@ -67,3 +67,18 @@ def test_restarts_of_the_readme_style_script_take_no_group_timeout(tmp_path: Pat
     assert len(took) == 5, job.output
     assert max(took) < 3.0, (took, job.output)  # the group timeout is 5 s
     assert "still referenced" not in job.output and "waitForInput" not in job.output, job.output
+
+
+def test_the_minimal_example_survives_a_fault(tmp_path: Path) -> None:
+    # examples/minimal.py, shown in the README: one exception on rank 1 at step 30.
+    job = run_job(
+        ["-m", "inprocess.launch", "--nproc-per-node", "3", "examples/minimal.py",
+         "--fail-at", "30", "--ckpt", str(tmp_path)],  # fmt: skip
+        deadline=120,
+    )
+    assert job.returncode == 0, job.output
+    assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d from", job.output), (
+        job.output
+    )
+    assert re.search(r"\[rank 0\] done: loss \d", job.output), job.output
+    assert "RuntimeError: injected fault at step 30" in job.output
