@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from checkpoint.group import BackgroundGroup
     from checkpoint.local import ReplicatedState
     from checkpoint.manager import CheckpointManager, Restore
+    from checkpoint.per_rank import PerRank
 
 _HOMES = {
     "BackgroundGroup": "checkpoint.group",
@@ -40,6 +41,7 @@ _HOMES = {
     "CheckpointStorageError": "checkpoint.errors",
     "LocalConfig": "checkpoint.config",
     "PersistentConfig": "checkpoint.config",
+    "PerRank": "checkpoint.per_rank",
     "ReplicatedState": "checkpoint.local",
     "Restore": "checkpoint.manager",
 }
@@ -54,6 +56,7 @@ __all__ = [
     "CheckpointRankError",
     "CheckpointStorageError",
     "LocalConfig",
+    "PerRank",
     "PersistentConfig",
     "ReplicatedState",
     "Restore",

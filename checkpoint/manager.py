@@ -9,11 +9,14 @@ import os
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 from checkpoint import optimizers
 from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks
 from checkpoint.errors import CheckpointConfigError, CheckpointError, ShardingMismatchError
 from checkpoint.group import BackgroundGroup
 from checkpoint.local import LocalTier
+from checkpoint.per_rank import keyed_by_rank
 from checkpoint.persistent import (
     CheckpointDirs,
     Committed,
@@ -183,9 +186,11 @@ class CheckpointManager:
             tiers.append("local")
         owed = self._persistent_owed is not None and step >= self._persistent_owed
         persistent_due = force_persistent or step % self._cfg.every == 0 or owed
-        if persistent_due and self._persistent.save(step, state):
-            tiers.append("persistent")
-            self._persistent_owed = None
+        if persistent_due:
+            with keyed_by_rank(state, _rank()):
+                if self._persistent.save(step, state):
+                    tiers.append("persistent")
+                    self._persistent_owed = None
         if tiers and _journal.handlers:
             stall = time.perf_counter() - t0
             _journal.debug(
@@ -247,9 +252,10 @@ class CheckpointManager:
                     result.seconds,
                 )
                 return int(result.step)
-        ckpt = load_latest(
-            self._dirs, state, group, fallback_on_corruption=self._cfg.fallback_on_corruption
-        )
+        with keyed_by_rank(state, _rank()):
+            ckpt = load_latest(
+                self._dirs, state, group, fallback_on_corruption=self._cfg.fallback_on_corruption
+            )
         seconds = time.perf_counter() - t0
         if ckpt is None:
             self._restored(None, None, seconds)
@@ -329,6 +335,11 @@ class CheckpointManager:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise CheckpointError(f"CheckpointManager.{what}() called after close()")
+
+
+def _rank() -> int:
+    """This rank in the default group (0 without torch.distributed): the key of its PerRank."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _local_config(

@@ -41,13 +41,34 @@ _log = logging.getLogger(CHANNEL)
 _warn = logging.getLogger(__name__)  # the user's log: what went wrong with the journal itself
 
 
+def listen(handler: logging.Handler) -> None:
+    """Let ``handler`` see the channel's records (a checkpoint restore, ...) whether or not a
+    journal is open; the channel then does not propagate (see ``enabled``). Undo with
+    ``unlisten``. Used by the restart story (``inprocess.restart.story``)."""
+    _log.addHandler(handler)
+    _log.setLevel(logging.DEBUG)
+    _log.propagate = False
+
+
+def unlisten(handler: logging.Handler) -> None:
+    """Remove a handler added by ``listen``; the channel is reset once no handler is left."""
+    _log.removeHandler(handler)
+    if not _log.handlers:
+        _log.setLevel(logging.NOTSET)
+        _log.propagate = True
+
+
+def _journal_open() -> bool:
+    return any(isinstance(h, _Handler) for h in _log.handlers)
+
+
 def enabled() -> bool:
     """True while a journal is open in this process (cheap; check before building fields).
 
     The test is the channel's own handler, not its level: with the root logger at DEBUG a
     level test would pass and send journal records into the user's log.
     """
-    return bool(_log.handlers)
+    return _journal_open()
 
 
 def record(event: str, **fields: Any) -> None:
@@ -154,7 +175,7 @@ def open_journal(
 
     Raises ``ValueError`` naming the directory when it cannot be created or written.
     """
-    if _log.handlers:
+    if _journal_open():
         raise RuntimeError("a journal is already open in this process: close it first")
     d = Path(directory)
     host = socket.gethostname()

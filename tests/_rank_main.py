@@ -24,8 +24,9 @@ def main() -> None:
     target, kwargs_file = sys.argv[1], sys.argv[2]
     module_name, _, func_name = target.partition(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    result = func(**json.loads(Path(kwargs_file).read_text()))
+    # The launch RANK, read now: @restartable rewrites RANK for each iteration's train().
     out = Path(os.environ["TEST_RESULT_DIR"]) / f"result.{os.environ['RANK']}.json"
+    result = func(**json.loads(Path(kwargs_file).read_text()))
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)

@@ -49,13 +49,17 @@ class ShardMeta:
 
 
 def validate(local_dir: str | os.PathLike[str]) -> Path:
-    """Construction-time check: the directory exists, is writable and not nearly full."""
+    """Construction-time check: the directory exists (created, private to the user, like the
+    persistent root), is writable and not nearly full."""
     path = Path(local_dir)
-    if not path.is_dir():
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
         raise CheckpointStorageError(
-            f"local_dir ({local_dir!r}) does not exist or is not a directory: create it "
-            "(node-local NVMe or /dev/shm) or pass local_dir=None for memory only"
-        )
+            f"local_dir ({local_dir!r}) is not a directory and cannot be created "
+            f"({e.strerror}): choose a directory on node-local NVMe or /dev/shm, or pass "
+            "local_dir=None for memory only"
+        ) from e
     owner = path.stat().st_uid
     if owner != os.getuid():
         # Another user could read this job's state from it, or plant shards for it to load.

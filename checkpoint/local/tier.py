@@ -294,9 +294,11 @@ class LocalTier:
         eff = placement.effective_factor(nodes, self._factor)
         if eff < self._factor and not self._warned_factor:
             self._warned_factor = True
-            log.warning(
-                "replication_factor %d needs %d nodes, the job has %d (node = host and "
-                "RANK // LOCAL_WORLD_SIZE): keeping %d cop%s per shard",
+            # Once per job (rank 0), not once per rank: the same fact on every rank.
+            log.log(
+                logging.WARNING if shard.owner == 0 else logging.DEBUG,
+                "replication_factor %d needs %d nodes, the job has %d (node = host and launch "
+                "node index): keeping %d cop%s per shard",
                 self._factor,
                 self._factor,
                 placement.num_nodes(nodes),
@@ -443,10 +445,14 @@ class LocalTier:
 
 
 def node_key() -> str:
-    """This process's node: its host, and RANK // LOCAL_WORLD_SIZE when both are set (so ranks
-    simulated as several nodes on one machine count as different nodes). Read at construction,
-    before any in-process restart renumbers ranks."""
+    """This process's node: its host, and its node index at launch (so ranks simulated as
+    several nodes on one machine count as different nodes): INPROCESS_LAUNCH_GROUP_RANK, which
+    inprocess sets once it renumbered RANK / LOCAL_WORLD_SIZE for a restart iteration, else
+    RANK // LOCAL_WORLD_SIZE when both are set."""
     key = socket.gethostname()
+    launch_node = os.environ.get("INPROCESS_LAUNCH_GROUP_RANK", "")
+    if launch_node.isdigit():
+        return f"{key}/{int(launch_node)}"
     rank, lws = os.environ.get("RANK"), os.environ.get("LOCAL_WORLD_SIZE")
     if rank and lws and rank.isdigit() and lws.isdigit() and int(lws) > 0:
         key += f"/{int(rank) // int(lws)}"

@@ -4,9 +4,11 @@ from lost processes, cheapest level first.
     python -m inprocess.launch --nproc-per-node 4 --max-respawns 2 --max-restarts 3 \
         --autoresume-file ckpt/autoresume.json train.py --steps 100
 
-Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT, INPROCESS_STORE_HOSTED=1 and RESTARTABLE_SECRET (the job's secret that seals every
-store value: docs/security.md) (with ``--store etcd://...``: INPROCESS_STORE and
+Each rank gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*, and its defaults
+OMP_NUM_THREADS=1 with several ranks, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, unless set),
+RESTARTABLE_SECRET (the job's secret that seals every store value: docs/security.md) and
+INPROCESS_STORE_HOSTED=1 (with ``--store etcd://...``: INPROCESS_STORE and
 INPROCESS_JOB_ID instead of a store hosted here; docs/etcd.md); its output lines are prefixed
 with ``[rank N]`` (``[rank N.g]`` for the g-th respawn of that slot). Unlike torchrun, a rank
 that exits does not take its siblings down (srun ``--kill-on-bad-exit=0`` semantics):
@@ -224,6 +226,7 @@ def rank_env(
     for name in ("INPROCESS_STORE", "INPROCESS_JOB_ID"):  # this round's values, or none
         inherited.pop(name, None)
     env = {
+        **torchrun_defaults(n, inherited),
         **inherited,
         **(store_env or {}),
         "RANK": str(args.node_rank * n + local_rank),
@@ -242,6 +245,18 @@ def rank_env(
         # when its fault plan loses more ranks than it has reserves).
         "INPROCESS_MAX_RESPAWNS": str(getattr(args, "max_respawns", 0)),
         environment.ENV_ATTEMPT: str(getattr(args, "attempt", 0)),
+        # torchrun's names for the same facts, for scripts and libraries that read them.
+        "GROUP_WORLD_SIZE": str(args.nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(args.node_rank * n + local_rank),
+        "ROLE_WORLD_SIZE": str(args.nnodes * n),
+        "TORCHELASTIC_RESTART_COUNT": str(round_),
+        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+        # A store server listens at MASTER_ADDR:MASTER_PORT (ours, as torchrun's agent store):
+        # a script's own init_process_group("env://") connects to it instead of binding
+        # MASTER_PORT on rank 0 (EADDRINUSE there, and the other ranks waited for rank 0 until
+        # the init timeout); @restartable then names the misuse (inprocess.restart.loop).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
@@ -252,6 +267,27 @@ def rank_env(
     else:
         env.pop("INPROCESS_RESPAWN_GENERATION", None)
     return env
+
+
+def torchrun_defaults(nproc_per_node: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """What torchrun sets unless the user did: ``OMP_NUM_THREADS=1`` with several ranks per
+    node (each rank's intra-op pool would otherwise take every core: measured, nanoGPT's step
+    took 3x as long), ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``. A value in ``environ`` wins."""
+    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if nproc_per_node > 1:
+        defaults["OMP_NUM_THREADS"] = "1"
+    return {k: v for k, v in defaults.items() if k not in environ}
+
+
+def _omp_notice(nproc_per_node: int) -> None:
+    """torchrun's notice, once per launcher, when it sets OMP_NUM_THREADS for the ranks."""
+    if "OMP_NUM_THREADS" in torchrun_defaults(nproc_per_node, os.environ):
+        log.warning(
+            "setting OMP_NUM_THREADS=1 for each rank (as torchrun does with several ranks per "
+            "node) so that %d ranks do not overload the machine's cores; set OMP_NUM_THREADS "
+            "to tune it",
+            nproc_per_node,
+        )
 
 
 def job_status(returncodes: Sequence[int]) -> int:
@@ -266,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the job's rounds on this node; returns the exit status (module docstring)."""
     args = parse_args(argv)
     _log_to_stdout(args.node_rank)
+    _omp_notice(args.nproc_per_node)
     jr = _LauncherJournal(args.node_rank)
     try:
         return _main(args, jr)

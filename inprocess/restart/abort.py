@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from inprocess import _torch_private
 from inprocess.restart import mesh_refs
+from inprocess.restart.torch_defaults import release_module_defaults
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def abort_process_groups() -> list[Any]:
         dist.destroy_process_group()
     except Exception as exc:  # a group already torn down by the other thread, or broken
         log.debug("destroy_process_group failed (already torn down?): %r", exc)
+    release_module_defaults(groups)
     return groups
 
 
@@ -68,8 +70,9 @@ class GroupReaper:
 
     Released groups that are still referenced elsewhere (e.g. a model kept by an object that
     outlives ``train()``) keep their sockets open, so peers blocked on this rank wait for the
-    group timeout: that is logged once, with the fix. No ``gc.collect()`` is forced: measured,
-    it did not free such groups and cost 0.1-0.5 s.
+    group timeout: that is logged once, with the fix. A group still referenced once handed over
+    gets one ``gc.collect()`` on the reaper's thread (a DDP module is a reference cycle): never
+    on the main thread, whose restart goes on meanwhile.
     """
 
     def __init__(self, *, rank: int, grace_s: float = _REFERENCE_GRACE_S) -> None:
@@ -113,6 +116,16 @@ class GroupReaper:
         while (groups := self._queue.get()) is not None:
             refs = [weakref.ref(g) for g in groups]
             del groups  # the destructors run here, GIL released while they wait
+            if any(r() is not None for r in refs):
+                # A DistributedDataParallel is itself a reference cycle (torch 2.13: one freed
+                # with the cyclic GC only), and so is anything that refers to itself through a
+                # closure: the group it holds stays until the GC happens to run, and peers
+                # blocked on this rank waited for the gloo timeout (12.5 s) meanwhile. One
+                # collection here, off the main thread: with freeze_gc it walks only what was
+                # created since the job started.
+                t0 = time.monotonic()
+                gc.collect()
+                log.debug("rank %d: collected in %.3f s", self._rank, time.monotonic() - t0)
             # A reference that goes within the grace (another thread's frame being unwound, a
             # background checkpoint job ending) released the peers as quickly: only one that
             # stays is the misuse the warning is about. This thread is off the restart's path.
@@ -146,25 +159,9 @@ def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
         if obj is None:
             continue
         found = []
-        for ref in gc.get_referrers(obj):
-            if isinstance(ref, types.FrameType):
-                if ref.f_code.co_filename == __file__:  # this reaper's own frames
-                    continue
-                code = ref.f_code
-                found.append(f"frame {code.co_name} ({code.co_filename}:{ref.f_lineno})")
-            else:
-                # An object's attributes: the referrer is the object itself (inline values,
-                # Python 3.11+) or its __dict__ (then name the object that owns it).
-                attrs = getattr(ref, "__dict__", ref)
-                if isinstance(attrs, dict) and attrs is ref:
-                    owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", 0) is ref]
-                    ref = owners[0] if owners else ref
-                names = (
-                    [str(k) for k, v in attrs.items() if v is obj]
-                    if isinstance(attrs, dict)
-                    else []
-                )
-                found.append(type(ref).__name__ + (f" ({', '.join(names)})" if names else ""))
+        for ref in gc.get_referrers(obj):  # a loop: a comprehension's cell would refer to obj
+            if not _own(ref, refs):
+                found.append(_describe(ref, obj))
         del obj
         out.append(
             ", ".join(found[:limit])
@@ -173,6 +170,44 @@ def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:
             "before train() first ran)"
         )
     return "; ".join(out)
+
+
+def _own(ref: Any, refs: list[weakref.ref[Any]]) -> bool:
+    """Whether ``ref`` is this diagnostic's own reference to a group: a frame of this module
+    (the reaper's loop) or the list it walks. Named, they made the warning blame "cell" or
+    "frame _run" for a reference that goes away with the diagnostic."""
+    if isinstance(ref, types.FrameType):
+        return ref.f_code.co_filename == __file__
+    return ref is refs
+
+
+def _describe(ref: Any, obj: Any) -> str:
+    """One referrer of ``obj`` for the warning: the owning object and attribute of a
+    ``__dict__`` (or of inline values, Python 3.11+), a frame's function and line, a function
+    whose default argument it is, else the referrer's type.
+
+    Plain loops, no comprehension over ``obj``: a comprehension is a closure on Python < 3.12,
+    and its cell would be one more referrer of ``obj``, named in the warning as "cell".
+    """
+    if isinstance(ref, types.FrameType):
+        code = ref.f_code
+        return f"frame {code.co_name} ({code.co_filename}:{ref.f_lineno})"
+    if isinstance(ref, tuple):  # a function's __defaults__
+        for fn in gc.get_referrers(ref):
+            if isinstance(fn, types.FunctionType) and fn.__defaults__ is ref:
+                return f"default argument of {fn.__module__}.{fn.__qualname__}"
+    attrs = getattr(ref, "__dict__", ref)
+    if isinstance(attrs, dict) and attrs is ref:
+        for owner in gc.get_referrers(ref):
+            if getattr(owner, "__dict__", 0) is ref:
+                ref = owner
+                break
+    names = []
+    if isinstance(attrs, dict):
+        for k, v in attrs.items():
+            if v is obj:
+                names.append(str(k))
+    return type(ref).__name__ + (f" ({', '.join(names)})" if names else "")
 
 
 def _abort_nccl() -> None:

@@ -26,7 +26,7 @@ from inprocess.protocol import keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.sealed_store import unsealed
 from inprocess.restart.monitor import Interrupter, Monitor, waits_on_peers
-from inprocess.restart.process_group import init_iteration_group
+from inprocess.restart.process_group import init_iteration_group, own_group_misuse
 from inprocess.restart.progress import ProgressTracker
 from inprocess.restart.rendezvous import Rendezvous
 from inprocess.timeouts.sections import SectionClock
@@ -116,6 +116,7 @@ class _Call:
     value: Any = None
     exc: Exception | None = None
     where: str = ""  # file:line of the raise, read before the traceback's frames are dropped
+    trace: str = ""  # the formatted traceback (the rank's own exception only), read then too
     # Raised by a collective: a torch.distributed error type, or raised in the code where a rank
     # waits on its peers. Only the raise site counts: a user's error in a model's forward passes
     # through DDP's forward too, but is raised in the model.
@@ -199,7 +200,7 @@ def run_active(
         grad_enabled = torch.is_grad_enabled()
         try:
             return fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             # The restart exception is raised asynchronously: it can land e.g. at the start of
             # the __exit__ of a `with torch.no_grad():` block that a failed collective is
             # unwinding, and autograd then stays off in this thread for every later iteration
@@ -213,6 +214,9 @@ def run_active(
                     "on" if grad_enabled else "off",
                 )
                 torch.set_grad_enabled(grad_enabled)
+            misuse = own_group_misuse(exc)
+            if misuse is not None:
+                raise misuse from exc
             raise
         finally:
             svc.sections.end_iteration()
@@ -309,6 +313,8 @@ def _call_train(
         except Exception as e:
             call.exc, call.where = e, _raise_site(e)
             call.in_collective = isinstance(e, dist.DistError) or waits_on_peers(call.where)
+            if not call.in_collective:  # logged with it by _settle; a peer's echo is one line
+                call.trace = "".join(traceback.format_exception(e)).rstrip()
             _drop_frames(e)
         finally:
             call.delivered = disarm(svc.interrupter)
@@ -355,9 +361,7 @@ def _settle(
                 record.detail,
             )
         else:
-            log.error(
-                "rank %d: train() raised in iteration %d", svc.me, iteration, exc_info=call.exc
-            )
+            _log_raised(call, rank=svc.me, iteration=iteration)
         keys.record_fault(store, record)
         noticed = time.time()
     t0 = time.monotonic()
@@ -387,6 +391,31 @@ def _settle(
     if cfg.empty_cuda_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return Outcome(done=False, noticed=noticed, abort_s=abort_s, unwind_s=unwind_s)
+
+
+def _log_raised(call: _Call, *, rank: int, iteration: int) -> None:
+    """ERROR with the traceback of the exception ``train()`` raised on this rank (once: peers
+    that fail in a collective because of it log one WARNING line each).
+
+    The traceback's frames are already dropped (``_drop_frames``: they hold the process
+    group), so the text formatted before goes in as the record's ``exc_text``, which every
+    ``logging.Formatter`` prints (Python's last-resort handler too, when the script configured
+    no logging); ``exc_info`` still carries the exception for formatters that print one line.
+    """
+    exc = call.exc
+    assert exc is not None
+    record = log.makeRecord(
+        log.name,
+        logging.ERROR,
+        __file__,
+        0,
+        "rank %d: train() raised in iteration %d",
+        (rank, iteration),
+        (type(exc), exc, None),
+    )
+    record.exc_text = call.trace or None
+    if log.isEnabledFor(logging.ERROR):
+        log.handle(record)
 
 
 def exception_record(

@@ -36,12 +36,15 @@ from inprocess.protocol.environment import bind_to_launcher, read_env, store_set
 from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
 from inprocess.protocol.sealed_store import seal
+from inprocess.restart import torchrun_env
 from inprocess.restart.abort import GroupReaper, abort_process_groups
 from inprocess.restart.active import ClientPool, Outcome, RankServices, disarm, run_active
 from inprocess.restart.health import HealthChecker
 from inprocess.restart.monitor import Interrupter
+from inprocess.restart.process_group import check_no_default_group
 from inprocess.restart.progress import ProgressTracker
 from inprocess.restart.rendezvous import Rendezvous, advertised_host
+from inprocess.restart.story import RestartStory
 from inprocess.store_server import client, connect, mark_left
 from inprocess.timeouts.sections import section_clock
 
@@ -101,6 +104,7 @@ class _PendingRestart:
     before: Assignment
     after: Assignment
     phases: dict[str, float]  # detect, abort, unwind, barrier (seconds)
+    fault_time: float = 0.0  # time.time() of the first fault (the console line's seconds)
 
     def record(self, *, reinit_s: float) -> RestartRecord:
         d = self.decision
@@ -129,6 +133,8 @@ class _Job:
         if self.env.launcher_pid is not None:
             bind_to_launcher(self.env.launcher_pid)
         cfg.validate_world(self.env.world_size)
+        if cfg.init_process_group:
+            check_no_default_group()
         # The etcd store (docs/etcd.md) when the config or INPROCESS_STORE names one.
         self.store_url = store_setting(cfg.store, self.env)
         if self.store_url is not None and cfg.store is None:
@@ -158,6 +164,7 @@ class _Job:
         self.prewarmed = False
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
+        self.story = RestartStory()
         self.drill: drill.RankDrill | None = None  # the config's simulate_fault
         self.outcome = "failed"  # "done" / "stopped" once run() knows (the journal's job_end)
         directory = journal.resolve_dir(cfg.journal_dir)
@@ -180,6 +187,7 @@ class _Job:
             self.drill.close()
         abort_process_groups()
         self.reaper.close(timeout=self.cfg.hard_timeout)
+        self.story.close()
         svc = self.svc
         owners = (
             (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
@@ -413,6 +421,7 @@ class _Job:
                     "unwind": out.unwind_s,
                     "barrier": time.monotonic() - t_barrier,
                 },
+                fault_time=first,
             )
             if self.me in decision.assignment.retired:
                 self._log_restart(pending, reinit_s=0.0)
@@ -547,18 +556,36 @@ class _Job:
         assert self.svc is not None
 
         def on_started(reinit_s: float) -> RestartRecord | None:
-            return None if pending is None else self._log_restart(pending, reinit_s=reinit_s)
+            if pending is None:
+                return None
+            record = self._log_restart(pending, reinit_s=reinit_s)
+            if rank == 0:  # one console line per restart, by the new rank 0 (restart.story)
+                self.story.restarted(record, fault_time=pending.fault_time)
+            return record
 
-        return run_active(
-            self.svc,
-            self.fn,
-            args,
-            kwargs,
-            iteration=iteration,
-            assignment=assignment,
-            rank=rank,
-            on_started=on_started,
+        # The torchrun contract (RANK, LOCAL_RANK, ...) of this iteration, before train() runs.
+        torchrun_env.export(
+            torchrun_env.iteration_env(
+                me=self.me,
+                active=assignment.active,
+                node_of=self.node_of,
+                launch_local_rank=self.env.local_rank,
+            )
         )
+
+        try:
+            return run_active(
+                self.svc,
+                self.fn,
+                args,
+                kwargs,
+                iteration=iteration,
+                assignment=assignment,
+                rank=rank,
+                on_started=on_started,
+            )
+        finally:
+            self.story.end_iteration()
 
     def _restart_phase(self, iteration: int, assignment: Assignment, target: int) -> Decision:
         """Every live rank meets; the first decision published is the one all ranks act on."""

@@ -10,7 +10,16 @@ import torch.distributed as dist
 
 from inprocess import _torch_private
 from inprocess.config import RestartConfig
+from inprocess.errors import ConfigError
 from inprocess.protocol import keys
+
+# What a script's own init_process_group call is told (before train() and inside it).
+OWN_GROUP_FIX = (
+    "@restartable creates each iteration's default process group itself (on the ranks that "
+    "train, in a fresh store namespace): delete the init_process_group call (and "
+    "destroy_process_group) from the script, or pass init_process_group=False and create "
+    "groups yourself over ctx.store"
+)
 
 
 def group_timeout(config: RestartConfig, backend: str) -> float:
@@ -66,3 +75,21 @@ def init_iteration_group(
         )
     finally:
         sys.excepthook = excepthook
+
+
+def check_no_default_group() -> None:
+    """Raise ``ConfigError`` when a default group exists before the restart loop starts (the
+    script called ``init_process_group`` itself, torchrun's pattern). Called by the loop once,
+    on every rank, before it connects: each rank fails at once with the fix, nothing waits."""
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError(
+            f"a default process group already exists before train() ran: {OWN_GROUP_FIX}"
+        )
+
+
+def own_group_misuse(exc: BaseException) -> ConfigError | None:
+    """The clear error for torch's answer to a second ``init_process_group`` inside ``train()``
+    (``ValueError: trying to initialize the default process group twice!``), else None."""
+    if isinstance(exc, ValueError) and "default process group twice" in str(exc):
+        return ConfigError(f"train() called init_process_group: {OWN_GROUP_FIX}")
+    return None

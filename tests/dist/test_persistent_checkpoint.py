@@ -131,3 +131,19 @@ def test_corrupt_file_falls_back_on_every_rank(tmp_path: Path) -> None:
     for o in out:
         assert o.result["step"] == 1 and o.result["value"] == 1.0
         assert o.result["warned"], o.output
+
+
+def test_per_rank_values_stay_per_rank_across_a_persistent_restore(tmp_path: Path) -> None:
+    # Found by a user: a plain RNG state saved by every rank came back as rank 0's on both
+    # ranks (DCP keeps one entry per key), and both drew identical batches. Under PerRank each
+    # rank gets back what it saved.
+    out = run_ranks(
+        2,
+        target=f"{W}:per_rank_restore",
+        kwargs={"root": str(tmp_path), "wrap": True},
+        deadline=60,
+    )
+    got = [o.result for o in out]
+    assert all(r["step"] == 1 and r["own_rng"] and r["type"] == "PerRank" for r in got), got
+    assert [r["position"] for r in got] == [10, 20], got
+    assert got[0]["draw"] != got[1]["draw"], got

@@ -340,3 +340,32 @@ def corrupt_fallback(root: str) -> dict[str, Any]:
         "victim": victim.name,
         "warned": any(victim.name in w for w in warnings),
     }
+
+
+def per_rank_restore(*, root: str, wrap: bool) -> dict[str, Any]:
+    """docs/checkpoint.md's per-rank example: each rank saves its own RNG state and loader
+    position to the persistent tier, a new manager restores them; what each rank got back."""
+    from checkpoint import CheckpointManager, PerRank
+
+    rank, _ = _init()
+    torch.manual_seed(100 + rank)
+    own = {"rng": torch.get_rng_state(), "position": 10 * (rank + 1)}
+    saved = own["rng"].clone()
+    state: dict[str, Any] = {"own": PerRank(own) if wrap else own}
+    with CheckpointManager(root, persistent_every=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    torch.manual_seed(0)  # what a fresh process would hold
+    fresh = {"rng": torch.get_rng_state(), "position": 0}
+    state = {"own": PerRank(fresh) if wrap else fresh}
+    with CheckpointManager(root, persistent_every=1) as mgr:
+        step = mgr.load_latest(state)
+    back = state["own"]
+    torch.set_rng_state(back["rng"])
+    return {
+        "step": step,
+        "own_rng": bool(torch.equal(back["rng"], saved)),
+        "position": back["position"],
+        "draw": torch.rand(1).item(),
+        "type": type(state["own"]).__name__,
+    }

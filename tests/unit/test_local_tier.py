@@ -61,8 +61,13 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
 
 
 def test_bad_local_dir(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointStorageError, match="does not exist"):
-        _tier(tmp_path / "missing")
+    # Found by a user: local_dir had to exist while the persistent root was created for him.
+    _tier(tmp_path / "missing" / "local").close()
+    assert (tmp_path / "missing" / "local").is_dir()
+    assert (tmp_path / "missing" / "local").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointStorageError, match="is not a directory and cannot be created"):
+        _tier(tmp_path / "file")
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)

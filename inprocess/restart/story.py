@@ -1,0 +1,101 @@
+"""One console line per restart, for any script: cause, ranks, resumed step and tier, seconds.
+
+    restart 1: exception on rank 1; ranks 0,1 -> 2,1 (reserve: -); resumed step 30 from the
+    memory tier 0.21 s after the fault
+
+Written by the new rank 0 of each iteration after a restart, once ``train()`` restored its state
+(a ``CheckpointManager`` restore, seen on the journal channel) or, without one, when the
+iteration ends. Through the logger ``inprocess.restart.story`` at INFO; when the script
+configured no logging at all (no handler anywhere), on stderr instead, the way Python's
+last-resort handler shows warnings: a restart is lifecycle a user must see without setting
+anything up.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+from inprocess import journal
+from inprocess.context import RestartRecord
+
+log = logging.getLogger(__name__)
+
+
+class RestartStory(logging.Handler):
+    """The pending restart line of this rank (owned by the restart loop; main thread).
+
+    ``restarted`` (when this rank is the new rank 0) starts listening for the restore;
+    ``end_iteration`` writes a line still pending; ``close`` stops listening. The journal
+    channel is listened to only while a line is pending, so steps pay nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self._pending: tuple[RestartRecord, float] | None = None
+        self._thread = threading.get_ident()
+
+    def restarted(self, record: RestartRecord, *, fault_time: float) -> None:
+        """The restart that led to this iteration; ``fault_time``: ``time.time()`` of its
+        first fault."""
+        self.end_iteration()
+        self._pending = (record, fault_time)
+        self._thread = threading.get_ident()
+        journal.listen(self)
+
+    def emit(self, rec: logging.LogRecord) -> None:
+        # Only the restore of this thread's train(): background saves log on the channel too.
+        if rec.msg != "restore" or self._pending is None or rec.thread != self._thread:
+            return
+        fields: dict[str, Any] = getattr(rec, "journal", {})
+        self._say((fields.get("step"), fields.get("tier")))
+
+    def end_iteration(self) -> None:
+        """The iteration ended (train() returned or raised): a line still pending is written."""
+        if self._pending is not None:
+            self._say(None)
+
+    def close(self) -> None:
+        journal.unlisten(self)
+        self._pending = None
+        super().close()
+
+    def _say(self, restore: tuple[int | None, str | None] | None) -> None:
+        assert self._pending is not None
+        record, fault_time = self._pending
+        self._pending = None
+        journal.unlisten(self)
+        say(line(record, restore=restore, seconds=time.time() - fault_time))
+
+
+def line(
+    record: RestartRecord, *, restore: tuple[int | None, str | None] | None, seconds: float
+) -> str:
+    """The restart's line (pure). ``restore``: (step, tier) of the CheckpointManager restore,
+    (None, None) when it found nothing, None when train() restored nothing through one."""
+
+    def ranks(rs: tuple[int, ...]) -> str:
+        return ",".join(map(str, rs)) or "-"
+
+    if restore is None:
+        resumed = "no CheckpointManager restore;"
+    elif restore[0] is None:
+        resumed = "no checkpoint to resume from (started over);"
+    else:
+        resumed = f"resumed step {restore[0]} from the {restore[1]} tier"
+    return (
+        f"restart {record.iteration}: {record.cause}; ranks {ranks(record.active_before)} -> "
+        f"{ranks(record.active_after)} (reserve: {ranks(record.reserve_after)}); {resumed} "
+        f"{seconds:.2f} s after the fault"
+    )
+
+
+def say(text: str) -> None:
+    """INFO on ``inprocess.restart.story``; on stderr when no logging is configured anywhere."""
+    if log.hasHandlers():
+        log.info("%s", text)
+    else:
+        print(text, file=sys.stderr, flush=True)
