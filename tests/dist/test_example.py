@@ -294,10 +294,22 @@ def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -
 
     second = run_job(quick_start, deadline=60, cwd=tmp_path)
     assert second.returncode == 0, second.output
+    # The launcher's torchrun notice (it sets OMP_NUM_THREADS unless the user did), then the
+    # script's one line.
+    notice = (
+        []
+        if "OMP_NUM_THREADS" in os.environ
+        else [
+            "[launcher node 0] setting OMP_NUM_THREADS=1 for each rank (as torchrun does with "
+            "several ranks per node) so that 4 ranks do not overload the machine's cores; set "
+            "OMP_NUM_THREADS to tune it"
+        ]
+    )
     assert second.output.strip().splitlines() == [
+        *notice,
         f"[rank 0] {Path('runs/example')} holds a finished 300-step run (report: "
         f"{Path('runs/example/report.json')}): nothing to do. Add --fresh to start over there, "
-        "or pass --run-dir NEW_DIR."
+        "or pass --run-dir NEW_DIR.",
     ]
     assert (run_dir / "report.json").read_text() == report  # untouched
 

@@ -161,6 +161,9 @@ def fit_main(opts: dict[str, Any]) -> None:
 def clean_fit(epochs: int, port: int, root: Path) -> dict[str, Any]:
     """A plain Lightning DDP fit (Lightning creates its own group on ``port``), no checkpoints."""
     os.environ["MASTER_PORT"] = str(port)  # the launcher's store holds MASTER_PORT
+    # As under torchrun, the launcher says its agent store serves MASTER_PORT, so every rank of a
+    # script's own group would connect as a client; on a port of its own, rank 0 must host it.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     L.seed_everything(0, verbose=False)
     model = Regression()
     kwargs = {**trainer_kwargs(epochs, [], root), "enable_checkpointing": False}
