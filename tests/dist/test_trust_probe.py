@@ -126,5 +126,8 @@ def test_a_stranger_on_the_store_runs_no_code_and_never_ends_the_job_with_succes
     assert not (tmp_path / "pwned").exists(), output  # no code ran from the store
     assert _files_outside(tmp_path) == [], output  # nothing written where the probe said
     finished = list((tmp_path / "job").glob("finished-*"))
-    assert rc != 0 and not finished, f"exit {rc}, finished {finished}:\n{output}"
+    # Never a success status unless training finished. Whether the ranks meet a forged key
+    # before their last step depends on timing (at full speed they may train to the end first);
+    # either way the launcher must not report success on a store it could not trust.
+    assert rc != 0, f"exit {rc}, finished {finished}:\n{output}"
     assert "rejected unread" in output, output  # the forged values were named, not parsed
