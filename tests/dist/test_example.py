@@ -346,7 +346,10 @@ def test_bad_input_is_one_line_once_and_exit_2(
 @pytest.mark.parametrize(
     "parallel",
     [
-        "fsdp",
+        pytest.param(
+            "fsdp",
+            marks=slow("tests/dist/test_sharded.py runs FSDP2's faults in the default suite"),
+        ),
         pytest.param("tp", marks=slow("fsdp covers the sharded restore; TP in tests/dist")),
         pytest.param("hsdp", marks=slow("fsdp covers the sharded restore; HSDP in tests/dist")),
     ],

@@ -88,6 +88,7 @@ def test_fsdp2_sigkill_a_reserve_takes_the_shards_from_the_node_local_copy(tmp_p
     assert reserve[0]["restored"] == [FAULT_STEP, "local_dir"], reserve
 
 
+@slow("the FSDP2 exception case covers the DTensor restore; this one adds TP and Stateful")
 def test_tp_dcp_stateful_exception_restores_from_memory(tmp_path: Path) -> None:
     # get_state_dict / set_state_dict (a DCP Stateful), as DCP recipes pass it.
     outs = _run(2, tmp_path, parallel="tp", fault="exception", dcp_state=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.multiproc import REPO_ROOT, free_port
+from tests.multiproc import REPO_ROOT, free_port, slow
 
 STEPS = 400  # 0.2 s each: the job cannot finish during the test (it is stopped by the probe)
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
@@ -79,7 +79,16 @@ def _files_outside(tmp: Path) -> list[str]:
     return sorted(str(p) for p in tmp.iterdir() if p.name not in ("job", "job.log"))
 
 
-@pytest.mark.parametrize("attack", ["pickles", "control"])
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "pickles",
+        pytest.param(
+            "control",
+            marks=slow("a forged launcher action is also rejected in tests/unit/test_sealing.py"),
+        ),
+    ],
+)
 def test_a_stranger_on_the_store_runs_no_code_and_never_ends_the_job_with_success(
     tmp_path: Path, attack: str
 ) -> None:

@@ -55,6 +55,7 @@ def test_train_sbatch_with_faults_completes(slurm: SlurmCluster, tmp_path: Path)
     print(f"train.sbatch with {FAULTS}: {info['JobState']} {info['ExitCode']} {info['wall_s']} s")
 
 
+@slow("one more job of ~1.5 min; train.sbatch's fault job covers the status path")
 @one_job
 def test_launch_sbatch_with_faults_completes(slurm: SlurmCluster, tmp_path: Path) -> None:
     job = submit(
