@@ -74,11 +74,17 @@ def enabled() -> bool:
 def record(event: str, **fields: Any) -> None:
     """Append ``event`` with ``fields`` (JSON-serialisable) to this process's journal, if open.
 
-    Straight to the handler, without a ``LogRecord``: this runs at every step.
+    Straight to the journal's handler, without a ``LogRecord``: this runs at every step. A
+    listener (``listen``) gets a ``LogRecord``; the restart story listens only between a restart
+    and its console line, so steps pay for it at most once per restart.
     """
     for handler in _log.handlers:
         if isinstance(handler, _Handler):
             handler.write(time.time(), event, fields)
+        else:
+            rec = _log.makeRecord(_log.name, logging.DEBUG, __file__, 0, event, (), None)
+            rec.journal = fields
+            handler.handle(rec)
 
 
 class _Handler(logging.Handler):

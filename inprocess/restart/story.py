@@ -4,11 +4,11 @@
     memory tier 0.21 s after the fault
 
 Written by the new rank 0 of each iteration after a restart, once ``train()`` restored its state
-(a ``CheckpointManager`` restore, seen on the journal channel) or, without one, when the
-iteration ends. Through the logger ``inprocess.restart.story`` at INFO; when the script
-configured no logging at all (no handler anywhere), on stderr instead, the way Python's
-last-resort handler shows warnings: a restart is lifecycle a user must see without setting
-anything up.
+(a ``CheckpointManager`` restore, seen on the journal channel) or, without one, at its first
+``ctx.ping(step)`` (or when the iteration ends, for a script that reports no step). Through
+the logger ``inprocess.restart.story`` at INFO; when the script configured no logging at all
+(no handler anywhere), on stderr instead, the way Python's last-resort handler shows warnings:
+a restart is lifecycle a user must see without setting anything up.
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ class RestartStory(logging.Handler):
         journal.listen(self)
 
     def emit(self, rec: logging.LogRecord) -> None:
-        # Only the restore of this thread's train(): background saves log on the channel too.
-        if rec.msg != "restore" or self._pending is None or rec.thread != self._thread:
+        # Only this thread's train(): background saves log on the channel too.
+        if self._pending is None or rec.thread != self._thread:
             return
         fields: dict[str, Any] = getattr(rec, "journal", {})
-        self._say((fields.get("step"), fields.get("tier")))
+        if rec.msg == "restore":
+            self._say((fields.get("step"), fields.get("tier")))
+        elif rec.msg == "step":  # a first step before any restore: train() restores nothing
+            self._say(None, first_step=fields.get("step"))
 
     def end_iteration(self) -> None:
         """The iteration ended (train() returned or raised): a line still pending is written."""
@@ -63,24 +66,34 @@ class RestartStory(logging.Handler):
         self._pending = None
         super().close()
 
-    def _say(self, restore: tuple[int | None, str | None] | None) -> None:
+    def _say(
+        self, restore: tuple[int | None, str | None] | None, *, first_step: int | None = None
+    ) -> None:
         assert self._pending is not None
         record, fault_time = self._pending
         self._pending = None
         journal.unlisten(self)
-        say(line(record, restore=restore, seconds=time.time() - fault_time))
+        seconds = time.time() - fault_time
+        say(line(record, restore=restore, seconds=seconds, first_step=first_step))
 
 
 def line(
-    record: RestartRecord, *, restore: tuple[int | None, str | None] | None, seconds: float
+    record: RestartRecord,
+    *,
+    restore: tuple[int | None, str | None] | None,
+    seconds: float,
+    first_step: int | None = None,
 ) -> str:
     """The restart's line (pure). ``restore``: (step, tier) of the CheckpointManager restore,
-    (None, None) when it found nothing, None when train() restored nothing through one."""
+    (None, None) when it found nothing, None when train() restored nothing through one;
+    ``first_step``: then, the step of the iteration's first ``ctx.ping``, if it reported one."""
 
     def ranks(rs: tuple[int, ...]) -> str:
         return ",".join(map(str, rs)) or "-"
 
-    if restore is None:
+    if restore is None and first_step is not None:
+        resumed = f"no CheckpointManager restore; first step {first_step}"
+    elif restore is None:
         resumed = "no CheckpointManager restore;"
     elif restore[0] is None:
         resumed = "no checkpoint to resume from (started over);"

@@ -47,6 +47,23 @@ def test_a_restore_completes_the_line_and_steps_pay_nothing(
     story.close()
 
 
+def test_without_a_manager_the_line_comes_at_the_first_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by a user: a script with no CheckpointManager saw its restart's line only when the
+    # iteration ended (at the end of training, for a run without another fault).
+    story = RestartStory()
+    with caplog.at_level(logging.INFO, logger="inprocess.restart.story"):
+        story.restarted(REC, fault_time=0.0)
+        journal.record("step", step=7)  # what ctx.ping(7) writes
+        journal.record("step", step=8)
+        story.end_iteration()
+    lines = [r.getMessage() for r in caplog.records if r.name == "inprocess.restart.story"]
+    assert len(lines) == 1 and "no CheckpointManager restore; first step 7" in lines[0], lines
+    assert not logging.getLogger(journal.CHANNEL).handlers
+    story.close()
+
+
 def test_without_any_logging_the_line_goes_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     root = logging.getLogger()
     saved = root.handlers[:]

@@ -88,3 +88,26 @@ def test_a_second_init_process_group_in_train_is_named_with_the_fix() -> None:
     assert isinstance(err, ConfigError)
     assert "delete the init_process_group call" in str(err)
     assert own_group_misuse(ValueError("bad shape")) is None
+
+
+def test_a_script_that_binds_master_port_itself_joins_the_jobs_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A torchrun script that hosts its own TCPStore on MASTER_PORT (is_master=True on rank 0),
+    # where the launcher's store already listens: with the environment the launcher gives each
+    # rank, as torchrun does, torch joins that store as a client instead of failing with
+    # EADDRINUSE, and the script's keys are shared by its ranks.
+    import datetime
+
+    import torch.distributed as dist
+
+    jobs = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = rank_env(parse_args(["--nproc-per-node", "2", "x.py"]), 0, jobs.port, round_=0)
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, env[name])
+    own = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=True,
+        timeout=datetime.timedelta(seconds=10),
+    )  # fmt: skip
+    own.set("script-key", b"1")
+    assert jobs.get("script-key") == b"1"
