@@ -1,14 +1,16 @@
 """PyTorch Lightning integration: ``FaultToleranceCallback`` times ``setup`` / ``step`` /
 ``checkpointing`` sections (learned timeouts), feeds the run journal, writes the finished flag,
-and runs ``trainer.fit()`` under ``@restartable`` with process-level recovery.
+and runs ``trainer.fit()`` under ``@restartable``.
 
-Why process level: Lightning takes a process's rank from LOCAL_RANK / GROUP_RANK / WORLD_SIZE
-(its ``ClusterEnvironment``), which ``@restartable`` never rewrites, so after an in-process
-restart that renumbers ranks (a reserve takes over, the job shrinks) Lightning's rank is not the
-process group's, silently (wrong data shard, wrong rank 0; ``tests/dist/test_lightning.py``
-shows it). ``ft.restartable()`` therefore lets ``train()`` run once per process
-(``max_iterations=1``): a fault stops the in-process path on every rank at once, and the
-launcher restarts every rank in place (``--max-restarts``), resuming from the newest checkpoint.
+A fault restarts ``fit()`` in place: every rank unwinds it, re-enters ``train()`` in the same
+process, and ``fit(ckpt_path="last")`` resumes from the fastest tier; a warm reserve may take a
+lost rank's place. Lightning takes a process's rank from LOCAL_RANK / GROUP_RANK / WORLD_SIZE
+(its ``ClusterEnvironment``), which the restart loop rewrites for each iteration
+(``inprocess.restart.torchrun_env``), so after a renumbering Lightning's rank is the process
+group's; the callback checks that it is at ``setup``. The world never shrinks by default
+(``min_active_world_size`` is the active world): a Trainer's ``devices x num_nodes`` is fixed.
+When no reserve can fill a lost rank's place, the launcher restarts every rank
+(``--max-restarts``).
 
 Needs the ``lightning`` extra (``pip install -e ".[lightning]"``). See docs/lightning.md.
 """
@@ -40,8 +42,8 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 FINISHED_FLAG_ENV = "FAULT_TOL_FINISHED_FLAG_FILE"  # NVIDIA's name for the finished flag
-# Options ft.restartable() sets itself: a caller's value would bring in-process restarts back.
-_OWNED = ("max_iterations", "active_world_size", "calculate_timeouts", "timeouts_state_path")
+# Options ft.restartable() sets itself from the callback's own arguments.
+_OWNED = ("calculate_timeouts", "timeouts_state_path")
 # Set while a train() decorated by ft.restartable() runs: setup() checks it.
 _UNDER: contextvars.ContextVar[FaultToleranceCallback] = contextvars.ContextVar("inprocess_ptl")
 
@@ -75,7 +77,8 @@ class FaultToleranceCallback(pl.Callback):
             trainer = L.Trainer(..., callbacks=[ft, ...])
             trainer.fit(model, ckpt_path="last")
 
-    and launch with ``python -m inprocess.launch --nproc-per-node N --max-restarts K``.
+    and launch with ``python -m inprocess.launch --nproc-per-node N --max-restarts K`` (N may
+    exceed the Trainer's ``devices``: pass ``active_world_size`` and the rest are warm reserves).
     """
 
     def __init__(
@@ -130,22 +133,27 @@ class FaultToleranceCallback(pl.Callback):
     def restartable(self, **options: Any) -> Callable[[F], F]:
         """``@restartable`` for a ``train()`` that calls ``trainer.fit()``.
 
-        ``options`` are ``RestartConfig``'s fields except the ones this sets:
-        ``max_iterations=1`` (a fault ends the in-process path; the launcher's in-job restart,
-        ``--max-restarts``, takes over: see the module docstring), no warm reserves, and
-        ``calculate_timeouts`` / ``timeouts_state_path`` from the callback. ``journal_dir``
-        defaults to ``exp_dir/journal`` (unless ``$RESTARTABLE_JOURNAL_DIR`` is set).
+        ``options`` are ``RestartConfig``'s fields except ``calculate_timeouts`` and
+        ``timeouts_state_path``, which come from the callback. ``min_active_world_size``
+        defaults to the active world (``active_world_size``, else the launch's WORLD_SIZE): a
+        Trainer's ``devices x num_nodes`` cannot shrink, so a lost rank without a reserve to
+        take its place ends the in-process path and the launcher's in-job restart
+        (``--max-restarts``) takes over. ``journal_dir`` defaults to ``exp_dir/journal``
+        (unless ``$RESTARTABLE_JOURNAL_DIR`` is set). Called once, at import time, before
+        ``train()`` runs.
         """
         from inprocess.restart.loop import restartable  # imports torch; keep this module light
 
         owned = sorted(set(options) & set(_OWNED))
         if owned:
             raise ConfigError(
-                f"FaultToleranceCallback.restartable got {owned}: it sets them itself (one "
-                "train() call per process, all ranks active; timeouts from the callback); drop "
-                "them, and give the launcher --max-restarts for recovery"
+                f"FaultToleranceCallback.restartable got {owned}: it sets them from the "
+                "callback (FaultToleranceCallback(calculate_timeouts=..., exp_dir=...)); drop "
+                "them here"
             )
-        options["max_iterations"] = 1
+        if "min_active_world_size" not in options:
+            world = options.get("active_world_size") or int(os.environ.get("WORLD_SIZE", "1"))
+            options["min_active_world_size"] = world
         options["calculate_timeouts"] = self.calculate_timeouts
         if self.exp_dir is not None:
             options["timeouts_state_path"] = str(self.exp_dir / "ft_state.json")
@@ -187,8 +195,9 @@ class FaultToleranceCallback(pl.Callback):
                 f"Lightning sees rank {trainer.global_rank} of {trainer.world_size} but the "
                 f"process group has rank {ctx.rank} of {ctx.world_size} (iteration "
                 f"{ctx.iteration}): Lightning reads ranks from LOCAL_RANK/GROUP_RANK/WORLD_SIZE, "
-                "which an in-process restart does not change; run every rank active (Trainer "
-                "devices x num_nodes = launcher processes) and recover with the launcher"
+                "which the restart loop sets for each iteration: was the environment changed, "
+                "or the Trainer's devices x num_nodes not the active world "
+                f"({ctx.world_size})?"
             )
         self._ctx = ctx
         self._sections = {}

@@ -1,8 +1,8 @@
 """Issue 19: PyTorch Lightning callbacks with a real ``Trainer(accelerator="cpu", devices=2,
 strategy="ddp")`` on CPU/gloo: a SIGKILLed rank and the job resumes from the fastest surviving
 tier to the clean run's final loss; a slowed rank is reported and the fit stops after a
-checkpoint; the evidence that an in-process restart of ``fit()`` is unsafe once ranks are
-renumbered.
+checkpoint; ``fit()`` restarted in place, a warm reserve taking a SIGKILLed rank's place, to the
+same final loss; Lightning's rank after a renumbering is the group's.
 """
 
 from __future__ import annotations
@@ -60,6 +60,31 @@ def test_sigkills_resume_from_the_local_tier_then_the_persistent_one_to_the_clea
     assert "checkpointing" in json.loads((d / "ft" / "ft_state.json").read_text())["timeouts"]
     events = {r["event"] for r in journal}
     assert {"step", "save", "restore", "fault"} <= events, sorted(events)
+
+
+def test_fit_restarts_in_place_and_a_reserve_takes_the_lost_ranks_place(tmp_path: Path) -> None:
+    # 3 processes for a Trainer(devices=2): the third is a warm reserve. Rank 1 is SIGKILLed at
+    # step 5; the survivor re-enters fit() in its own process, the reserve becomes Lightning's
+    # rank 1, both resume from step 5 (the reserve from the dead rank's node-local copy), with
+    # no launcher restart (--max-restarts 0), to the clean run's final loss and weights.
+    d = tmp_path
+    opts = {"dir": str(d), "epochs": 12, "kills": [{"rank": 1, "step": 5}],
+            "clean_port": free_port(), "config": {"active_world_size": 2}}  # fmt: skip
+    argv = ["-m", "inprocess.launch", "--nproc-per-node", "3", "--max-restarts", "0", SCRIPT,
+            json.dumps(opts)]  # fmt: skip
+    job = run_job(argv, deadline=150.0)
+    assert job.returncode == 0, job.output
+    assert "in-job restart" not in job.output, job.output
+    results = {r: json.loads((d / f"result.{r}.json").read_text()) for r in (0, 2)}
+    assert int((d / "killed.0").read_text()) not in {r["pid"] for r in results.values()}
+    assert results[0]["restore"] == [5, "memory"], results[0]
+    assert results[2]["restore"] == [5, "local_dir"], results[2]
+    assert [r["rank"] for r in results.values()] == [0, 1], results
+    for launch_rank, r in results.items():
+        assert [s for s, _ in r["losses"]] == list(range(5, 12)), (launch_rank, r["losses"])
+        assert r["global_step"] == 12 == r["clean"]["global_step"], (launch_rank, r)
+        assert r["final_loss"] == r["clean"]["final_loss"], (launch_rank, r, r["clean"])
+        assert r["params"] == r["clean"]["params"], launch_rank
 
 
 def test_straggler_callback_reports_the_slowed_rank_and_stops_after_a_checkpoint() -> None:

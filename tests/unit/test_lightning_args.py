@@ -56,12 +56,28 @@ def test_autoresume_takes_nvidias_flag_variable(
     assert FaultToleranceCallback(autoresume=True).finished_flag_file == tmp_path / "done"
 
 
-@pytest.mark.parametrize("option", ["max_iterations", "active_world_size", "calculate_timeouts"])
-def test_restartable_refuses_the_options_it_owns(option: str) -> None:
+@pytest.mark.parametrize("option", ["calculate_timeouts", "timeouts_state_path"])
+def test_restartable_refuses_the_options_it_takes_from_the_callback(option: str) -> None:
     ft = FaultToleranceCallback()
     with pytest.raises(ConfigError) as err:
         ft.restartable(**{option: 2})
-    assert option in str(err.value) and "--max-restarts" in str(err.value)
+    assert option in str(err.value) and "FaultToleranceCallback(" in str(err.value)
+
+
+def test_restartable_never_shrinks_a_trainers_world_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Trainer's devices x num_nodes is fixed: without a reserve to fill a lost rank's place,
+    # the in-process path must end (the launcher restarts every rank), not go on with fewer.
+    from inprocess.restart import loop
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(loop, "restartable", lambda **kw: seen.append(kw) or (lambda fn: fn))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    FaultToleranceCallback().restartable()
+    FaultToleranceCallback().restartable(active_world_size=3)
+    FaultToleranceCallback().restartable(active_world_size=3, min_active_world_size=2)
+    assert [kw["min_active_world_size"] for kw in seen] == [4, 3, 2]
 
 
 def test_restartable_passes_restart_config_errors_through() -> None:
