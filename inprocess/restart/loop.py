@@ -371,10 +371,7 @@ class _Job:
     def _reserve_phase(self, iteration: int) -> Outcome:
         """A reserve prewarms once, then waits until the iteration ends."""
         assert self.svc is not None
-        prewarm = None
-        if self.cfg.prewarm is not None and not self.prewarmed:
-            self.prewarmed = True
-            prewarm = self.cfg.prewarm
+        prewarm, self.prewarmed = (None if self.prewarmed else self.cfg.prewarm), True
         return wait_as_reserve(self.svc, iteration, prewarm=prewarm)
 
     def _active_phase(
@@ -430,11 +427,7 @@ class _Job:
         assert self.svc is not None
         t_barrier = time.monotonic()
         decision = self.agreement.meet(
-            self.store,
-            self.svc.progress,
-            iteration=iteration,
-            assignment=assignment,
-            target=target,
+            self.store, self.svc.progress, iteration=iteration, assignment=assignment, target=target
         )
         return _PendingRestart.of(decision, before=assignment, out=out, t_barrier=t_barrier)
 
