@@ -158,7 +158,7 @@ def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
 
 
 def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list[Any]) -> str:
-    """What ``inprocess.restart.loop._Job._decide`` does: read the policy's inputs, decide."""
+    """What ``inprocess.restart.agreement.RestartAgreement._decide`` does: read inputs, decide."""
     from inprocess.protocol import job_keys
     from inprocess.protocol.policy import Observed, decide
 

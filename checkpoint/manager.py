@@ -115,21 +115,26 @@ class CheckpointManager:
         # the interpreter tears torch down under it (SIGABRT at exit).
         atexit.register(self._close_at_exit)
         if self._local_cfg is not None:
-            # The local tier gets its OWN dedicated group: two background threads must never
-            # share one.
-            self._local_group = BackgroundGroup(timeout=self._cfg.timeout, name="local")
-            try:
-                self._local = LocalTier(
-                    local_dir=self._local_cfg.dir,
-                    replication_factor=self._local_cfg.replication_factor,
-                    algo=self._local_cfg.algo,
-                    keep=self._local_cfg.keep,
-                    group=self._local_group,
-                    timeout=self._cfg.timeout,
-                )
-            except BaseException:
-                self.close()
-                raise
+            self._open_local(self._local_cfg)
+
+    def _open_local(self, cfg: LocalConfig) -> None:
+        """The constructor's last step: start the local tier (its thread and group); on a
+        failure, close what the constructor started and re-raise."""
+        # The local tier gets its OWN dedicated group: two background threads must never
+        # share one.
+        self._local_group = BackgroundGroup(timeout=self._cfg.timeout, name="local")
+        try:
+            self._local = LocalTier(
+                local_dir=cfg.dir,
+                replication_factor=cfg.replication_factor,
+                algo=cfg.algo,
+                keep=cfg.keep,
+                group=self._local_group,
+                timeout=self._cfg.timeout,
+            )
+        except BaseException:
+            self.close()
+            raise
 
     # -- properties ----------------------------------------------------------------------------
 

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-import math
 import os
-import types
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from inprocess import config_checks
+from inprocess.config_checks import (  # re-exported: their import path stays inprocess.config
+    ETCD_MIN_SOFT_TIMEOUT,
+    GRANULARITIES,
+    SIMULATED_FAULT_TYPES,
+)
 from inprocess.errors import ConfigError
-from inprocess.timeouts.estimator import SECTIONS
 
-GRANULARITIES = ("rank", "node")
-# The fault drill's kinds (Megatron-Bridge's FaultToleranceConfig names; inprocess.faults.drill).
-SIMULATED_FAULT_TYPES = ("rank_hung", "rank_killed", "random")
+__all__ = [
+    "ETCD_MIN_SOFT_TIMEOUT",
+    "GRANULARITIES",
+    "SIMULATED_FAULT_TYPES",
+    "RestartConfig",
+]
+
 # NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
 _HEARTBEAT_INTERVAL_CAP = 30.0
-# Smallest soft_timeout with the etcd store: an etcd leader election stalls the store 1-2 s
-# (measured, docs/etcd.md), and a main thread blocked in a store call makes no progress.
-ETCD_MIN_SOFT_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,185 +122,17 @@ class RestartConfig:
     simulated_fault_base_delay: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.journal_dir is not None and not isinstance(self.journal_dir, (str, os.PathLike)):
-            raise ConfigError(
-                f"journal_dir ({self.journal_dir!r}) must be a path or None: pass a directory"
-            )
-        for name in (
-            "soft_timeout",
-            "hard_timeout",
-            "heartbeat_interval",
-            "heartbeat_timeout",
-            "barrier_timeout",
-            "completion_timeout",
-        ):
-            value = getattr(self, name)
-            if value is not None or not name.startswith("heartbeat"):
-                _positive(name, value)
-        if not 0 <= self.termination_grace_time < math.inf:  # inf: a hung rank never SIGKILLed
-            raise ConfigError(
-                f"termination_grace_time ({self.termination_grace_time}) must be >= 0 seconds "
-                "and finite: give 0 to SIGKILL at once, or a small positive grace"
-            )
-        if self.hard_timeout <= self.soft_timeout:
-            raise ConfigError(
-                f"hard_timeout ({self.hard_timeout}) must be greater than soft_timeout "
-                f"({self.soft_timeout}): raise hard_timeout"
-            )
-        self._check_heartbeat()
-        self._check_store()
-        for name in ("max_iterations", "active_world_size", "max_rank_faults"):
-            value = getattr(self, name)
-            if value is not None:
-                _positive_int(name, value, none_ok=True)
-        _positive_int("min_active_world_size", self.min_active_world_size, none_ok=False)
-        _positive_int("max_same_fault", self.max_same_fault, none_ok=False)
-        if (
-            self.active_world_size is not None
-            and self.min_active_world_size > self.active_world_size
-        ):
-            raise ConfigError(
-                f"min_active_world_size ({self.min_active_world_size}) must be <= "
-                f"active_world_size ({self.active_world_size}): lower min_active_world_size"
-            )
-        if self.granularity not in GRANULARITIES:
-            raise ConfigError(
-                f"granularity ({self.granularity!r}) must be one of {GRANULARITIES}: "
-                "use 'rank' to retire one rank per fault or 'node' to retire its node"
-            )
-        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            raise ConfigError(
-                f"backend ({self.backend!r}) must be a non-empty backend name: use 'gloo' or "
-                "'nccl', or None to pick nccl with CUDA and gloo otherwise"
-            )
-        if self.prewarm is not None and not callable(self.prewarm):
-            raise ConfigError(
-                f"prewarm ({self.prewarm!r}) must be callable or None: pass a function"
-            )
-        checks = tuple(self.health_checks)
-        for i, check in enumerate(checks):
-            if not callable(check):
-                raise ConfigError(
-                    f"health_checks[{i}] ({check!r}) must be callable: pass functions that "
-                    "raise when the rank is unhealthy"
-                )
-        object.__setattr__(self, "health_checks", checks)
-        self._check_section_timeouts()
-        self._check_drill()
-        self._check_flags()
-
-    def _check_flags(self) -> None:
-        for name in ("empty_cuda_cache", "freeze_gc", "init_process_group"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigError(
-                    f"{name} ({value!r}) must be True or False: pass a bool, not a "
-                    f"{type(value).__name__}"
-                )
-
-    def _check_drill(self) -> None:
-        if not isinstance(self.simulate_fault, bool):
-            raise ConfigError(
-                f"simulate_fault ({self.simulate_fault!r}) must be True or False: True runs the "
-                "fault drill (simulated_fault_type, simulated_fault_rank, "
-                "simulated_fault_base_delay)"
-            )
-        if self.simulated_fault_type not in SIMULATED_FAULT_TYPES:
-            raise ConfigError(
-                f"simulated_fault_type ({self.simulated_fault_type!r}) must be one of "
-                f"{SIMULATED_FAULT_TYPES}: 'rank_killed' sends SIGKILL, 'rank_hung' SIGSTOP, "
-                "'random' picks one of them"
-            )
-        rank = self.simulated_fault_rank
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-            raise ConfigError(
-                f"simulated_fault_rank ({rank!r}) must be an integer >= 0 (a RANK of the job) "
-                "or None: None draws the rank at random"
-            )
-        delay = self.simulated_fault_base_delay
-        ok = isinstance(delay, (int, float)) and not isinstance(delay, bool)
-        if not ok or not (delay >= 0) or math.isinf(delay):
-            raise ConfigError(
-                f"simulated_fault_base_delay ({delay!r}) must be a finite number of seconds "
-                ">= 0: the drill fires after this delay plus up to as much again"
-            )
-        if self.simulate_fault:
-            return
-        ignored = [
-            f"{name} ({getattr(self, name)!r})"
-            for name, default in (
-                ("simulated_fault_type", "random"),
-                ("simulated_fault_rank", None),
-                ("simulated_fault_base_delay", 0.0),
-            )
-            if getattr(self, name) != default
-        ]
-        if ignored:
-            warnings.warn(
-                f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored: "
-                "simulate_fault is False; set "
-                "simulate_fault=True to run the fault drill",
-                UserWarning,
-                stacklevel=4,
-            )
-
-    def _check_section_timeouts(self) -> None:
-        if not isinstance(self.calculate_timeouts, bool):
-            raise ConfigError(
-                f"calculate_timeouts ({self.calculate_timeouts!r}) must be True or False: "
-                "True learns section timeouts from observed durations"
-            )
-        if not isinstance(self.rank_section_timeouts, Mapping):
-            raise ConfigError(
-                f"rank_section_timeouts ({self.rank_section_timeouts!r}) must be a mapping of "
-                f"section name to seconds, e.g. {{'step': 180.0}}"
-            )
-        for name, value in self.rank_section_timeouts.items():
-            if name not in SECTIONS:
-                raise ConfigError(
-                    f"rank_section_timeouts has an unknown section ({name!r}): use one of "
-                    f"{SECTIONS}; code outside sections is rank_out_of_section_timeout"
-                )
-            _positive(f"rank_section_timeouts[{name!r}]", value)
-        # A read-only copy: the frozen config must not change behind the loop's back.
-        object.__setattr__(
-            self,
-            "rank_section_timeouts",
-            types.MappingProxyType({k: float(v) for k, v in self.rank_section_timeouts.items()}),
-        )
-        if self.rank_out_of_section_timeout is not None:
-            _positive("rank_out_of_section_timeout", self.rank_out_of_section_timeout)
-        sf = self.safety_factor
-        ok = isinstance(sf, (int, float)) and not isinstance(sf, bool)
-        if not ok or not (sf > 1.0) or math.isinf(sf):
-            raise ConfigError(
-                f"safety_factor ({sf!r}) must be a finite number > 1: a computed timeout is this "
-                "many times the longest duration seen; NVIDIA's default is 5.0"
-            )
-        path = self.timeouts_state_path
-        if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path)):
-            raise ConfigError(
-                f"timeouts_state_path ({path!r}) must be a file path or None: give e.g. "
-                "'runs/x/ft_state.json'"
-            )
-        if path is not None and not self.calculate_timeouts:
-            warnings.warn(
-                f"timeouts_state_path ({str(path)!r}) is ignored: calculate_timeouts is False; "
-                "set calculate_timeouts=True to learn timeouts and keep them in that file",
-                UserWarning,
-                stacklevel=4,
-            )
-
-    def _check_store(self) -> None:
-        if self.store is None:
-            return
-        from inprocess.etcd.url import parse_url
-
-        try:
-            parse_url(self.store)
-        except ConfigError as exc:
-            raise ConfigError(f"store: {exc}") from None
-        self.check_store_timeouts(self.store, source="store")
+        # The rules live in inprocess.config_checks; the order is the order errors are found
+        # in. The ones that warn are called from here, so that their stacklevel names the
+        # caller of RestartConfig(...).
+        config_checks.timeouts(self)
+        config_checks.heartbeat(self)
+        config_checks.store(self)
+        config_checks.counts(self)
+        config_checks.choices(self)
+        config_checks.section_timeouts(self)
+        config_checks.drill(self)
+        config_checks.flags(self)
 
     def check_store_timeouts(self, url: str, *, source: str) -> None:
         """``soft_timeout`` must outlast an etcd leader election when the store is ``url``
@@ -329,27 +164,6 @@ class RestartConfig:
             return self.heartbeat_interval
         return min(_HEARTBEAT_INTERVAL_CAP, self.hard_timeout / 3)
 
-    def _check_heartbeat(self) -> None:
-        interval, timeout = self.effective_heartbeat_interval, self.heartbeat_timeout
-        if interval >= self.hard_timeout:  # only a value the user set can fail this
-            raise ConfigError(
-                f"heartbeat_interval ({interval}) must be less than hard_timeout "
-                f"({self.hard_timeout}): lower heartbeat_interval"
-            )
-        if timeout is None:
-            return
-        if self.heartbeat_interval is not None and timeout <= interval:  # both set
-            raise ConfigError(
-                f"heartbeat_timeout ({timeout}) must be greater than "
-                f"heartbeat_interval ({interval}): raise heartbeat_timeout"
-            )
-        warnings.warn(
-            f"heartbeat_timeout ({timeout}) is ignored: a lost rank is detected by its "
-            "watchdog (process death) or by hard_timeout; drop the option",
-            UserWarning,
-            stacklevel=4,
-        )
-
     def validate_world(self, world_size: int) -> None:
         """Check the values that depend on the job's size (called once the world is known)."""
         if self.active_world_size is not None and self.active_world_size > world_size:
@@ -368,19 +182,3 @@ class RestartConfig:
                 f"simulated_fault_rank ({rank}) must be < WORLD_SIZE ({world_size}): name a "
                 "rank of the job, or None to draw one at random"
             )
-
-
-def _positive(name: str, value: Any) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (value > 0) or math.isinf(value):
-        raise ConfigError(
-            f"{name} ({value!r}) must be a finite number of seconds > 0: give a positive duration"
-        )
-
-
-def _positive_int(name: str, value: Any, *, none_ok: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        hint = " or None" if none_ok else ""
-        raise ConfigError(
-            f"{name} ({value!r}) must be an integer >= 1{hint}: give a positive count"
-        )

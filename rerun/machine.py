@@ -16,45 +16,36 @@ stay on the device until that read.
 from __future__ import annotations
 
 import logging
-import math
 import socket
-import sys
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import torch
 
-from rerun import agree, persist, rng, tracker, verdicts
-from rerun import data as data_mod
+from rerun import agree, exits, persist, verdicts
 from rerun.checks import (
-    LargeValueTracker,
     Rejection,
     Value,
-    as_float,
     compare_floats,
     is_not_finite,
 )
 from rerun.data import RerunDataIterator
-from rerun.errors import InvalidTransition, RankAction, RerunConfigError, RerunExit
+from rerun.errors import InvalidTransition, RerunConfigError, RerunExit
 from rerun.injector import RerunErrorInjector
-from rerun.record import StepRecord
+from rerun.passes import PassChecks
+from rerun.replay import StepReplay
+from rerun.report import report_verdict
 from rerun.state_machine import (
-    NUM_FLAGS,
     Diagnostic,
     Event,
     Flag,
     RerunMode,
     State,
     exit_decision,
-    persisted_state,
     transition,
 )
-from rerun.stats import QuickStats
 
 logger = logging.getLogger(__name__)
-# The run journal's channel (see inprocess/journal.py; a name, so rerun need not import it).
-_journal = logging.getLogger("restartable.journal")
 
 NAN_LOSS_MESSAGE = "loss is NaN or Inf"
 SPIKY_LOSS_MESSAGE = "Spiky loss"
@@ -112,47 +103,29 @@ class RerunStateMachine:
         state_save_func: Callable[[], Any] | None = None,
         state_restore_func: Callable[[Any], None] | None = None,
     ) -> None:
-        modes = [m.value for m in RerunMode]
-        value = mode.value if isinstance(mode, RerunMode) else mode
-        if value not in modes:
-            raise RerunConfigError(f"mode ({mode!r}) must be one of {modes}: pick one of those")
-        if not (isinstance(spiky_loss_factor, (int, float)) and spiky_loss_factor > 1.0):
-            raise RerunConfigError(
-                f"spiky_loss_factor ({spiky_loss_factor!r}) must be a number greater than 1 "
-                "(a loss is spiky when larger than factor x the running max): use e.g. 10.0"
-            )
-        if spiky_loss_warmup < 1:
-            raise RerunConfigError(
-                f"spiky_loss_warmup ({spiky_loss_warmup}) must be >= 1 (losses recorded before "
-                "spikes are flagged): use e.g. 100"
-            )
-        self.mode = RerunMode(value)
+        self.mode = _checked_mode(mode, spiky_loss_factor, spiky_loss_warmup)
         self.check_for_nan_in_loss = check_for_nan_in_loss
         self.check_for_spiky_loss = check_for_spiky_loss
         self.spiky_loss_factor = float(spiky_loss_factor)
         self.spiky_loss_warmup = spiky_loss_warmup
         self.in_job = in_job
         self._injector = error_injector
-        self._tracker = (
-            tracker.ResultTracker(result_rejected_tracker_filename)
-            if result_rejected_tracker_filename is not None
-            else None
-        )
         self._hardware_id = hardware_id
-        self._save_func = state_save_func
-        self._restore_func = state_restore_func
-        self._large = LargeValueTracker()
-        self._stats: dict[str, QuickStats] = {}
+        self._replay = StepReplay(save_func=state_save_func, restore_func=state_restore_func)
+        self._checks = PassChecks(
+            self.mode,
+            injector=error_injector,
+            tracker_path=result_rejected_tracker_filename,
+            rank=self._rank,
+            hardware_id=lambda: self.hardware_id,
+        )
 
         self.iteration = 0  # steps started; travels in state_dict
         self.verdict: Diagnostic | None = None  # the latest verdict
         self._state = State.IDLE
-        self._iterators: list[RerunDataIterator] = []
-        self._snapshot: rng.RngSnapshot | None = None
-        self._loaded_data: list[list[Any]] | None = None  # microbatches of a pending re-run
         self._faulty_hardware: list[str] = []
         self._suspects = verdicts.Suspects()
-        self._rec = StepRecord()
+        self._rec = self._checks.rec  # the step's record (the checks fill it in)
 
     # -- properties -----------------------------------------------------------------------
 
@@ -178,37 +151,31 @@ class RerunStateMachine:
         May raise ``RerunExit(retire)`` with ``in_job`` on hardware known to be faulty.
         """
         if self._state in (State.IDLE, State.WILL_RERUN_ELSEWHERE):
-            self._iterators = data_mod.as_iterators(
+            self._replay.begin(
                 data, required=self.mode is not RerunMode.DISABLED, mode=self.mode.value
             )
             if self.in_job and self.hardware_id in self._faulty_hardware:
-                raise self._exit_exception(
-                    17,
-                    Diagnostic.PERSISTENT_ERROR,
-                    "retire",
-                    f"hardware {self.hardware_id} had a persistent fault: retire this rank",
-                )
+                raise exits.retired(self.hardware_id, self._suspects, iteration=self.iteration)
             event, flags = Event.BEGIN, frozenset[Flag]()
         else:
-            event, flags = Event.END, self._end_pass()
+            event, flags = Event.END, self._checks.end_pass(self._state, iteration=self.iteration)
         old = self._state
         t = transition(old, event, self.mode, flags, continue_on_persistent=self.in_job)
         self._state = t.state
         if event is Event.BEGIN and old is State.IDLE:
             self.iteration += 1
             self._rec.new_step()
-            self._loaded_data = None
+            self._replay.new_step()
         if t.capture:
-            self._snapshot = rng.capture(self._save_func)
+            self._replay.capture()
         if event is Event.BEGIN and old is State.IDLE:
-            for it in self._iterators:
-                it.advance(record=t.capture)
+            self._replay.advance(record=t.capture)
         if t.replay:
-            self._replay()
+            self._replay.replay()
         if t.verdict is not None:
             self._on_verdict(t.verdict)
         if t.state in (State.WILL_RERUN_ELSEWHERE, State.EXIT_RESUME_ELSEWHERE):
-            self._gather_suspects()
+            self._suspects = verdicts.suspects_after(self._rec, self._state)
         if t.run:
             self._rec.new_pass()
         return t.run
@@ -242,7 +209,7 @@ class RerunStateMachine:
         The first ``num_samples`` values of a context only build the max. NaN/Inf are ignored
         (the NaN check owns them). No host sync for a tensor value.
         """
-        return self._large.check(value, threshold, context, num_samples)
+        return self._checks.large.check(value, threshold, context, num_samples)
 
     def validate_result(
         self,
@@ -263,46 +230,16 @@ class RerunStateMachine:
         """
         if self.mode is RerunMode.DISABLED or self._state in _BETWEEN_STEPS:
             return
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise RerunConfigError(
-                f"validate_result value for {message!r} has {value.numel()} elements; it must be "
-                "a number or a one-element tensor: reduce it first (e.g. .sum() or a norm)"
-            )
-        rec = self._rec
-        seq = rec.next_seq(message)
-        corrupt = self._injector is not None and self._injector.corrupts(
-            self._state,
-            rank=self._rank(),
+        self._checks.validate(
+            value,
+            rejection_func,
+            message,
+            tolerance=tolerance,
+            fatal=fatal,
+            comparison_func=comparison_func,
+            state=self._state,
             iteration=self.iteration,
-            message=message,
-            seq=seq,
-            hardware_id=self.hardware_id,
         )
-        if isinstance(value, torch.Tensor):
-            value = value.detach()  # keep the number, not the autograd graph
-        if corrupt:
-            logger.warning(
-                "iteration %d: injecting a %s into %r",
-                self.iteration,
-                self._injector.kind.value if self._injector else "",
-                message,
-            )
-            value = math.nan
-        if self._state is State.INITIAL_RUN:
-            if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-                rec.add_initial(message, seq, fatal, tolerance, value, False)
-                return
-            flag: Rejection = True if corrupt else rejection_func(value)
-            rec.add_initial(message, seq, fatal, tolerance, value, flag)
-            return
-        # A re-run: compare on the rank and call that were rejected (or every call for stats).
-        if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-            first = rec.first_results.get((message, seq))
-            if first is not None:
-                diff = comparison_func(first, as_float(value))
-                self._stats.setdefault(message, QuickStats()).add(diff)
-            return
-        rec.add_rerun(message, seq, value, comparison_func)
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """After the loop, before the optimizer step: ``(checkpoint, exit, exit_code)``.
@@ -314,13 +251,7 @@ class RerunStateMachine:
         if self.mode is RerunMode.REPORT_DETERMINISM_STATS and (
             self.iteration % REPORT_INTERVAL_ITERATIONS == 0
         ):
-            for msg, st in sorted(self._stats.items()):
-                logger.info(
-                    "determinism stats at iteration %d for %r: %s",
-                    self.iteration,
-                    msg,
-                    st.summary(),
-                )
+            self._checks.log_stats(self.iteration)
         return exit_decision(self._state)
 
     def exit_or_raise(self, *, close: Iterable[Any] = (), close_timeout: float = 120.0) -> NoReturn:
@@ -340,38 +271,28 @@ class RerunStateMachine:
         """
         exc = self.exit_exception()
         logger.info("rank %d: %s", self._rank(), exc)
-        if not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT:
-            _close_bounded(close, close_timeout)
-            distributed = agree.is_distributed()
-            agree.destroy_before_exit()
-            if distributed:
-                agree.exit_now(exc.exit_code)
-            sys.exit(exc.exit_code)
-        if exc.restartable_rank_action is None and self._rank() not in self._suspects.ranks:
-            agree.wait_for_teardown()
-        raise exc
+        exits.leave(
+            exc,
+            standalone=not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT,
+            suspect=self._rank() in self._suspects.ranks,
+            close=close,
+            close_timeout=close_timeout,
+        )
 
     def exit_exception(self) -> RerunExit:
         """The ``RerunExit`` describing the current exit decision (not raised)."""
-        _ckpt, do_exit, code = exit_decision(self._state)
-        if not do_exit:
-            raise InvalidTransition(
-                f"exit_or_raise() called in state {self._state.value}, where no verdict asks to "
-                "exit: call it only when should_checkpoint_and_exit() returns exit=True"
-            )
-        action = verdicts.rank_action(
-            code,
+        return exits.decided(
+            self._state,
+            self.verdict,
             rank=self._rank(),
             hardware_id=self.hardware_id,
-            verdict=self.verdict,
             suspects=self._suspects,
+            iteration=self.iteration,
         )
-        what = verdicts.exit_message(self._state, self.verdict)
-        return self._exit_exception(code, self.verdict, action, what)
 
     def determinism_stats(self) -> dict[str, dict[str, Any]]:
         """Per message: count, identical, avg, p50, p90, p99, max of relative differences."""
-        return {msg: st.summary() for msg, st in sorted(self._stats.items())}
+        return {msg: st.summary() for msg, st in sorted(self._checks.stats.items())}
 
     # -- checkpoint -----------------------------------------------------------------------
 
@@ -383,33 +304,16 @@ class RerunStateMachine:
         alone. Call it between steps (e.g. when ``should_checkpoint_and_exit`` asks), not
         mid-pass.
         """
-        rank, world = agree.rank_and_world()
-        saved = persisted_state(self._state)
-        pending = saved is State.WILL_RERUN_ELSEWHERE
-        data = None
-        if pending:
-            data = (
-                self._loaded_data
-                if self._loaded_data is not None
-                else [it.replay_buffer() for it in self._iterators]
-            )
-        r = self._rec.rejected if pending else None
-        return persist.encode(
-            persist.Persisted(
-                mode=self.mode.value,
-                state=saved,
-                iteration=self.iteration,
-                rank=rank,
-                world_size=world,
-                hardware_id=self.hardware_id,
-                rejected=r,
-                suspect_hw=self._rec.suspect_hw if r else "",
-                faulty_hardware=self._faulty_hardware,
-                large_values=self._large.state(),
-                injector=self._injector.state() if self._injector else {},
-                rng=self._snapshot if pending else None,
-                data=data,
-            )
+        return persist.capture(
+            mode=self.mode.value,
+            state=self._state,
+            iteration=self.iteration,
+            hardware_id=self.hardware_id,
+            rec=self._rec,
+            faulty_hardware=self._faulty_hardware,
+            large_values=self._checks.large.state(),
+            injector=self._injector.state() if self._injector else {},
+            replay=self._replay,
         )
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -426,22 +330,15 @@ class RerunStateMachine:
         p = persist.decode(sd)
         self.iteration = p.iteration
         self._faulty_hardware = p.faulty_hardware
-        self._large.load(p.large_values)
+        self._checks.large.load(p.large_values)
         if self._injector is not None:
             self._injector.load(p.injector)
         if p.state is not State.WILL_RERUN_ELSEWHERE:
             return
-        world = agree.rank_and_world()[1]
-        if p.world_size != world or self.mode is not RerunMode.VALIDATE_RESULTS:
-            logger.warning(
-                "iteration %d: a pending re-run from a job with world size %d in mode %s is "
-                "ignored (now world size %d, mode %s)",
-                self.iteration, p.world_size, p.mode, world, self.mode.value,
-            )  # fmt: skip
+        if not persist.resumable(p, mode=self.mode, iteration=self.iteration):
             return
         self._state = State.WILL_RERUN_ELSEWHERE
-        self._snapshot = p.rng
-        self._loaded_data = p.data if p.data is not None else []
+        self._replay.load(p.rng, p.data)
         self._rec.rejected = p.rejected
         self._rec.suspect_hw = p.suspect_hw
 
@@ -451,138 +348,32 @@ class RerunStateMachine:
     def _rank() -> int:
         return agree.rank_and_world()[0]
 
-    def _replay(self) -> None:
-        if self._snapshot is not None:
-            rng.restore(self._snapshot, self._restore_func)
-        data_mod.replay(self._iterators, self._loaded_data)
-        self._loaded_data = None
-
-    def _end_pass(self) -> frozenset[Flag]:
-        """This rank's outcome of the pass, agreed with every rank (one collective)."""
-        rec = self._rec
-        if self.mode is RerunMode.DISABLED:
-            return frozenset()
-        if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
-            if self._state is State.INITIAL_RUN:
-                rec.first_results = {(m, s): as_float(v) for m, s, _f, _t, v in rec.calls}
-            return frozenset()
-        if self._state is State.INITIAL_RUN:
-            flags = rec.read_initial(agree.comm_device())
-            if rec.rejected is not None:
-                r = rec.rejected
-                logger.warning(
-                    "rank %d iteration %d: result %r rejected (%r, %s); re-running the step",
-                    self._rank(),
-                    self.iteration,
-                    r.message,
-                    r.initial,
-                    "fatal" if r.fatal else "non-fatal",
-                )
-                self._track(tracker.INITIAL_RUN, r.initial, r.message)
-            return flags
-        local = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=agree.comm_device())
-        bit = self._rerun_outcome()
-        if bit is not None:
-            local[bit] = 1
-        agree.reduce_max_(local)
-        return frozenset(f for f, v in zip(Flag, local.tolist(), strict=True) if v)
-
-    def _rerun_outcome(self) -> Flag | None:
-        """The flag this rank contributes after a re-run, logged and tracked."""
-        rec, r = self._rec, self._rec.rejected
-        in_place = self._state is State.RERUN_IN_PLACE
-        flag, status = rec.rerun_outcome(in_place=in_place, hardware_id=self.hardware_id)
-        if r is None:
-            return flag
-        if status:
-            self._track(status, rec.rerun_result, r.message)
-        where = "on the same hardware" if in_place else f"on {self.hardware_id}"
-        what = (
-            "same hardware again"
-            if flag is Flag.SAME_HARDWARE
-            else ("reproduced" if rec.reproduced() else "did not reproduce")
-        )
-        logger.warning(
-            "rank %d iteration %d: %r %s %s%s", self._rank(), self.iteration, r.message, what,
-            where, "" if r.fatal else " (non-fatal: continuing with the re-run's result)",
-        )  # fmt: skip
-        return flag
-
-    def _gather_suspects(self) -> None:
-        rec = self._rec
-        self._suspects = verdicts.gather_suspects(
-            rec.rejected is not None and (bool(rec.suspect_hw) or self._state is State.EXIT_FAILED),
-            rec.suspect_hw,
-        )
-
     def _on_verdict(self, verdict: Diagnostic) -> None:
         self.verdict = verdict
-        self._gather_suspects()
+        self._suspects = verdicts.suspects_after(self._rec, self._state)
         if verdict is Diagnostic.PERSISTENT_ERROR:
             self._faulty_hardware += [
                 h for h in self._suspects.hardware if h not in self._faulty_hardware
             ]
-        logger.info(
-            "iteration %d verdict: %s (suspect ranks %s, hardware %s)", self.iteration,
-            verdict.value, list(self._suspects.ranks), list(self._suspects.hardware),
-        )  # fmt: skip
-        if not _journal.handlers:
-            return
-        _journal.debug(
-            "rerun_verdict",
-            extra={
-                "journal": {
-                    "step": self.iteration,  # rerun's iteration is the training step
-                    "verdict": verdict.value,
-                    "suspect_ranks": list(self._suspects.ranks),
-                    "suspect_hardware": list(self._suspects.hardware),
-                }
-            },
+        report_verdict(self.iteration, verdict, self._suspects)
+
+
+def _checked_mode(
+    mode: str | RerunMode, spiky_loss_factor: float, spiky_loss_warmup: int
+) -> RerunMode:
+    """``mode`` as a ``RerunMode``, once the constructor's arguments passed their checks."""
+    modes = [m.value for m in RerunMode]
+    value = mode.value if isinstance(mode, RerunMode) else mode
+    if value not in modes:
+        raise RerunConfigError(f"mode ({mode!r}) must be one of {modes}: pick one of those")
+    if not (isinstance(spiky_loss_factor, (int, float)) and spiky_loss_factor > 1.0):
+        raise RerunConfigError(
+            f"spiky_loss_factor ({spiky_loss_factor!r}) must be a number greater than 1 "
+            "(a loss is spiky when larger than factor x the running max): use e.g. 10.0"
         )
-
-    def _track(self, status: str, result: float, message: str) -> None:
-        if self._tracker is not None:
-            self._tracker.record(
-                rank=self._rank(),
-                iteration=self.iteration,
-                status=status,
-                result=result,
-                message=message,
-                hardware_id=self.hardware_id,
-            )
-
-    def _exit_exception(
-        self, code: int, verdict: Diagnostic | None, action: RankAction | None, what: str
-    ) -> RerunExit:
-        return RerunExit(
-            code,
-            verdict=verdict.value if verdict else None,
-            suspect_ranks=self._suspects.ranks,
-            suspect_hardware=self._suspects.hardware,
-            restartable_rank_action=action,
-            message=f"iteration {self.iteration}: {what}",
+    if spiky_loss_warmup < 1:
+        raise RerunConfigError(
+            f"spiky_loss_warmup ({spiky_loss_warmup}) must be >= 1 (losses recorded before "
+            "spikes are flagged): use e.g. 100"
         )
-
-
-def _close_bounded(owners: Iterable[Any], timeout: float) -> None:
-    """``owner.close()`` for each of ``owners``, each in a helper thread bounded by ``timeout``
-    seconds (a hung storage must not keep the process from leaving with its verdict); a failure
-    or an overrun is logged at ERROR, and the exit goes on."""
-    if not 0 < timeout < math.inf:
-        raise ValueError(f"close_timeout ({timeout}) must be > 0 seconds and finite")
-    for owner in owners:
-        errors: list[BaseException] = []
-
-        def run(owner: Any = owner, errors: list[BaseException] = errors) -> None:
-            try:
-                owner.close()
-            except BaseException as exc:  # reported below, on the exiting thread
-                errors.append(exc)
-
-        t = threading.Thread(target=run, name="rerun-close-before-exit", daemon=True)
-        t.start()
-        t.join(timeout)
-        if t.is_alive():
-            logger.error("%r did not close within %.0f s; exiting anyway", owner, timeout)
-        elif errors:
-            logger.error("closing %r before the exit failed: %r", owner, errors[0])
+    return RerunMode(value)

@@ -1,9 +1,14 @@
-"""The checkpointed form of a machine's state: the same keys in every state, checked on load."""
+"""The checkpointed form of a machine's state: the same keys in every state, checked on load.
+
+``capture`` builds ``RerunStateMachine.state_dict()``; ``load_state_dict`` calls ``decode``, then
+``resumable`` for a pending re-run. Pure but for the rank / world size they read.
+"""
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -11,10 +16,14 @@ from typing import Any
 
 import torch
 
+from rerun import agree
 from rerun.errors import RerunConfigError
-from rerun.record import Rejected
+from rerun.record import Rejected, StepRecord
+from rerun.replay import StepReplay
 from rerun.rng import RngSnapshot, safe_load
-from rerun.state_machine import State
+from rerun.state_machine import RerunMode, State, persisted_state
+
+logger = logging.getLogger(__name__)
 
 STATE_DICT_VERSION = 1
 
@@ -42,6 +51,58 @@ class Persisted:
     injector: dict[str, Any]
     rng: RngSnapshot | None  # the step's RNG snapshot when a re-run is pending
     data: list[list[Any]] | None  # the step's microbatches per data iterator, likewise
+
+
+def capture(
+    *,
+    mode: str,
+    state: State,
+    iteration: int,
+    hardware_id: str,
+    rec: StepRecord,
+    faulty_hardware: list[str],
+    large_values: dict[str, list[float]],
+    injector: dict[str, Any],
+    replay: StepReplay,
+) -> dict[str, Any]:
+    """``RerunStateMachine.state_dict()``'s value for a machine in ``state`` (between steps):
+    the pending re-run's call, RNG snapshot and microbatches only when one is pending."""
+    rank, world = agree.rank_and_world()
+    saved = persisted_state(state)
+    pending = saved is State.WILL_RERUN_ELSEWHERE
+    data = replay.data() if pending else None
+    r = rec.rejected if pending else None
+    return encode(
+        Persisted(
+            mode=mode,
+            state=saved,
+            iteration=iteration,
+            rank=rank,
+            world_size=world,
+            hardware_id=hardware_id,
+            rejected=r,
+            suspect_hw=rec.suspect_hw if r else "",
+            faulty_hardware=faulty_hardware,
+            large_values=large_values,
+            injector=injector,
+            rng=replay.snapshot if pending else None,
+            data=data,
+        )
+    )
+
+
+def resumable(p: Persisted, *, mode: RerunMode, iteration: int) -> bool:
+    """Whether the pending re-run of ``p`` resumes in this job: the same world size, and a mode
+    that validates results; otherwise it is dropped with a warning, like a resharded job."""
+    world = agree.rank_and_world()[1]
+    if p.world_size != world or mode is not RerunMode.VALIDATE_RESULTS:
+        logger.warning(
+            "iteration %d: a pending re-run from a job with world size %d in mode %s is "
+            "ignored (now world size %d, mode %s)",
+            iteration, p.world_size, p.mode, world, mode.value,
+        )  # fmt: skip
+        return False
+    return True
 
 
 def encode(p: Persisted) -> dict[str, Any]:

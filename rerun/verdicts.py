@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rerun import agree
 from rerun.errors import RankAction
+from rerun.record import StepRecord
 from rerun.state_machine import Diagnostic, State
 
 
@@ -13,6 +14,15 @@ from rerun.state_machine import Diagnostic, State
 class Suspects:
     ranks: tuple[int, ...] = ()
     hardware: tuple[str, ...] = ()
+
+
+def suspects_after(rec: StepRecord, state: State) -> Suspects:
+    """``gather_suspects`` for the step of ``rec``, now in ``state``: this rank is suspect when
+    it rejected a result that then failed elsewhere or did not reproduce (a collective)."""
+    return gather_suspects(
+        rec.rejected is not None and (bool(rec.suspect_hw) or state is State.EXIT_FAILED),
+        rec.suspect_hw,
+    )
 
 
 def gather_suspects(is_suspect: bool, hardware: str) -> Suspects:

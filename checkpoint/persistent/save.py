@@ -17,6 +17,10 @@ then runs the DCP save protocol, coordinating the ranks through the job's store
                and publishes the commit outcome.
 4. ``retention`` rank 0 deletes checkpoints beyond ``keep`` and stale partial attempts.
 
+This module holds the training thread's side (``PersistentSaver``); the phases above are
+``checkpoint.persistent.protocol.SaveProtocol``'s, and a save's data travels between the two as a
+``checkpoint.persistent.save_job.SaveJob``.
+
 A failure anywhere becomes one ``CheckpointRankError`` naming the ranks, on every rank, raised
 from the next ``wait()`` / ``save()``. After an in-process restart the save in flight is
 cancelled: its worker stops at its next wait or file write (milliseconds), never commits, and
@@ -34,38 +38,25 @@ scarce the training thread gets most of them.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
-import secrets
-import signal
 import threading
 import time
-import traceback
 from typing import Any
 
-from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter
-
-from checkpoint import plain
 from checkpoint.config import PersistentConfig, TestHooks
-from checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRankError
-from checkpoint.exchange import Attempts, StoreExchange
+from checkpoint.errors import CheckpointError
+from checkpoint.exchange import Attempts
 from checkpoint.group import BackgroundGroup
-from checkpoint.persistent.integrity import file_checksum
-from checkpoint.persistent.layout import CheckpointDirs, dir_name
-from checkpoint.persistent.plan_memo import PlanMemo, structure
+from checkpoint.persistent.layout import CheckpointDirs
+from checkpoint.persistent.protocol import METADATA_FILE, SaveProtocol
+from checkpoint.persistent.save_job import Failed, SaveJob, SaveStats
 from checkpoint.persistent.staging import StagingPool
-from checkpoint.persistent.storage import make_writer, write_files
-from checkpoint.persistent.tensor_bytes import ArchiveTemplates
 from checkpoint.worker import BackgroundWorker
 
 log = logging.getLogger(__name__)
-# The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).
-_journal = logging.getLogger("restartable.journal")
 
-METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ours)
+__all__ = ["CRASH_POINTS", "METADATA_FILE", "WRITER_NICE", "PersistentSaver", "SaveStats"]
 # The writer thread's niceness (Linux). A trade-off measured with every core busy training
 # (benchmarks/checkpoint_stall.py, 2 ranks on 2 cores, 1 GiB each): nice 19 starved the write
 # (durable after 135 s of training, steps 1.03x slower); nice 10 gave steps 0.99-1.16x slower
@@ -73,35 +64,6 @@ METADATA_FILE = ".metadata"  # DCP's own metadata file (its commit point; not ou
 WRITER_NICE = 10
 _STOP_GRACE_S = 5.0  # close(): how long the worker may take to end once its work is settled
 CRASH_POINTS = ("agree", "write", "before_commit", "commit", "retention")
-
-
-@dataclasses.dataclass
-class SaveStats:
-    """What one persistent save did (filled in by the background job)."""
-
-    step: int
-    stall_s: float = 0.0
-    write_s: float = 0.0
-    bytes_written: int = 0  # this rank's data files
-    path: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failed:
-    """A background failure as data: the error class to raise on the caller's thread and args."""
-
-    cls: type[CheckpointError]
-    args: tuple[Any, ...]
-
-
-@dataclasses.dataclass
-class _Job:
-    step: int
-    staged: dict[str, Any] | None
-    stage_error: str | None
-    exchange: StoreExchange
-    previous: StoreExchange | None  # the save before, in the same group: its keys to delete
-    stats: SaveStats
 
 
 class PersistentSaver:
@@ -119,19 +81,16 @@ class PersistentSaver:
         hooks: TestHooks,
     ) -> None:
         self._cfg = config
-        self._dirs = dirs
         self._group = group
-        self._hooks = hooks
         self._pool = StagingPool()
+        self._protocol = SaveProtocol(config, dirs, hooks)  # the worker thread's only
         self._worker = BackgroundWorker("ckpt-persistent", initializer=_lower_priority)
-        self._pending: concurrent.futures.Future[SaveStats | _Failed] | None = None
-        self._pending_job: _Job | None = None
+        self._pending: concurrent.futures.Future[SaveStats | Failed] | None = None
+        self._pending_job: SaveJob | None = None
         # A save cancelled by a restart: not waited for by the restart, only before the
         # staging buffers it may still read are reused (next save) and at close().
-        self._abandoned: concurrent.futures.Future[SaveStats | _Failed] | None = None
+        self._abandoned: concurrent.futures.Future[SaveStats | Failed] | None = None
         self._attempts = Attempts("persistent", timeout=config.timeout)
-        self._memo = PlanMemo()  # the worker thread's only
-        self._templates = ArchiveTemplates()
         self._closed = False
         self.last: SaveStats | None = None
 
@@ -165,9 +124,9 @@ class PersistentSaver:
             stage_error = f"staging failed: {type(e).__name__}: {e}"
             staging_exc: Exception = e
         stats = SaveStats(step=step, stall_s=time.perf_counter() - t0)
-        job = _Job(step, staged, stage_error, exchange, previous, stats)
+        job = SaveJob(step, staged, stage_error, exchange, previous, stats)
         self._pending_job = job
-        self._pending = self._worker.submit(self._run, job)
+        self._pending = self._worker.submit(self._protocol.run, job)
         if stage_error is not None:
             # The job still runs so peers learn of the failure in `plan` instead of waiting.
             raise CheckpointError(f"save of step {step}: {stage_error}") from staging_exc
@@ -197,7 +156,7 @@ class PersistentSaver:
                 "(2 x timeout): storage hung or a rank stopped participating"
             ) from e
         self._pending, self._pending_job = None, None
-        if isinstance(outcome, _Failed):
+        if isinstance(outcome, Failed):
             raise outcome.cls(*outcome.args)
         self.last = outcome
         return outcome
@@ -247,7 +206,7 @@ class PersistentSaver:
             )
             return
         self._abandoned = None
-        if isinstance(outcome, _Failed):
+        if isinstance(outcome, Failed):
             log.info("checkpoint: cancelled save stopped, never visible: %s", outcome.args[0])
         else:
             log.info(
@@ -283,196 +242,7 @@ class PersistentSaver:
             # must not hold the process any longer.
             self._worker.stop(timeout=_STOP_GRACE_S)
             self._pool.release()
-            self._memo.clear()
-
-    # -- background ----------------------------------------------------------------------------
-
-    def _crash(self, point: str, rank: int) -> None:
-        if self._hooks.crash_at == point and self._hooks.crash_rank in (None, rank):
-            log.error("checkpoint: test hook: SIGKILL at %s on rank %d", point, rank)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _run(self, job: _Job) -> SaveStats | _Failed:
-        # Failures travel back as plain data, not as exception objects: a traceback would keep
-        # the job's frames (and the staged buffers) alive in a reference cycle after an
-        # abandoned save.
-        if job.exchange.cancel.is_set():
-            return _Failed(CheckpointAbandoned, (f"save of step {job.step}: cancelled",))
-        try:
-            return self._run_job(job)
-        except CheckpointRankError as e:
-            return _Failed(CheckpointRankError, (e.what, e.failures))
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            text = f"save of step {job.step} failed: {_describe(e)}"
-            # Text, not exc_info: a captured record would keep the traceback alive.
-            log.debug("checkpoint: background save failed:\n%s", traceback.format_exc())
-            return _Failed(type(e) if isinstance(e, CheckpointError) else CheckpointError, (text,))
-        finally:
-            job.staged = None
-
-    def _run_job(self, job: _Job) -> SaveStats:
-        ex, step, stats = job.exchange, job.step, job.stats
-        rank, world = ex.rank, ex.world
-        t0 = time.perf_counter()
-        self._crash("agree", rank)
-        if rank == 0:
-            dirpath = self._dirs.join(dir_name(step, secrets.token_hex(4)))
-            try:
-                self._dirs.begin(dirpath, step=step, world_size=world)
-                ex.publish("start", (dirpath, None))
-            except Exception as e:
-                ex.publish("start", (dirpath, _describe(e)))
-        dirpath, start_error = ex.receive("start")
-        stats.path = dirpath
-
-        # Plan: DCP's planner, driven by hand so that the ranks meet in the store (see module
-        # docstring); the files and .metadata are exactly what torch.distributed.checkpoint.save
-        # writes.
-        sums: dict[str, dict[str, int]] = {}
-        writer = make_writer(
-            self._dirs, dirpath, sums, thread_count=self._cfg.thread_count, cancel=ex.cancel
-        )
-        planner = DefaultSavePlanner()
-        error = job.stage_error or (start_error if rank == 0 else None)
-        # Plans and results travel as plain data (checkpoint.plain, never pickle: they are read
-        # from the store) and as bytes, so that rank 0 can tell unchanged ones from their
-        # bytes and skip decoding and re-planning them (see plan_memo).
-        plan_blob = None
-        if error is None and start_error is None:
-            try:
-                plan_blob = self._local_plan(planner, writer, job.staged, rank, world)
-            except BaseException as e:
-                error = _describe(e)
-        plans = ex.gather("plan", (error, plan_blob))
-        metadata = None
-        if plans is not None:  # rank 0
-            # Every rank posted a plan, so every rank has read "start" and the previous commit.
-            ex.discard("start")
-            if job.previous is not None:
-                job.previous.discard("commit")
-            failures = {r: err for r, (err, _) in enumerate(plans) if err is not None}
-            central: list[bytes | None] = [None] * world
-            if not failures:
-                try:
-                    central, metadata = self._memo.derive(
-                        "global",
-                        tuple(b for _, b in plans),
-                        lambda: _global_plan(planner, writer, plans),
-                    )
-                except BaseException as e:
-                    failures = {0: _describe(e)}
-            for r in range(world):
-                ex.publish("global", (failures, central[r]), to=r)
-        failures, my_blob = ex.receive("global", mine=True)
-        if failures:
-            raise CheckpointRankError(f"save of step {step}", failures)
-        my_plan = self._memo.load("central", my_blob)
-
-        self._crash("write", rank)
-        error, results = None, None
-        try:
-            results = write_files(writer, planner.finish_plan(my_plan), planner, self._templates)
-        except BaseException as e:
-            error = _describe(e)
-        job.staged = None  # the pool's views; nothing else may keep them alive
-        self._crash("before_commit", rank)
-        results_blob = None if results is None else plain.dumps(results)
-        outcomes = ex.gather("write", (error, sums, results_blob))
-        if outcomes is not None:  # rank 0
-            what = f"save of step {step}"
-            failures = {r: err for r, (err, _, _) in enumerate(outcomes) if err is not None}
-            if not failures:
-                what = f"commit of step {step}"
-                try:
-                    self._commit(writer, metadata, dirpath, step, world, outcomes)
-                except Exception as e:
-                    failures = {0: _describe(e)}
-            ex.publish("commit", (what, failures))
-        what, failures = ex.receive("commit")
-        if failures:
-            raise CheckpointRankError(what, failures)
-        stats.write_s = time.perf_counter() - t0
-        stats.bytes_written = sum(f["size"] for f in sums.values())
-        if _journal.handlers:
-            fields = {"step": step, "write_s": stats.write_s, "bytes": stats.bytes_written}
-            _journal.debug("save_durable", extra={"journal": {**fields, "path": dirpath}})
-        if outcomes is not None:
-            total = sum(sum(f["size"] for f in s.values()) for _, s, _ in outcomes)
-            log.info(
-                "checkpoint: saved step %d to %s: %d ranks, %.1f MiB, stall %.3f s, "
-                "write+commit %.2f s",
-                step,
-                dirpath,
-                world,
-                total / 2**20,
-                stats.stall_s,
-                stats.write_s,
-            )
-            self._retention(dirpath)
-        return stats
-
-    def _local_plan(
-        self, planner: SavePlanner, writer: StorageWriter, staged: Any, rank: int, world: int
-    ) -> bytes:
-        """This rank's DCP save plan, encoded by ``checkpoint.plain`` (what
-        ``torch.distributed.checkpoint.save`` does first). Planning again is skipped while the
-        staged tree's structure is unchanged."""
-        planner.set_up_planner(
-            state_dict=staged, storage_meta=writer.storage_meta(), is_coordinator=rank == 0
-        )
-        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-
-        def plan() -> tuple[Any, bytes]:
-            local = planner.create_local_plan()
-            return local, plain.dumps(local)
-
-        local, blob = self._memo.derive("local", (rank, world, structure(staged)), plan)
-        writer.prepare_local_plan(local)  # creates the directory on this rank's view of storage
-        return blob
-
-    def _commit(
-        self,
-        writer: StorageWriter,
-        metadata: Any,
-        dirpath: str,
-        step: int,
-        world: int,
-        outcomes: list[Any],
-    ) -> None:
-        """Rank 0, every rank's data durable: DCP's .metadata, then our commit marker LAST."""
-        results = [self._memo.load(("results", r), blob) for r, (_, _, blob) in enumerate(outcomes)]
-        writer.finish(metadata=metadata, results=results)
-        files: dict[str, dict[str, int]] = {}
-        for _, rank_sums, _ in outcomes:
-            files.update(rank_sums)
-        crc, size = file_checksum(self._dirs.fs, self._dirs.join_dir(dirpath, METADATA_FILE))
-        files[METADATA_FILE] = {"crc32": crc, "size": size}
-        manifest = {
-            "step": step,
-            "world_size": world,
-            "files": files,
-            "bytes": sum(f["size"] for f in files.values()),
-            "committed": time.time(),
-        }
-        self._crash("commit", 0)
-        self._dirs.commit(dirpath, manifest)
-
-    def _retention(self, current: str) -> None:
-        try:
-            self._crash("retention", 0)
-            self._dirs.apply_retention(self._cfg.keep, protect=current)
-        except Exception as e:
-            # The new checkpoint is committed; a failed cleanup only costs space.
-            log.warning("checkpoint: retention failed (will retry after the next save): %s", str(e))
-
-
-def _global_plan(
-    planner: SavePlanner, writer: StorageWriter, plans: list[tuple[Any, bytes]]
-) -> tuple[list[bytes], Any]:
-    """Rank 0: DCP's global plan from every rank's encoded local plan: each rank's part,
-    encoded, and the checkpoint metadata (``writer.finish`` fills in its storage data)."""
-    central, metadata = planner.create_global_plan([plain.loads(b) for _, b in plans])
-    return [plain.dumps(p) for p in writer.prepare_global_plan(central)], metadata
+            self._protocol.clear()
 
 
 def _lower_priority() -> None:
@@ -482,10 +252,3 @@ def _lower_priority() -> None:
 
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-
-
-def _describe(e: BaseException) -> str:
-    """One error text for a rank's failure, with the innermost frame for context."""
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"

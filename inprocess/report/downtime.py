@@ -324,15 +324,8 @@ def _windows(
     *,
     stepped: bool,
 ) -> list[Window]:
-    cands: list[_Candidate] = []
-    for k, ev in enumerate(rounds):
-        cands += _in_process(ev, k)
-        if k + 1 < len(rounds):
-            cand = _in_job(ev, rounds[k + 1], in_job, k)
-            if cand is not None:
-                cands.append(cand)
     out: list[Window] = []
-    for c in cands:
+    for c in _candidates(rounds, in_job):
         sign, fault = c.fired[0] if c.fired else (c.detected, None)
         before = [(t, s) for t, s in progress if t <= sign]
         last, reached = before[-1] if before else (sign, 0)
@@ -348,43 +341,73 @@ def _windows(
             # The fault's first sign came from a rank ahead of rank 0 (a NaN on rank 1 before
             # rank 0 reached that step): rank 0 resumes at the restored step, nothing to redo.
             reached = int(restored_step)
-        back_at = [t for t, s in progress if t > max(c.reentered, restored) and s >= reached]
-        back = back_at[0] if back_at else restored
-        resumed = next((t for t, _ in progress if t > c.reentered), None)
-        in_job_level = c.level == IN_JOB
-        out.append(
-            Window(
-                iteration=c.iteration,
-                cause=str(c.rec.get("reason" if in_job_level else "cause", "")),
-                faulting_ranks=list(c.rec.get("faulting_ranks", []))
-                if not in_job_level
-                else sorted({int(r["fault_rank"]) for r in c.faults if "fault_rank" in r}),
-                kind="in_job_restart" if in_job_level else _kind_from(c.rec),
-                last=last,
-                sign=sign,
-                detected=c.detected,
-                reentered=c.reentered,
-                restored=restored,
-                back=back,
-                tier=c.restores[0].get("tier") if c.restores else None,
-                restored_step=restored_step,
-                reached_step=reached,
-                fault=fault,
-                level=c.level,
-                round=c.round,
-                resumed=resumed,
-                training_ranks=_training_ranks(c.rec, in_job_level),
-            )
-        )
+        w = _window(c, progress, last=last, sign=sign, reached=reached, restored=restored)
+        w.fault = fault  # the merged window keeps the first fault's
+        out.append(w)
         if first is not None:
             # The window is the first fault's: its row names that fault, its iteration and
             # ranks, and its detection; the failed re-entry until the later restart is part of
             # ``restart`` (a kill, then a gloo timeout while the group re-formed under load).
-            w = out[-1]
             w.iteration, w.cause, w.kind = first.iteration, first.cause, first.kind
             w.faulting_ranks, w.training_ranks = first.faulting_ranks, first.training_ranks
             w.detected = first.detected
     return out
+
+
+def _candidates(
+    rounds: list[dict[str, list[dict[str, Any]]]], in_job: list[dict[str, Any]]
+) -> list[_Candidate]:
+    """Every restart of the launch in order: each round's in-process restarts, then the
+    in-job restart that ended the round (if any)."""
+    cands: list[_Candidate] = []
+    for k, ev in enumerate(rounds):
+        cands += _in_process(ev, k)
+        if k + 1 < len(rounds):
+            cand = _in_job(ev, rounds[k + 1], in_job, k)
+            if cand is not None:
+                cands.append(cand)
+    return cands
+
+
+def _window(
+    c: _Candidate,
+    progress: list[tuple[float, int]],
+    *,
+    last: float,
+    sign: float,
+    reached: int,
+    restored: float,
+) -> Window:
+    """The window of restart ``c``, its fault's first sign at ``sign`` (rank 0 at step
+    ``reached`` since ``last``): back once rank 0 passes ``reached`` again. ``fault`` is left
+    None: the caller names it (the first fault's, when windows merge)."""
+    restored_step = c.restores[0].get("step") if c.restores else None
+    back_at = [t for t, s in progress if t > max(c.reentered, restored) and s >= reached]
+    back = back_at[0] if back_at else restored
+    resumed = next((t for t, _ in progress if t > c.reentered), None)
+    in_job_level = c.level == IN_JOB
+    return Window(
+        iteration=c.iteration,
+        cause=str(c.rec.get("reason" if in_job_level else "cause", "")),
+        faulting_ranks=list(c.rec.get("faulting_ranks", []))
+        if not in_job_level
+        else sorted({int(r["fault_rank"]) for r in c.faults if "fault_rank" in r}),
+        kind="in_job_restart" if in_job_level else _kind_from(c.rec),
+        last=last,
+        sign=sign,
+        detected=c.detected,
+        reentered=c.reentered,
+        restored=restored,
+        back=back,
+        tier=c.restores[0].get("tier") if c.restores else None,
+        restored_step=restored_step,
+        reached_step=reached,
+        fault=None,
+        level=c.level,
+        round=c.round,
+        resumed=resumed,
+        training_ranks=_training_ranks(c.rec, in_job_level),
+    )
 
 
 def _training_ranks(rec: dict[str, Any], in_job: bool) -> list[int | None]:

@@ -64,48 +64,7 @@ def faults_of(records: list[dict[str, Any]]) -> list[Fault]:
         if r.get("event") == "fault_fired":
             key = ((str(r.get("launch", "")), round_of(r), int(r.get("iteration", 0))), r["rank"])
             fired.setdefault(key, (str(r.get("fault", r.get("kind", ""))), r.get("step")))
-    out: list[Fault] = []
-    for r in records:
-        event = r.get("event")
-        launch = str(r.get("launch", ""))
-        if event == "fault":
-            rank = int(r.get("fault_rank", r.get("rank", -1)))
-            own = rank == r.get("rank")
-            out.append(
-                Fault(
-                    launch=launch,
-                    iteration=int(r.get("iteration", 0)),
-                    rank=rank,
-                    host=host_of.get((launch, rank), str(r.get("host", ""))),
-                    kind=str(r.get("kind", "")),
-                    exc_type=str(r.get("exc_type", "")),
-                    where=str(r.get("where", "")),
-                    step=r.get("step"),
-                    detail=str(r.get("detail", "")),
-                    in_collective=bool(r.get("in_collective", False)),
-                    t=float(r["t"]),
-                    round=round_of(r),
-                    training_rank=r.get("training_rank") if own else None,
-                )
-            )
-        elif event == "rerun_verdict" and r.get("verdict") not in (None, "correct_result"):
-            out.append(
-                Fault(
-                    launch=launch,
-                    iteration=int(r.get("iteration", 0)),
-                    rank=int(r.get("rank", -1)),
-                    host=str(r.get("host", "")),
-                    kind="rerun:" + str(r["verdict"]),
-                    exc_type="",
-                    where="",
-                    step=r.get("step"),
-                    detail=", ".join(map(str, r.get("suspect_hardware", []))),
-                    in_collective=False,
-                    t=float(r["t"]),
-                    round=round_of(r),
-                    training_rank=r.get("training_rank"),
-                )
-            )
+    out = [f for r in records if (f := _recorded(r, round_of, host_of)) is not None]
     out += _unrecorded(records, out, round_of, host_of)
     # Name the planned fault on the evidence of the process it fired on (and its step, where
     # the evidence has none: a killed process wrote nothing more).
@@ -114,6 +73,50 @@ def faults_of(records: list[dict[str, Any]]) -> list[Fault]:
         name, step = fired.get((f.window, f.rank), ("", None))
         named.append(replace(f, injected=name, step=step if f.step is None else f.step))
     return named
+
+
+def _recorded(
+    r: dict[str, Any], round_of: Any, host_of: dict[tuple[str, int], str]
+) -> Fault | None:
+    """The fault record ``r`` names: a "fault" record, or a re-run verdict that names a fault
+    (None for any other record)."""
+    event = r.get("event")
+    launch = str(r.get("launch", ""))
+    if event == "fault":
+        rank = int(r.get("fault_rank", r.get("rank", -1)))
+        own = rank == r.get("rank")
+        return Fault(
+            launch=launch,
+            iteration=int(r.get("iteration", 0)),
+            rank=rank,
+            host=host_of.get((launch, rank), str(r.get("host", ""))),
+            kind=str(r.get("kind", "")),
+            exc_type=str(r.get("exc_type", "")),
+            where=str(r.get("where", "")),
+            step=r.get("step"),
+            detail=str(r.get("detail", "")),
+            in_collective=bool(r.get("in_collective", False)),
+            t=float(r["t"]),
+            round=round_of(r),
+            training_rank=r.get("training_rank") if own else None,
+        )
+    if event == "rerun_verdict" and r.get("verdict") not in (None, "correct_result"):
+        return Fault(
+            launch=launch,
+            iteration=int(r.get("iteration", 0)),
+            rank=int(r.get("rank", -1)),
+            host=str(r.get("host", "")),
+            kind="rerun:" + str(r["verdict"]),
+            exc_type="",
+            where="",
+            step=r.get("step"),
+            detail=", ".join(map(str, r.get("suspect_hardware", []))),
+            in_collective=False,
+            t=float(r["t"]),
+            round=round_of(r),
+            training_rank=r.get("training_rank"),
+        )
+    return None
 
 
 def _unrecorded(

@@ -142,20 +142,9 @@ def run_active(
     ``on_started(reinit_s)`` runs once the group exists, just before ``train()`` (the loop logs
     the restart that led here and returns its record for ``ctx.last_restart``).
     """
-    cfg, store = svc.config, svc.store
     world = len(assignment.active)
     t_reinit = time.monotonic()
-    with svc.progress.paused():
-        svc.rendezvous.prepare(host=assignment.active[0])  # before joining: see its docstring
-        joined = keys.join_barrier(
-            store,
-            iteration,
-            expected=world,
-            timeout=cfg.barrier_timeout,
-            clock=time.monotonic,
-            recheck=functools.partial(_break_if_gone, store, iteration, assignment.active),
-        )
-    if not joined:
+    if not _join(svc, iteration, assignment):
         return Outcome(done=False, noticed=time.time())
     ctx = RestartContext(
         iteration=iteration,
@@ -163,17 +152,74 @@ def run_active(
         world_size=world,
         initial_rank=svc.me,
         active_ranks=assignment.active,
-        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", unsealed(store)),
+        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", unsealed(svc.store)),
         last_restart=None,
         _progress=svc.progress,
         _interrupter=svc.interrupter,
         _sections=svc.sections,
     )
-    monitor = Monitor(
+    monitor = _new_monitor(svc, ctx)
+
+    def start() -> None:
+        # Inside _call_train's handlers: a peer's fault may be delivered as soon as the
+        # monitor's store thread runs, before the second thread has even started.
+        monitor.start()
+        _create_group(svc, iteration, rank, assignment.active)
+        ctx.last_restart = on_started(time.monotonic() - t_reinit)
+
+    train = functools.partial(_train_once, svc, rank, fn, args, kwargs)
+    svc.sections.begin_iteration(writer=rank == 0)
+    svc.progress.stamp()
+    svc.interrupter.arm()
+    try:
+        call = _call_train(svc, ctx, train, start)
+    except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
+        _left_job(svc, ctx, e)
+        monitor.close()
+        raise
+    try:
+        return _settle(svc, ctx, monitor, call, world)
+    finally:
+        monitor.close()
+
+
+def _left_job(svc: RankServices, ctx: RestartContext, exc: BaseException) -> None:
+    """``train()`` raised a ``BaseException`` (SystemExit, KeyboardInterrupt): record this rank
+    dead, so that the others restart without it (the loop re-raises)."""
+    svc.sections.end_iteration()
+    keys.report_fault(
+        svc.store,
+        iteration=ctx.iteration,
+        initial_rank=svc.me,
+        kind="dead",
+        detail=f"left the job: {exc!r}",
+        step=ctx.step,
+    )
+
+
+def _join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:
+    """The iteration's join barrier (blocks up to ``barrier_timeout``); False when a rank of
+    ``assignment`` is gone meanwhile (the iteration is over before it began)."""
+    with svc.progress.paused():
+        svc.rendezvous.prepare(host=assignment.active[0])  # before joining: see its docstring
+        return keys.join_barrier(
+            svc.store,
+            iteration,
+            expected=len(assignment.active),
+            timeout=svc.config.barrier_timeout,
+            clock=time.monotonic,
+            recheck=functools.partial(_break_if_gone, svc.store, iteration, assignment.active),
+        )
+
+
+def _new_monitor(svc: RankServices, ctx: RestartContext) -> Monitor:
+    """This iteration's monitor (not started), on a client of the pool (handed back by it)."""
+    cfg = svc.config
+    return Monitor(
         store=svc.clients.take(),
         give_back=svc.clients.give,
         report_store=svc.report_store,
-        iteration=iteration,
+        iteration=ctx.iteration,
         initial_rank=svc.me,
         soft_timeout=cfg.soft_timeout,
         progress=svc.progress,
@@ -187,61 +233,41 @@ def run_active(
         atomic_timeout=cfg.hard_timeout,
     )
 
-    def start() -> None:
-        # Inside _call_train's handlers: a peer's fault may be delivered as soon as the
-        # monitor's store thread runs, before the second thread has even started.
-        monitor.start()
-        _create_group(svc, iteration, rank, assignment.active)
-        ctx.last_restart = on_started(time.monotonic() - t_reinit)
 
-    def train() -> Any:
-        # Sections are judged only while train() runs: the completion wait that follows is
-        # the framework's, bounded by completion_timeout.
-        grad_enabled = torch.is_grad_enabled()
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as exc:
-            # The restart exception is raised asynchronously: it can land e.g. at the start of
-            # the __exit__ of a `with torch.no_grad():` block that a failed collective is
-            # unwinding, and autograd then stays off in this thread for every later iteration
-            # (seen: the example's rank 0 on an H200 host, torch 2.11, failed every iteration
-            # after the first restart with "element 0 of tensors does not require grad").
-            if torch.is_grad_enabled() != grad_enabled:
-                log.info(
-                    "rank %d: train() unwound with autograd %s; turned it %s again",
-                    rank,
-                    "off" if grad_enabled else "on",
-                    "on" if grad_enabled else "off",
-                )
-                torch.set_grad_enabled(grad_enabled)
-            misuse = own_group_misuse(exc)
-            if misuse is not None:
-                raise misuse from exc
-            raise
-        finally:
-            svc.sections.end_iteration()
-
-    svc.sections.begin_iteration(writer=rank == 0)
-    svc.progress.stamp()
-    svc.interrupter.arm()
+def _train_once(
+    svc: RankServices,
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``fn(*args, **kwargs)``, called by ``_call_train`` on the main thread; restores autograd's
+    mode if the unwinding left it changed, and names a misuse of the iteration's group."""
+    # Sections are judged only while train() runs: the completion wait that follows is
+    # the framework's, bounded by completion_timeout.
+    grad_enabled = torch.is_grad_enabled()
     try:
-        call = _call_train(svc, ctx, train, start)
-    except BaseException as e:  # SystemExit, KeyboardInterrupt: this rank leaves the job
-        svc.sections.end_iteration()
-        keys.report_fault(
-            store,
-            iteration=iteration,
-            initial_rank=svc.me,
-            kind="dead",
-            detail=f"left the job: {e!r}",
-            step=ctx.step,
-        )
-        monitor.close()
+        return fn(*args, **kwargs)
+    except BaseException as exc:
+        # The restart exception is raised asynchronously: it can land e.g. at the start of
+        # the __exit__ of a `with torch.no_grad():` block that a failed collective is
+        # unwinding, and autograd then stays off in this thread for every later iteration
+        # (seen: the example's rank 0 on an H200 host, torch 2.11, failed every iteration
+        # after the first restart with "element 0 of tensors does not require grad").
+        if torch.is_grad_enabled() != grad_enabled:
+            log.info(
+                "rank %d: train() unwound with autograd %s; turned it %s again",
+                rank,
+                "off" if grad_enabled else "on",
+                "on" if grad_enabled else "off",
+            )
+            torch.set_grad_enabled(grad_enabled)
+        misuse = own_group_misuse(exc)
+        if misuse is not None:
+            raise misuse from exc
         raise
-    try:
-        return _settle(svc, ctx, monitor, call, world)
     finally:
-        monitor.close()
+        svc.sections.end_iteration()
 
 
 def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[int, ...]) -> None:
@@ -332,37 +358,9 @@ def _settle(
     svc: RankServices, ctx: RestartContext, monitor: Monitor, call: _Call, world: int
 ) -> Outcome:
     """After ``train()``: report its exception, tear the group down, then complete or not."""
-    cfg, store, iteration = svc.config, svc.store, ctx.iteration
     noticed = monitor.fired_at or time.time()
     if call.exc is not None:
-        record = exception_record(
-            call.exc,
-            iteration=iteration,
-            initial_rank=svc.me,
-            step=ctx.step,
-            where=call.where,
-            in_collective=call.in_collective,
-            after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
-        )
-        if record.in_collective:  # most likely a peer's fault; the restart decision judges
-            log.warning(
-                "rank %d: a collective failed in iteration %d: %s",
-                svc.me,
-                iteration,
-                record.detail,
-            )
-        elif hasattr(call.exc, "restartable_rank_action"):
-            # A verdict handed to the restart on purpose (rerun's RerunExit: a NaN re-run and
-            # judged): the designed path, not a failure to log with a traceback.
-            log.info(
-                "rank %d: train() handed a verdict to the restart in iteration %d: %s",
-                svc.me,
-                iteration,
-                record.detail,
-            )
-        else:
-            _log_raised(call, rank=svc.me, iteration=iteration)
-        keys.record_fault(store, record)
+        _report_raised(svc, ctx, call)
         noticed = time.time()
     t0 = time.monotonic()
     svc.abort()
@@ -370,27 +368,71 @@ def _settle(
     svc.release()
     unwind_s = time.monotonic() - call.t_unwind if call.interrupted else 0.0
     if call.exc is None and not call.interrupted and not call.delivered:
-        keys.mark_completed(store, iteration, active=world)
-        with svc.progress.paused():
-            result = keys.wait_outcome(
-                store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
-            )
-        if result == keys.OUTCOME_DONE:
+        if _complete(svc, ctx, world):
             return Outcome(done=True, value=call.value)
-        if result is None:
-            keys.report_fault(
-                store,
-                iteration=iteration,
-                initial_rank=svc.me,
-                kind="completion_timeout",
-                detail="other ranks did not finish within completion_timeout "
-                f"({cfg.completion_timeout} s)",
-                step=ctx.step,
-            )
         noticed = time.time()
-    if cfg.empty_cuda_cache and torch.cuda.is_available():
+    if svc.config.empty_cuda_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return Outcome(done=False, noticed=noticed, abort_s=abort_s, unwind_s=unwind_s)
+
+
+def _report_raised(svc: RankServices, ctx: RestartContext, call: _Call) -> None:
+    """Record the fault of the exception ``train()`` raised, logged once at the level its kind
+    deserves (a peer's fault in a collective: WARNING; a verdict: INFO; else ERROR)."""
+    assert call.exc is not None
+    store, iteration = svc.store, ctx.iteration
+    record = exception_record(
+        call.exc,
+        iteration=iteration,
+        initial_rank=svc.me,
+        step=ctx.step,
+        where=call.where,
+        in_collective=call.in_collective,
+        after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
+    )
+    if record.in_collective:  # most likely a peer's fault; the restart decision judges
+        log.warning(
+            "rank %d: a collective failed in iteration %d: %s",
+            svc.me,
+            iteration,
+            record.detail,
+        )
+    elif hasattr(call.exc, "restartable_rank_action"):
+        # A verdict handed to the restart on purpose (rerun's RerunExit: a NaN re-run and
+        # judged): the designed path, not a failure to log with a traceback.
+        log.info(
+            "rank %d: train() handed a verdict to the restart in iteration %d: %s",
+            svc.me,
+            iteration,
+            record.detail,
+        )
+    else:
+        _log_raised(call, rank=svc.me, iteration=iteration)
+    keys.record_fault(store, record)
+
+
+def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
+    """``train()`` returned: mark this rank completed and wait (up to ``completion_timeout``)
+    for the iteration's outcome. True when every rank completed; on a timeout, reports it."""
+    cfg, store, iteration = svc.config, svc.store, ctx.iteration
+    keys.mark_completed(store, iteration, active=world)
+    with svc.progress.paused():
+        result = keys.wait_outcome(
+            store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
+        )
+    if result == keys.OUTCOME_DONE:
+        return True
+    if result is None:
+        keys.report_fault(
+            store,
+            iteration=iteration,
+            initial_rank=svc.me,
+            kind="completion_timeout",
+            detail="other ranks did not finish within completion_timeout "
+            f"({cfg.completion_timeout} s)",
+            step=ctx.step,
+        )
+    return False
 
 
 def _log_raised(call: _Call, *, rank: int, iteration: int) -> None:

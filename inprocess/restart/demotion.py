@@ -66,28 +66,7 @@ def replace_rank(
     decisions = seal(ctx.store, job_sealer(create=False))  # the answer is sealed too
     key = f"{DECISION_PREFIX}{tag}"
     if ctx.rank == rank:
-        granted = bool(free_reserves(job, ctx.iteration))
-        decisions.set(key, "yes" if granted else "no")
-        if granted:
-            keys.record_fault(
-                job,
-                FaultRecord(
-                    iteration=ctx.iteration,
-                    initial_rank=ctx.initial_rank,
-                    kind=STRAGGLER_KIND,
-                    detail=reason[:500],
-                    step=ctx.step,
-                    action="demote",
-                    time=time.time(),
-                ),
-            )
-            log.warning(
-                "rank %d (initial rank %d) to be replaced by a warm reserve in iteration %d: %s",
-                ctx.rank,
-                ctx.initial_rank,
-                ctx.iteration,
-                reason,
-            )
+        granted = _decide(ctx, job, decisions, key, reason=reason)
     else:
         try:
             ctx.store.wait([key], datetime.timedelta(seconds=wait))
@@ -103,6 +82,34 @@ def replace_rank(
     if wait > 0:
         log.error("rank %d: no restart within %.1f s of the demotion", ctx.rank, wait)
     return True
+
+
+def _decide(ctx: RestartContext, job: Any, decisions: Any, key: str, *, reason: str) -> bool:
+    """The rank to replace decides (``replace_rank``): publishes "yes" when a warm reserve is
+    free and records its own ``straggler`` fault (action ``demote``), else "no"."""
+    granted = bool(free_reserves(job, ctx.iteration))
+    decisions.set(key, "yes" if granted else "no")
+    if granted:
+        keys.record_fault(
+            job,
+            FaultRecord(
+                iteration=ctx.iteration,
+                initial_rank=ctx.initial_rank,
+                kind=STRAGGLER_KIND,
+                detail=reason[:500],
+                step=ctx.step,
+                action="demote",
+                time=time.time(),
+            ),
+        )
+        log.warning(
+            "rank %d (initial rank %d) to be replaced by a warm reserve in iteration %d: %s",
+            ctx.rank,
+            ctx.initial_rank,
+            ctx.iteration,
+            reason,
+        )
+    return granted
 
 
 def _job_store(ctx: RestartContext) -> Any:

@@ -11,6 +11,9 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from inprocess.protocol import keys
+from inprocess.restart.progress import ProgressTracker
+
 if TYPE_CHECKING:
     import torch
 
@@ -240,3 +243,22 @@ def _optional(query: Callable[[], Any], nvml: Any) -> Any:
         return query()
     except nvml.NVMLError:
         return None
+
+
+def check_and_report(
+    health: HealthChecker, store: Any, progress: ProgressTracker, *, me: int, iteration: int
+) -> None:
+    """The restart loop's health phase (main thread): before the first iteration and after
+    every fault, before the restart barrier. An unhealthy rank records a fault of
+    ``iteration`` in ``store``, and the restart decision retires it. ``progress`` (the rank's
+    ``ProgressTracker``) is paused meanwhile: a slow check is not a hang."""
+    with progress.paused():
+        try:
+            reason = health.check()
+        except Exception as exc:  # a broken check is an unhealthy rank, not a dead job
+            reason = f"health check raised {exc!r}"
+    if reason is not None:
+        log.warning("rank %d unhealthy before iteration %d: %s", me, iteration, reason)
+        keys.report_fault(
+            store, iteration=iteration, initial_rank=me, kind="unhealthy", detail=reason
+        )

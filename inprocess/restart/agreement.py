@@ -1,0 +1,101 @@
+"""The restart barrier and the decision every rank acts on, with the decisions' history.
+
+Owned by the restart loop (``inprocess.restart.loop``), one per process; called on the main
+thread: ``adopt`` once when a respawned process is admitted, then ``meet`` after every fault.
+``meet`` blocks until the barrier is full or ``barrier_timeout`` passes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from inprocess.config import RestartConfig
+from inprocess.errors import FaultRecord, RestartAbortedError
+from inprocess.protocol import job_keys, keys
+from inprocess.protocol.policy import Decision, Observed, decide
+from inprocess.protocol.ranks import Assignment
+from inprocess.restart.progress import ProgressTracker
+
+
+class RestartAgreement:
+    """This rank's copy of the job's decisions: every fault (``history``, for the stop error)
+    and what each restart blamed (``counted``, the policy's input). Every rank appends the same
+    published decisions, so every rank decides from the same history."""
+
+    def __init__(self, cfg: RestartConfig, *, me: int, node_of: Sequence[int]) -> None:
+        self.cfg, self.me, self.node_of = cfg, me, node_of
+        self.history: list[FaultRecord] = []
+        self.counted: list[tuple[FaultRecord, ...]] = []
+
+    def adopt(self, decisions: Sequence[Decision]) -> None:
+        """Take over the decisions taken before this process was admitted."""
+        for d in decisions:
+            self.history.extend(d.faults)
+            self.counted.append(d.counted)
+
+    def meet(
+        self,
+        store: Any,
+        progress: ProgressTracker,
+        *,
+        iteration: int,
+        assignment: Assignment,
+        target: int,
+    ) -> Decision:
+        """Every live rank meets; the first decision published is the one all ranks act on.
+
+        Raises ``RestartAbortedError`` when that decision stops the job.
+        """
+        with progress.paused():
+            raw = keys.restart_barrier(
+                store,
+                iteration,
+                initial_rank=self.me,
+                participants=assignment.active + assignment.reserve,
+                decide=functools.partial(self._decide, store, iteration, assignment, target),
+                timeout=self.cfg.barrier_timeout,
+                clock=time.monotonic,
+            )
+        decision = Decision.from_json(raw)
+        self.adopt((decision,))
+        if decision.stop is not None or decision.assignment is None:
+            raise RestartAbortedError(
+                decision.stop or "no assignment", self.history, origin=decision.stop_origin
+            )
+        return decision
+
+    def _decide(
+        self,
+        store: Any,
+        iteration: int,
+        assignment: Assignment,
+        target: int,
+        faults: list[FaultRecord],
+    ) -> str:
+        """Gather the policy's inputs from the store and decide
+        (``inprocess.protocol.policy.decide``).
+
+        Any rank that finds the restart barrier full may run this; the store keeps the first
+        decision published, so every rank acts on the same one. Every rank holds the same
+        ``counted`` history (each appends the published decisions), so the inputs differ
+        between ranks only in what the store held at the moment each read it.
+        """
+        gone, joined = job_keys.gone_and_ready_joiners(store)
+        observed = Observed(
+            iteration=iteration,
+            faults=tuple(faults),
+            gone=frozenset(gone),
+            joined=frozenset(joined),
+        )
+        decision = decide(
+            observed,
+            history=self.counted,
+            assignment=assignment,
+            target=target,
+            node_of=self.node_of,
+            config=self.cfg,
+        )
+        return decision.to_json()
