@@ -180,10 +180,11 @@ def read(
     return (buf, parsed) if check.value == meta.checksum else None
 
 
-def remove_steps_older_than(root: Path, step: int) -> None:
-    """Delete this tier's step directories older than `step` (never other files)."""
+def remove_steps_except(root: Path, *, keep: set[int], below: int) -> None:
+    """Delete this tier's step directories older than `below` that are not in `keep` (never
+    other files, never a step from `below` on: a co-located rank may be writing it)."""
     for step_dir in root.iterdir() if root.is_dir() else ():
         m = _STEP_DIR.match(step_dir.name)
-        if m and int(m.group(1)) < step:
+        if m and int(m.group(1)) < below and int(m.group(1)) not in keep:
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(step_dir)
