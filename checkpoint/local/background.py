@@ -19,6 +19,7 @@ have kept the newest step complete everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
@@ -63,6 +64,8 @@ class BackgroundSaver:
         self._factor = factor
         self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._warned_factor = False
+        self._written: dict[int, set[int]] = {}  # step -> owners whose file this process wrote
+        self._spares: dict[int, Path] = {}  # owner -> a pruned file of it, to overwrite
 
     def inline(self, job: SaveJob) -> bool:
         """Whether `job` is so small that the training thread runs it itself: no file, no
@@ -142,7 +145,9 @@ class BackgroundSaver:
         if self._dir is None:
             return True
         try:
-            directory.write(self._dir, shard.meta(), shard.buf)
+            spare = self._spares.pop(shard.owner, None)
+            directory.write(self._dir, shard.meta(), shard.buf, spare=spare)
+            self._written.setdefault(shard.step, set()).add(shard.owner)
         except Exception as e:  # never skip the agreement: peers would wait on us
             log.warning(
                 "local save of step %d: writing %sshard of rank %d to %s failed: %s",
@@ -155,8 +160,22 @@ class BackgroundSaver:
         if self._dir is None:
             return
         confirmed, first_recent = self._hold.disk_kept()
+        below = min(first_recent, step)
+        for old in [s for s in self._written if s < below and s not in confirmed]:
+            for owner in self._written.pop(old):
+                if owner not in self._spares:
+                    spare = directory.keep_spare(self._dir, old, owner, into=step)
+                    if spare is not None:
+                        self._spares[owner] = spare
         # Only older steps: a co-located rank may already be writing a newer one.
-        directory.remove_steps_except(self._dir, keep=confirmed, below=min(first_recent, step))
+        directory.remove_steps_except(self._dir, keep=confirmed, below=below)
+
+    def close(self) -> None:
+        """Remove the spare files (after the worker stopped: nothing writes any more)."""
+        for spare in self._spares.values():
+            with contextlib.suppress(OSError):
+                spare.unlink()
+        self._spares.clear()
 
     def _replicate(
         self, shard: Shard, pg_ref: weakref.ref[dist.ProcessGroup], nodes: list[int]

@@ -314,7 +314,8 @@ class LocalTier:
             return
         self._closed = True
         self.wait()
-        self._worker.stop(timeout=5.0)  # its work is over or timed out above: never wait long
+        if self._worker.stop(timeout=5.0):  # its work is over or timed out above: never long
+            self._saver.close()
         self._hold.clear()
         self._cache = None  # its layout's cached views would keep the buffers alive
 

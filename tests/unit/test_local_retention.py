@@ -4,6 +4,7 @@ and the training thread's cheap forms (bytes leaves without torch.save)."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +115,27 @@ def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
     state: dict[str, Any] = {"rng": b"old", "w": torch.zeros(2)}
     packing.unpack_into(buf, state)
     assert state["rng"] == payload and type(state["rng"]) is bytes
+
+
+def test_directory_files_of_pruned_steps_are_overwritten_not_recreated(tmp_path: Path) -> None:
+    # A pruned step's file is reused for a later step (its pages are in the page cache); the
+    # directory still holds only the kept steps' shards, and a new process restores from it.
+    group = FakeGroup()
+    group.token = None
+    with LocalTier(
+        local_dir=str(tmp_path), replication_factor=1, algo="atomic", keep=1, group=group
+    ) as tier:
+        inodes = []
+        for step in range(1, 7):
+            tier.save(step, {"w": torch.full((4096,), float(step)), "step": step})
+            tier.wait()
+            inodes.append((tmp_path / f"step_{step:09d}" / "owner_0.bin").stat().st_ino)
+        assert len(set(inodes)) < len(inodes)  # files were reused
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000006"]
+    with LocalTier(
+        local_dir=str(tmp_path), replication_factor=1, algo="atomic", keep=1, group=group
+    ) as fresh:
+        state: dict[str, Any] = {"w": torch.zeros(4096), "step": 0}
+        res = fresh.load(state, min_step=None)
+        assert res is not None and (res.step, res.tier) == (6, "local_dir")
+        assert torch.equal(state["w"], torch.full((4096,), 6.0)) and state["step"] == 6
