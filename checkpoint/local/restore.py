@@ -299,7 +299,7 @@ def _fetch(
     mine: _Copy | None = None
     srcs: list[int] = []
     if plan.sources[rank] == rank:
-        mine = source.obtain(rank, into_state)
+        mine = source.obtain(rank, into_state, own=True)
         if mine is None:
             bad.append((step, rank, rank))
     else:
@@ -324,12 +324,19 @@ class _Sources:
     ) -> None:
         self._step, self._held, self._on_disk, self._dir = step, held, on_disk, local_dir
 
-    def obtain(self, owner: int, place: _IntoState | None = None) -> _Copy | None:
+    def obtain(
+        self, owner: int, place: _IntoState | None = None, *, own: bool = False
+    ) -> _Copy | None:
         """(step, owner) from memory or the directory, or None. place: a directory copy's large
-        tensors are read straight into the state."""
+        tensors are read straight into the state. A memory copy's checksum is computed here
+        when the save did not (no file, no replica) and the copy goes to a peer; this rank's
+        `own` copy is trusted and needs none."""
         sh = self._held.get((self._step, owner))
         if sh is not None:
-            return _Copy(sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed)
+            check = sh.checksum
+            if check is None:
+                check = 0 if own else sh.meta().checksum
+            return _Copy(sh.buf, sh.nbytes, check, "memory", sh.parsed)
         m = self._on_disk.get((self._step, owner))
         if m is not None and self._dir is not None:
             got = directory.read(self._dir, m, place)
