@@ -57,6 +57,8 @@ class Holdings:
     def stale(self, step: int, world: int) -> bool:
         """Whether `forget_stale(step, world)` would free anything (cheap)."""
         with self._lock:
+            if any(s >= step for s in (*self._confirmed, *self._recent)):
+                return True
             return any(sh.world != world or sh.step >= step for sh in self.held.values())
 
     def forget_stale(self, step: int, world: int) -> None:
@@ -75,17 +77,20 @@ class Holdings:
             self._recent = [r for r in self._recent if r < step]
             self._ok = {r for r in self._ok if r < step}
 
+    def make_room(self) -> None:
+        """Before a save takes its buffer: free the recent steps beyond the newest
+        UNCONFIRMED_KEPT - 1, so that the buffer they free is the one the save reuses. Their
+        background work is over (save() waited for it); the newest step stays held while the
+        new one is copied, so a fault during the copy still finds it."""
+        with self._lock:
+            self._trim_recent(UNCONFIRMED_KEPT - 1)
+
     def add_own(self, shard: Shard) -> None:
-        """Hold a shard this rank just packed, as the newest recent step; older recent steps
-        beyond UNCONFIRMED_KEPT are freed (their background work is over: at most one save is
-        in flight when save() gets here)."""
+        """Hold a shard this rank just packed, as the newest recent step."""
         with self._lock:
             self.held[(shard.step, shard.owner)] = shard
             self._recent.append(shard.step)
-            if len(self._recent) > UNCONFIRMED_KEPT:
-                self._recent = self._recent[-UNCONFIRMED_KEPT:]
-                self._ok &= set(self._recent)
-                self._free_unkept()
+            self._trim_recent(UNCONFIRMED_KEPT)
 
     def used_bytes(self) -> int:
         with self._lock:
@@ -133,6 +138,12 @@ class Holdings:
         with self._lock:
             recent_min = min(self._recent, default=max(self._confirmed, default=0) + 1)
             return set(self._confirmed), recent_min
+
+    def _trim_recent(self, n: int) -> None:
+        if len(self._recent) > n:
+            self._recent = self._recent[len(self._recent) - n :]
+            self._ok &= set(self._recent)
+            self._free_unkept()
 
     def _free_unkept(self) -> None:
         kept = {*self._confirmed, *self._recent}

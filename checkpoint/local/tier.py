@@ -161,6 +161,7 @@ class LocalTier:
             used = self._hold.used_bytes()
             directory.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
             self._capacity_checked = size
+        self._hold.make_room()
         buf = self._hold.take(size, pinned=cache.on_gpu)
         nbytes = packing.pack_into(buf, cache.layout, header, tensors, non_blocking=cache.on_gpu)
         if cache.on_gpu:
