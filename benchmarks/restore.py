@@ -5,7 +5,7 @@ with the same state size (default 1 GiB: a few large tensors plus ~1000 small on
 
 * floors: memcpy bandwidth (copy into a pre-faulted buffer) and gloo loopback bandwidth (one flat
   buffer each way at once, the replication pattern);
-* local tier: save stall (best and median of --repeat saves from the third on, when buffers
+* local tier: save stall (best and median of --repeat saves from the fourth on, when buffers
   are reused; both ranks save at once) against the copy floor of a save (the state's tensors
   copied into a pre-faulted buffer, measured in alternation with the saves), background time;
   restore from memory (after a save, as after an in-process restart), from the node-local
@@ -117,7 +117,9 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
     with BackgroundGroup(timeout=300.0) as group:
         kw = {"replication_factor": 2, "algo": "atomic", "keep": 1, "group": group}
         with LocalTier(local_dir=local_dir, **kw) as tier:
-            for step in (1, 2):  # allocate and fault the buffers; from step 3 on they are reused
+            # Allocate and fault the buffers: the tier keeps its confirmed step and the two
+            # newest (checkpoint.local.holdings), so from step 4 on they are reused.
+            for step in (1, 2, 3):
                 tier.save(step, state)
                 tier.wait()
             # The copy floor and the save alternate, both ranks at once (a barrier before each),
@@ -126,7 +128,7 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
             # medians alongside.
             dst = torch.empty(n, dtype=torch.uint8).zero_()
             floors, stalls, background = [], [], []
-            for step in range(3, 3 + repeat):
+            for step in range(4, 4 + repeat):
                 dist.barrier()
                 t0 = time.perf_counter()
                 _copy_state(state, dst)

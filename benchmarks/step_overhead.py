@@ -14,7 +14,8 @@ median step after warm-up), its ratio to the plain step under our launcher, and 
 went while the steps were timed: each thread and child process of each rank as a share of one
 core (from /proc, ``core_share``), the waiting reserve's included, so every millisecond has an
 owner. ``copy_floor_ms`` is the time of one host-memory copy of the trained state (the least a
-per-step local save can cost).
+per-step local save can cost), and ``copy_floor_ratio`` the step ratio that copy alone would give
+(1 + floor / plain step): the local tier's layer compares with it.
 
     python benchmarks/step_overhead.py                 # 3 rounds x 9 configurations, ~5 min
     python benchmarks/step_overhead.py --quick         # 1 round, fewer steps
@@ -193,6 +194,7 @@ def main() -> int:
         label = "plain DDP under torchrun" if c == "torchrun" else LAYERS[int(c[1:])]
         ratio = None if base is None else round(s["median_step_ms"] / base, 3)
         table[c] = {"what": label, "ratio_to_plain": ratio, **s}
+    floor = copy_floor_ms()
     print(
         json.dumps(
             {
@@ -201,7 +203,9 @@ def main() -> int:
                 "warmup": args.warmup,
                 "rounds": args.rounds,
                 "load_avg_after": os.getloadavg()[0],
-                "copy_floor_ms": round(copy_floor_ms(), 3),
+                "copy_floor_ms": round(floor, 3),
+                # The least a per-step local save can add, as a ratio: 1 + floor / plain step.
+                "copy_floor_ratio": None if base is None else round(1 + floor / base, 4),
                 "configs": table,
             },
             indent=2,

@@ -55,6 +55,11 @@ _DTYPES: dict[str, torch.dtype] = {
 # a peer, which others may be able to write: a header never runs code. An object that the
 # restricted loader would refuse is refused at save time, with its key.
 _SAVED = "__restartable_saved__"
+# Header form of a ``bytes`` leaf (the re-run machine's RNG and data snapshots): base64 of the
+# bytes themselves. bytes cannot hold code, so no torch.save / restricted load round trip is
+# needed; that round trip cost ~0.5 ms per leaf on every save (two of the example's leaves, most
+# of the tier's own work on the training thread: benchmarks/step_overhead.py).
+_BYTES = "__restartable_bytes__"
 
 
 def _encode_object(key: str, obj: Any) -> dict[str, str]:
@@ -74,6 +79,14 @@ def _encode_object(key: str, obj: Any) -> dict[str, str]:
 
 def _decode_object(src: Any) -> Any:
     """A header value back into the state's form: restricted-loaded, or a copy of the JSON."""
+    if isinstance(src, dict) and len(src) == 1 and _BYTES in src:
+        try:
+            return base64.b64decode(src[_BYTES], validate=True)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"a local-tier shard holds bytes that do not decode ({exc}): refused; the copy "
+                "is corrupt or was not written by this job"
+            ) from exc
     if isinstance(src, dict) and set(src) == {_SAVED}:
         try:
             return safe_load(base64.b64decode(src[_SAVED]))
@@ -201,10 +214,13 @@ def _walk(
 ) -> None:
     # Runs at every local save (a small model's state has a few hundred nodes): the common
     # cases are tested first.
-    if isinstance(obj, torch.Tensor) and sharded.is_dtensor(obj):
+    cls = type(obj)
+    if cls is torch.Tensor or cls is torch.nn.Parameter:  # most leaves: no DTensor test needed
+        out.append(Leaf(prefix, obj, container, index, rep))
+    elif isinstance(obj, torch.Tensor) and sharded.is_dtensor(obj):
         local, sharding = sharded.local_and_sharding(obj)
         out.append(Leaf(prefix, local, container, index, rep, sharding))
-    elif isinstance(obj, torch.Tensor) or obj is None or type(obj) in _SCALARS:
+    elif isinstance(obj, torch.Tensor) or obj is None or cls in _SCALARS:
         out.append(Leaf(prefix, obj, container, index, rep))
     elif isinstance(obj, Mapping):
         rep = rep or isinstance(obj, ReplicatedState)
@@ -224,6 +240,9 @@ def _walk(
             _walk(v, f"{prefix}/{i}", obj, i, rep, out, statefuls)
     elif _is_json_scalar_tree(obj):
         out.append(Leaf(prefix, obj, container, index, rep))
+    elif type(obj) is bytes:
+        encoded = {_BYTES: base64.b64encode(obj).decode("ascii")}
+        out.append(Leaf(prefix, encoded, container, index, rep))
     else:
         out.append(Leaf(prefix, _encode_object(prefix, obj), container, index, rep))
 
@@ -238,6 +257,7 @@ class ShardLayout:
     # DTensor entries' sharding (sharded.to_json) by key, and its header form, encoded once.
     sharding: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
     sharding_json: str = "{}"
+    has_empty: bool = False  # an entry of 0 bytes (it has no view: pack_into filters)
     # Typed views of each entry in the save buffers this layout was packed into, by (address,
     # data start). A view keeps its buffer alive, so no other buffer can take its address.
     _views: dict[tuple[int, int], list[torch.Tensor]] = field(
@@ -275,20 +295,36 @@ class ShardLayout:
             entries.append(TensorEntry(leaf.key, dtype, tuple(t.shape), off, nbytes))
             off = _align(off + nbytes)
         table = [[e.key, e.dtype, list(e.shape), e.offset, e.nbytes] for e in entries]
-        return ShardLayout(tuple(entries), off, _compact(table), shardings, _compact(shardings))
+        empty = any(e.nbytes == 0 for e in entries)
+        return ShardLayout(
+            tuple(entries), off, compact(table), shardings, compact(shardings), empty
+        )
 
 
-def header_bytes(layout: ShardLayout, objects: dict[str, Any], extra: dict[str, Any]) -> bytes:
-    """The JSON header that makes a packed buffer self-describing (for files and peers)."""
+def header_bytes(
+    layout: ShardLayout,
+    objects: dict[str, Any],
+    extra: dict[str, Any],
+    *,
+    objects_json: str | None = None,
+) -> bytes:
+    """The JSON header that makes a packed buffer self-describing (for files and peers).
+
+    objects_json: ``compact(objects)`` when the caller already has it (a save parses it back as
+    its snapshot of the scalars, so it is encoded once).
+    """
     # Same document as json.dumps({"tensors": ..., "objects": ..., "extra": ...}); the tensor
     # table is encoded once per layout.
+    if objects_json is None:
+        objects_json = compact(objects)
     return (
-        f'{{"tensors":{layout.tensors_json},"objects":{_compact(objects)},'
-        f'"extra":{_compact(extra)},"sharding":{layout.sharding_json}}}'
+        f'{{"tensors":{layout.tensors_json},"objects":{objects_json},'
+        f'"extra":{compact(extra)},"sharding":{layout.sharding_json}}}'
     ).encode()
 
 
-def _compact(obj: Any) -> str:
+def compact(obj: Any) -> str:
+    """JSON without spaces (the header's encoding)."""
     return json.dumps(obj, separators=(",", ":"))
 
 
@@ -296,18 +332,29 @@ def packed_size(layout: ShardLayout, header: bytes) -> int:
     return _align(_PREFIX.size + len(header)) + layout.data_nbytes
 
 
-def pack_into(buf: torch.Tensor, layout: ShardLayout, header: bytes, tensors: list[Leaf]) -> int:
+def pack_into(
+    buf: torch.Tensor,
+    layout: ShardLayout,
+    header: bytes,
+    tensors: list[Leaf],
+    *,
+    non_blocking: bool | None = None,
+) -> int:
     """Copy header and tensors into `buf` (uint8, CPU, large enough); returns the bytes used.
 
     This is the whole stall of a local save: one copy per tensor into a reused buffer (see
     ``_copy``). GPU sources copy asynchronously into the (pinned) buffer; the caller
-    synchronizes once.
+    synchronizes once. non_blocking: whether a tensor is on a GPU, when the caller knows it
+    (None: looked up per tensor).
     """
     data_start = _align(_PREFIX.size + len(header))
     prefix = _PREFIX.pack(MAGIC, len(header)) + header
     buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    srcs = [leaf.value for leaf, e in zip(tensors, layout.entries, strict=True) if e.nbytes]
-    _copy(layout.views(buf, data_start), srcs)
+    if layout.has_empty:
+        srcs = [leaf.value for leaf, e in zip(tensors, layout.entries, strict=True) if e.nbytes]
+    else:
+        srcs = [leaf.value for leaf in tensors]
+    _copy(layout.views(buf, data_start), srcs, non_blocking=non_blocking)
     return data_start + layout.data_nbytes
 
 
@@ -328,15 +375,19 @@ def _views(
     return views
 
 
-def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+def _copy(
+    dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool | None = None
+) -> None:
     """Copy every source into its destination as one ``torch._foreach_copy_``: a per-tensor
     Python loop cost more than the copies for a small model's ~100 tensors. The copies are
     dtype-aware, so strided, lazily conjugated and GPU tensors are handled; GPU copies are
     asynchronous (the caller synchronizes once)."""
     if not dsts:
         return
+    if non_blocking is None:
+        non_blocking = any(t.is_cuda for t in (*dsts, *srcs))
     with torch.no_grad():
-        torch._foreach_copy_(dsts, srcs, non_blocking=any(t.is_cuda for t in (*dsts, *srcs)))
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def _buffer_copy(

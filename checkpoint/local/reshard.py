@@ -70,25 +70,7 @@ def restore_resharded(
     if _has_dtensor(leaves):  # the same on every rank: the same structure everywhere
         log.info("local tier: a DTensor state is not resharded here; the persistent tier is")
         return None
-    copies: dict[int, tuple[torch.Tensor, packing.Parsed]] = {}
-    tiers = set()
-    for owner in range(old_world):
-        key = (step, old_world, owner)
-        if key in memory:
-            sh = memory[key]
-            buf = sh.buf[: sh.nbytes]
-            try:
-                parsed = sh.parsed if sh.parsed is not None else packing.parse(buf)
-            except CheckpointError:
-                break
-            copies[owner] = (buf, parsed)
-            tiers.add("memory")
-        elif key in on_disk and local_dir is not None:
-            got = directory.read(local_dir, on_disk[key])
-            if got is None:
-                break
-            copies[owner] = got
-            tiers.add("local_dir")
+    copies, tiers = _read_copies(step, old_world, memory, on_disk, local_dir)
     plan = _plan(leaves, copies, rank) if len(copies) == old_world else None
     if _any_rank(pg, plan is None):
         log.warning(
@@ -108,14 +90,40 @@ def restore_resharded(
     tier = "local_dir" if "local_dir" in tiers else "memory"
     log.info(
         "restored local step %d on rank %d by resharding %d ranks' shards onto %d (%s) in %.3f s",
-        step,
-        rank,
-        old_world,
-        world,
-        tier,
-        seconds,
-    )
+        step, rank, old_world, world, tier, seconds,
+    )  # fmt: skip
     return RestoreResult(step, tier, seconds)
+
+
+def _read_copies(
+    step: int,
+    old_world: int,
+    memory: dict[tuple[int, int, int], Shard],
+    on_disk: dict[tuple[int, int, int], directory.ShardMeta],
+    local_dir: Path | None,
+) -> tuple[dict[int, tuple[torch.Tensor, packing.Parsed]], set[str]]:
+    """This rank's copy of every old shard of ``step`` (memory first, then the directory,
+    verified), stopping at the first one missing or bad; and the tiers they came from."""
+    copies: dict[int, tuple[torch.Tensor, packing.Parsed]] = {}
+    tiers = set()
+    for owner in range(old_world):
+        key = (step, old_world, owner)
+        if key in memory:
+            sh = memory[key]
+            buf = sh.buf[: sh.nbytes]
+            try:
+                parsed = sh.parsed if sh.parsed is not None else packing.parse(buf)
+            except CheckpointError:
+                break
+            copies[owner] = (buf, parsed)
+            tiers.add("memory")
+        elif key in on_disk and local_dir is not None:
+            got = directory.read(local_dir, on_disk[key])
+            if got is None:
+                break
+            copies[owner] = got
+            tiers.add("local_dir")
+    return copies, tiers
 
 
 def _newest_whole(

@@ -44,7 +44,7 @@ class Shard:
     owner: int
     world: int
     nbytes: int
-    checksum: int | None  # None until the background worker has computed it
+    checksum: int | None  # None until computed (background: for a file or replica; else meta())
     buf: torch.Tensor
     parsed: packing.Parsed | None = None  # header, known without parsing for shards packed here
 
@@ -218,23 +218,9 @@ def restore(
         )
         plan, fetched = None, None
     if plan is None or fetched is None or target is None:
-        level = logging.WARNING if any(inventories) else logging.INFO
-        newer = "" if min_step is None else f" >= {min_step} (the persistent tier's newest)"
-        log.log(
-            level,
-            "local tier: no step%s that every one of %d ranks can obtain at this world size",
-            newer,
-            world,
-        )
+        _log_nothing(inventories, min_step, world)
         return None
-    # Every rank refuses together, before any rank writes: a rank that filled its DTensors
-    # while another fell back to the persistent tier would train on a mixed state.
-    problem = target.sharding_mismatch(fetched.buf, fetched.parsed)
-    if _any_rank(pg, problem is not None):
-        problems = _gather(pg, problem, world)
-        raise ShardingMismatchError(
-            "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
-        )
+    _refuse_mixed_sharding(target, fetched, pg, world)
     target.fill(fetched.buf, fetched.parsed, pg)
     seconds = time.perf_counter() - t0
     log.info(
@@ -245,6 +231,31 @@ def restore(
         seconds,
     )
     return RestoreResult(plan.step, fetched.tier, seconds)
+
+
+def _log_nothing(inventories: list[list[Any]], min_step: int | None, world: int) -> None:
+    level = logging.WARNING if any(inventories) else logging.INFO
+    newer = "" if min_step is None else f" >= {min_step} (the persistent tier's newest)"
+    log.log(
+        level,
+        "local tier: no step%s that every one of %d ranks can obtain at this world size",
+        newer,
+        world,
+    )
+
+
+def _refuse_mixed_sharding(
+    target: _Target, fetched: _Copy, pg: dist.ProcessGroup | None, world: int
+) -> None:
+    """COLLECTIVE: raise ShardingMismatchError on every rank when any rank's shard does not fit
+    its live DTensors. Every rank refuses together, before any rank writes: a rank that filled
+    its DTensors while another fell back to the persistent tier would train on a mixed state."""
+    problem = target.sharding_mismatch(fetched.buf, fetched.parsed)
+    if _any_rank(pg, problem is not None):
+        problems = _gather(pg, problem, world)
+        raise ShardingMismatchError(
+            "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None)
+        )
 
 
 class _Copy(NamedTuple):
@@ -271,25 +282,12 @@ def _fetch(
     step = plan.step
     if into_state is not None:
         into_state.clear()  # only this round's copy may have landed in place
-
-    def obtain(owner: int, place: _IntoState | None = None) -> _Copy | None:
-        """(step, owner) from this rank's memory (trusted) or directory (verified), or None.
-        place: a directory copy's large tensors are read straight into the state."""
-        sh = held.get((step, owner))
-        if sh is not None:
-            return _Copy(sh.buf, sh.nbytes, sh.meta().checksum, "memory", sh.parsed)
-        m = on_disk.get((step, owner))
-        if m is not None and local_dir is not None:
-            got = directory.read(local_dir, m, place)
-            if got is not None:
-                return _Copy(got[0], m.nbytes, m.checksum, "local_dir", got[1])
-        return None
-
+    source = _Sources(step, held, on_disk, local_dir)
     bad: list[tuple[int, int, int]] = []
     sends = []
     for r in range(world):
         if r != rank and plan.sources[r] == rank:
-            copy = obtain(r)
+            copy = source.obtain(r)
             parsed = _header(copy) if copy is not None else None
             if copy is None or parsed is None:
                 bad.append((step, r, rank))
@@ -301,30 +299,79 @@ def _fetch(
     mine: _Copy | None = None
     srcs: list[int] = []
     if plan.sources[rank] == rank:
-        mine = obtain(rank, into_state)
+        mine = source.obtain(rank, into_state, own=True)
         if mine is None:
             bad.append((step, rank, rank))
     else:
         srcs = [plan.sources[rank]]
     if pg is not None and (sends or srcs):
-        alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
-        for inc in transfer(pg, sends, srcs, alloc, into_state):
-            ok = (
-                inc.buf is not None
-                and (inc.step, inc.owner, inc.world) == (step, rank, world)
-                and inc.received == inc.checksum
+        got, failed = _exchange(pg, sends, srcs, (step, rank, world), into_state)
+        mine = got if got is not None else mine
+        bad += failed
+    return mine, bad
+
+
+class _Sources:
+    """The copies of one step that this rank can read itself: memory (trusted), directory
+    (verified by directory.read)."""
+
+    def __init__(
+        self,
+        step: int,
+        held: dict[tuple[int, int], Shard],
+        on_disk: dict[tuple[int, int], directory.ShardMeta],
+        local_dir: Path | None,
+    ) -> None:
+        self._step, self._held, self._on_disk, self._dir = step, held, on_disk, local_dir
+
+    def obtain(
+        self, owner: int, place: _IntoState | None = None, *, own: bool = False
+    ) -> _Copy | None:
+        """(step, owner) from memory or the directory, or None. place: a directory copy's large
+        tensors are read straight into the state. A memory copy's checksum is computed here
+        when the save did not (no file, no replica) and the copy goes to a peer; this rank's
+        `own` copy is trusted and needs none."""
+        sh = self._held.get((self._step, owner))
+        if sh is not None:
+            check = sh.checksum
+            if check is None:
+                check = 0 if own else sh.meta().checksum
+            return _Copy(sh.buf, sh.nbytes, check, "memory", sh.parsed)
+        m = self._on_disk.get((self._step, owner))
+        if m is not None and self._dir is not None:
+            got = directory.read(self._dir, m, place)
+            if got is not None:
+                return _Copy(got[0], m.nbytes, m.checksum, "local_dir", got[1])
+        return None
+
+
+def _exchange(
+    pg: dist.ProcessGroup,
+    sends: list[Outgoing],
+    srcs: list[int],
+    expect: tuple[int, int, int],
+    into_state: _IntoState | None,
+) -> tuple[_Copy | None, list[tuple[int, int, int]]]:
+    """Send what this rank serves, receive its own shard from `srcs`; (the verified copy that
+    arrived or None, the (step, owner, holder) copies that failed). expect: (step, rank, world)."""
+    step, rank, _ = expect
+    mine: _Copy | None = None
+    bad: list[tuple[int, int, int]] = []
+    alloc = lambda n: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+    for inc in transfer(pg, sends, srcs, alloc, into_state):
+        ok = (
+            inc.buf is not None
+            and (inc.step, inc.owner, inc.world) == expect
+            and inc.received == inc.checksum
+        )
+        if ok and inc.buf is not None:
+            parsed = into_state.parsed if into_state is not None else None
+            mine = _Copy(inc.buf, inc.nbytes, inc.checksum, "peer", parsed)
+        else:
+            log.warning(
+                "replica of rank %d step %d from rank %d failed verification", rank, step, inc.src
             )
-            if ok and inc.buf is not None:
-                parsed = into_state.parsed if into_state is not None else None
-                mine = _Copy(inc.buf, inc.nbytes, inc.checksum, "peer", parsed)
-            else:
-                log.warning(
-                    "replica of rank %d step %d from rank %d failed verification",
-                    rank,
-                    step,
-                    inc.src,
-                )
-                bad.append((step, rank, inc.src))
+            bad.append((step, rank, inc.src))
     return mine, bad
 
 

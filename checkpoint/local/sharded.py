@@ -26,11 +26,10 @@ Sharding = tuple[Any, ...]
 
 def is_dtensor(obj: Any) -> bool:
     """Whether ``obj`` is a DTensor (without importing DTensor where nothing uses it)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(obj, DTensor)
+    module = sys.modules.get("torch.distributed.tensor")
+    # getattr, not an import statement: this runs for every tensor leaf of a save.
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(obj, dtensor)
 
 
 def local_and_sharding(dt: Any) -> tuple[torch.Tensor, Sharding]:

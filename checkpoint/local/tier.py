@@ -2,18 +2,19 @@
 
 `CheckpointManager` owns one LocalTier and calls save / wait / load / close from the training
 thread; the copy to the directory and the replication run on one background thread (replicas
-travel on the manager's dedicated gloo group, never on the training group), and the ranks agree
-that a step is complete through the job's store, so that a restart can cancel that agreement at
-once instead of leaving a background collective in flight (see checkpoint.exchange).
+travel on the manager's dedicated gloo group, never on the training group), and every
+AGREE_EVERY saves the ranks agree which steps are complete through the job's store, so that a
+restart can cancel that agreement at once instead of leaving a background collective in flight
+(see checkpoint.local.background and checkpoint.exchange).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import socket
-import threading
 import time
 import weakref
 from concurrent.futures import Future
@@ -27,17 +28,21 @@ import torch.distributed as dist
 
 from checkpoint.collectives import rank_and_size
 from checkpoint.config import LocalConfig
-from checkpoint.errors import CheckpointAbandoned, CheckpointError
+from checkpoint.errors import CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
-from checkpoint.local import directory, integrity, packing, placement
+from checkpoint.local import directory, packing, placement
+from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob
+from checkpoint.local.holdings import Holdings
 from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import RestoreResult, Shard, restore
-from checkpoint.local.transport import Outgoing, transfer
 from checkpoint.worker import BackgroundWorker
 
 __all__ = ["LocalTier", "RestoreResult"]
 
 log = logging.getLogger(__name__)
+
+_LEAF_FIELDS = operator.attrgetter("key", "replicated", "sharding")
+_TENSOR_FIELDS = operator.attrgetter("dtype", "shape", "device")
 
 
 class GroupSource(Protocol):
@@ -58,14 +63,16 @@ class GroupSource(Protocol):
 
 @dataclass
 class _Cache:
-    """Per-structure plan, rebuilt only when the state's keys, dtypes or shapes change."""
+    """Per-structure plan, rebuilt only when the state's keys, dtypes, shapes or devices change."""
 
     signature: tuple[Any, ...]
     world: int
     rank: int
     keep_keys: frozenset[str]  # tensor keys this rank stores (fully_parallel drops the others)
+    tensor_keys: frozenset[str]  # every tensor key (the other leaves are the header's objects)
     layout: packing.ShardLayout
     entries: dict[str, packing.TensorEntry]  # layout by key: a memory restore skips the header
+    on_gpu: bool  # a kept tensor is on a GPU: pinned buffer, one synchronize after the copy
 
 
 class LocalTier:
@@ -76,8 +83,14 @@ class LocalTier:
     logged as a WARNING and leaves that step unrestorable from this tier (the persistent tier is
     the fallback); it never raises into training.
 
-    Memory: up to keep + 2 shard buffers of this rank (kept steps, one incomplete, one in flight),
-    and as many for each replica it holds; buffers are reused from save to save.
+    What save() does on the training thread: walk the state (Stateful objects' state_dict()),
+    compare the tensors' structure with the cached pack layout (rebuilt only when a key, dtype,
+    shape or sharding changes), one torch._foreach_copy_ of every tensor into a reused buffer,
+    and the JSON of the scalars. Everything else (checksum, file, replicas, the agreement of
+    checkpoint.local.background) runs on one background thread, one step at a time.
+
+    Memory: up to keep + 2 shard buffers of this rank (checkpoint.local.holdings), and as many
+    for each replica it holds; buffers are reused from save to save.
     """
 
     def __init__(
@@ -101,25 +114,27 @@ class LocalTier:
         # Per dedicated group, keyed by its generation: holding the group object itself would keep
         # a destroyed group's sockets open after a restart.
         self._nodes: tuple[tuple[bool, int], list[int]] | None = None
-        self._lock = threading.Lock()  # guards _held / _complete / _free (training vs worker)
-        self._held: dict[tuple[int, int], Shard] = {}
-        self._complete: list[int] = []
-        self._free: list[torch.Tensor] = []
+        self._hold = Holdings(keep)
+        self._saver = BackgroundSaver(self._hold, self._dir, replication_factor)
         self._cache: _Cache | None = None
-        self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._capacity_checked = 0
-        self._warned_factor = False
         self._worker = BackgroundWorker("local-ckpt")
         self._future: Future[None] | None = None
         self._agreement: StoreExchange | None = None  # of the background work in flight
         self._timeout = timeout
         self._attempts = Attempts("local", timeout=timeout)
+        self._saves: tuple[str | None, int] = (None, 0)  # (group token, saves over it)
         self._closed = False
+
+    @property
+    def _held(self) -> dict[tuple[int, int], Shard]:
+        """The shards held in memory, by (step, owner) (tests read it)."""
+        return self._hold.held
 
     # ---------------------------------------------------------------- save
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Copy `state` into reused host memory and return; dir write + replication go on behind.
+        """Copy `state` into reused host memory and return; the rest goes on behind.
 
         Waits first for the previous local save's background work (one in flight at a time).
         """
@@ -129,88 +144,79 @@ class LocalTier:
         t0 = time.perf_counter()
         pg = self._group.current()
         rank, world = rank_and_size(pg)
-        self._forget_stale(step, world)
+        if self._hold.stale(step, world):
+            self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
         leaves = packing.leaves(state, statefuls)
         cache = self._plan(leaves, rank, world)
-        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
-        tensors = [x for x in tensors if x.key in cache.keep_keys]
-        objects = {x.key: x.value for x in leaves if not isinstance(x.value, torch.Tensor)}
+        tensors = [x for x in leaves if x.key in cache.keep_keys]
+        objects = {x.key: x.value for x in leaves if x.key not in cache.tensor_keys}
         extra = {"step": step, "owner": rank, "world": world, "algo": self._algo}
-        header = packing.header_bytes(cache.layout, objects, extra)
+        objects_json = packing.compact(objects)
+        header = packing.header_bytes(cache.layout, objects, extra, objects_json=objects_json)
         size = packing.packed_size(cache.layout, header)
         nodes = self._node_indices(pg)
         if self._dir is not None and size > self._capacity_checked:
             factor = placement.effective_factor(nodes, self._factor)
-            used = sum(s.nbytes for s in self._held.values())
+            used = self._hold.used_bytes()
             directory.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
             self._capacity_checked = size
-        on_gpu = any(x.value.is_cuda for x in tensors)
-        buf = self._take(size, pinned=on_gpu)
-        nbytes = packing.pack_into(buf, cache.layout, header, tensors)
-        if on_gpu:
+        self._hold.make_room()
+        buf = self._hold.take(size, pinned=cache.on_gpu)
+        nbytes = packing.pack_into(buf, cache.layout, header, tensors, non_blocking=cache.on_gpu)
+        if cache.on_gpu:
             torch.cuda.synchronize()  # the copy must be complete before save() returns
-        # A JSON round trip snapshots the scalars (a list mutated after save() must not leak in).
-        snapshot = json.loads(json.dumps(objects))
+        # The scalars' JSON, parsed back: a snapshot (a list mutated after save() must not leak).
+        snapshot = json.loads(objects_json)
         data_start = nbytes - cache.layout.data_nbytes
         parsed = packing.Parsed(cache.entries, snapshot, extra, data_start, cache.layout.sharding)
         shard = Shard(step, rank, world, nbytes, None, buf, parsed)
-        with self._lock:
-            self._held[(step, rank)] = shard
-        stall = time.perf_counter() - t0
-        log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes, stall)
-        agree = self._attempts.next(pg, self._group.token)
-        self._agreement = agree[0]
-        # The background work holds the group weakly (see _replicate): a strong reference in
-        # the work item would keep a restart's destroyed group, and its sockets, alive.
+        self._hold.add_own(shard)
+        log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes,
+                  time.perf_counter() - t0)  # fmt: skip
+        agree = self._next_agreement(pg)
+        self._agreement = agree[0] if agree is not None else None
         pg_ref = weakref.ref(pg) if pg is not None else None
-        self._future = self._worker.submit(self._background, shard, pg_ref, nodes, agree)
+        job = SaveJob(shard, pg_ref, nodes, agree)
+        if self._saver.inline(job):
+            self._saver.run(job)
+        else:
+            self._future = self._worker.submit(self._saver.run, job)
 
-    def _forget_stale(self, step: int, world: int) -> None:
-        """Free memory copies that can no longer be restored or belong to an abandoned run.
-
-        A different world size cannot be served (the persistent tier reshards instead); steps
-        >= `step` are from before a rewind (training restarted from an older checkpoint), and
-        restoring them later would jump back onto the abandoned trajectory.
-        """
-        with self._lock:
-            stale = [k for k, sh in self._held.items() if sh.world != world or sh.step >= step]
-            for key in stale:
-                self._free.append(self._held.pop(key).buf)
-            self._complete = [c for c in self._complete if c < step]
+    def _next_agreement(
+        self, pg: dist.ProcessGroup | None
+    ) -> tuple[StoreExchange, StoreExchange | None] | None:
+        """The store exchange of this save's agreement, on every AGREE_EVERY-th save over a
+        group (its first included), else None. The count is the same on every rank: saves are
+        collective, and a new group (a restart) starts every rank's count again."""
+        if pg is None or dist.get_world_size(pg) == 1:
+            return None
+        token = self._group.token
+        count = self._saves[1] + 1 if self._saves[0] == token else 1
+        self._saves = (token, count)
+        if (count - 1) % AGREE_EVERY != 0:
+            return None
+        return self._attempts.next(pg, token)
 
     def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
-        # dtype and torch.Size compare and hash as they are: no str() / tuple() per tensor.
-        sig = tuple(
-            (x.key, x.value.dtype, x.value.shape, x.replicated, x.sharding)
-            for x in leaves
-            if isinstance(x.value, torch.Tensor)
+        # dtype, torch.Size and device compare as they are, read by C (attrgetter): no Python
+        # bytecode per tensor attribute. Leaves of one structure come in one order.
+        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
+        sig = (
+            tuple(map(_LEAF_FIELDS, tensors)),
+            tuple(map(_TENSOR_FIELDS, [x.value for x in tensors])),
         )
         c = self._cache
         if c is not None and c.signature == sig and c.world == world and c.rank == rank:
             return c
-        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
         owner = replicated_owner(tensors, world) if self._algo == "fully_parallel" else {}
         keep = frozenset(x.key for x in tensors if owner.get(x.key, rank) == rank)
         layout = packing.ShardLayout.of([x for x in tensors if x.key in keep])
         entries = {e.key: e for e in layout.entries}
-        self._cache = _Cache(sig, world, rank, keep, layout, entries)
+        on_gpu = any(x.value.is_cuda for x in tensors if x.key in keep)
+        all_keys = frozenset(x.key for x in tensors)
+        self._cache = _Cache(sig, world, rank, keep, all_keys, layout, entries, on_gpu)
         return self._cache
-
-    def _take(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
-        """A reused buffer of at least nbytes, else a new pre-faulted one (first saves only).
-
-        pinned: page-locked, so device-to-host copies of GPU state run at full speed.
-        """
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() >= pinned]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free = [b for b in self._free if b is not best]
-                return best
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        buf.zero_()  # fault the pages in now, not during the copy of a later save
-        return buf
 
     def _node_indices(self, pg: dist.ProcessGroup | None) -> list[int]:
         """Node index of every rank of `pg` (COLLECTIVE once per group, then cached).
@@ -228,127 +234,6 @@ class LocalTier:
         nodes = placement.node_indices(keys)
         self._nodes = (key, nodes)
         return nodes
-
-    def _background(
-        self,
-        shard: Shard,
-        pg_ref: weakref.ref[dist.ProcessGroup] | None,
-        nodes: list[int],
-        agree: tuple[StoreExchange, StoreExchange | None],
-    ) -> None:
-        """Checksum, directory write, replication, then agreement that the step is complete."""
-        t0 = time.perf_counter()
-        ok = True
-        shard.checksum = integrity.of(shard.buf, shard.nbytes)
-        if self._dir is not None:
-            try:
-                directory.write(self._dir, shard.meta(), shard.buf)
-            except Exception as e:  # never skip the collectives below: peers would wait on us
-                ok = False
-                log.warning(
-                    "local save of step %d on rank %d: writing %s failed: %s",
-                    shard.step, shard.owner, self._dir, e,
-                )  # fmt: skip
-        if pg_ref is not None and shard.world > 1:
-            ex, previous = agree
-            try:
-                ok = self._replicate(shard, pg_ref, nodes) and ok
-                flags = ex.gather("ok", ok)
-                if flags is not None:  # rank 0
-                    if previous is not None:  # every rank is past the previous verdict
-                        previous.discard("verdict")
-                    ex.publish("verdict", all(flags))
-                ok = bool(ex.receive("verdict"))
-            except CheckpointAbandoned:
-                log.info("local save of step %d abandoned (restart)", shard.step)
-                return
-            except Exception as e:  # a dead peer, a restart, a torn-down group: incomplete
-                log.warning(
-                    "local save of step %d on rank %d: replication failed: %s",
-                    shard.step, shard.owner, e,
-                )  # fmt: skip
-                ok = False
-        if ok:
-            with self._lock:
-                self._complete = sorted({*self._complete, shard.step})
-            self._prune()
-            # DEBUG: the local tier typically saves every step; INFO would flood the log.
-            log.debug(
-                "local save of step %d complete on every rank (%d bytes) in %.3f s",
-                shard.step,
-                shard.nbytes,
-                time.perf_counter() - t0,
-            )
-        else:
-            log.warning("local step %d is incomplete: it will not be restored", shard.step)
-
-    def _replicate(
-        self, shard: Shard, pg_ref: weakref.ref[dist.ProcessGroup], nodes: list[int]
-    ) -> bool:
-        """Send this rank's shard to its peers and take theirs (background thread).
-
-        The group is held strongly only for the transfer itself. A group destroyed by a restart
-        before that (the reference is dead) abandons the step; one destroyed during it fails the
-        transfer as soon as the peers closed theirs.
-        """
-        eff = placement.effective_factor(nodes, self._factor)
-        if eff < self._factor and not self._warned_factor:
-            self._warned_factor = True
-            # Once per job (rank 0), not once per rank: the same fact on every rank.
-            log.log(
-                logging.WARNING if shard.owner == 0 else logging.DEBUG,
-                "replication_factor %d needs %d nodes, the job has %d (node = host and launch "
-                "node index): keeping %d cop%s per shard",
-                self._factor,
-                self._factor,
-                placement.num_nodes(nodes),
-                eff,
-                "y" if eff == 1 else "ies",
-            )
-        if eff == 1:
-            return True
-        pg = pg_ref()
-        if pg is None:
-            raise CheckpointAbandoned(f"local save of step {shard.step}: the group was destroyed")
-        if self._placement is None or self._placement[0] is not nodes:
-            plan = placement.placement(nodes, self._factor)
-            self._placement = (nodes, plan, placement.received_from(plan))
-        _, plan, inverse = self._placement
-        m = shard.meta()
-        sends = [
-            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.checksum, shard.buf, shard.parsed)
-            for dst in plan[shard.owner]
-        ]
-        srcs = inverse[shard.owner]
-        ok = True
-        for inc in transfer(pg, sends, srcs, self._take):
-            if inc.buf is None or inc.received != inc.checksum:
-                log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
-                ok = False
-                continue
-            rep = Shard(inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum, inc.buf)
-            with self._lock:
-                self._held[(rep.step, rep.owner)] = rep
-            if self._dir is not None:
-                try:
-                    directory.write(self._dir, rep.meta(), rep.buf)
-                except OSError as e:
-                    log.warning(
-                        "writing replica of rank %d to %s failed: %s", inc.src, self._dir, e
-                    )
-                    ok = False
-        return ok
-
-    def _prune(self) -> None:
-        """Free steps older than the newest `keep` complete ones (they are complete everywhere)."""
-        with self._lock:
-            self._complete = self._complete[-self._keep :]
-            oldest = self._complete[0]
-            for key in [k for k in self._held if k[0] < oldest]:
-                self._free.append(self._held.pop(key).buf)
-        if self._dir is not None:
-            # Only older steps: a co-located rank may already be writing a newer one.
-            directory.remove_steps_older_than(self._dir, oldest)
 
     # ---------------------------------------------------------------- wait / load / close
 
@@ -402,8 +287,7 @@ class LocalTier:
         self._settle()
         pg = self._group.current()
         rank, world = rank_and_size(pg)
-        with self._lock:
-            every = list(self._held.values())
+        every = self._hold.shards()
         held = {(s.step, s.owner): s for s in every if s.world == world}
         fp = replicated_owner if self._algo == "fully_parallel" else None
         found = restore(
@@ -431,10 +315,9 @@ class LocalTier:
             return
         self._closed = True
         self.wait()
-        self._worker.stop(timeout=5.0)  # its work is over or timed out above: never wait long
-        with self._lock:
-            self._held.clear()
-            self._free.clear()
+        if self._worker.stop(timeout=5.0):  # its work is over or timed out above: never long
+            self._saver.close()
+        self._hold.clear()
         self._cache = None  # its layout's cached views would keep the buffers alive
 
     def __enter__(self) -> LocalTier:

@@ -72,19 +72,8 @@ def transfer(
     yet: each part is faulted in just before its receive is posted). `place`: see packing.Place.
     Blocks until all transfers end or the group's timeout fires (then raises).
     """
-    works: list[dist.Work | None] = []
     keep: list[torch.Tensor] = []  # tensors of posted sends stay alive until they complete
-    for s in sends:
-        cuts = part_bounds(s.nbytes, s.parsed) if s.buf is not None else []
-        n = s.nbytes if s.buf is not None else -1
-        head = torch.tensor([s.step, s.owner, s.world, n, s.checksum, len(cuts) - 1])
-        keep.append(head)
-        works.append(dist.isend(head, group=pg, group_dst=s.dst))
-        if s.buf is not None:
-            keep.append(torch.tensor(cuts))
-            works.append(dist.isend(keep[-1], group=pg, group_dst=s.dst))
-            for a, z in itertools.pairwise(cuts):
-                works.append(dist.isend(s.buf[a:z], group=pg, group_dst=s.dst))
+    works = _post_sends(pg, sends, keep)
     incoming = [Incoming(src) for src in srcs]
     heads = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in srcs]
     _wait_all([dist.irecv(h, group=pg, group_src=src) for h, src in zip(heads, srcs, strict=True)])
@@ -125,6 +114,26 @@ def transfer(
         inc.received = received.value
     _wait_all(works)
     return incoming
+
+
+def _post_sends(
+    pg: dist.ProcessGroup, sends: Sequence[Outgoing], keep: list[torch.Tensor]
+) -> list[dist.Work | None]:
+    """Post every send at once: header, part boundaries, parts. The small tensors it makes are
+    appended to `keep`, which the caller holds until the sends complete."""
+    works: list[dist.Work | None] = []
+    for s in sends:
+        cuts = part_bounds(s.nbytes, s.parsed) if s.buf is not None else []
+        n = s.nbytes if s.buf is not None else -1
+        head = torch.tensor([s.step, s.owner, s.world, n, s.checksum, len(cuts) - 1])
+        keep.append(head)
+        works.append(dist.isend(head, group=pg, group_dst=s.dst))
+        if s.buf is not None:
+            keep.append(torch.tensor(cuts))
+            works.append(dist.isend(keep[-1], group=pg, group_dst=s.dst))
+            for a, z in itertools.pairwise(cuts):
+                works.append(dist.isend(s.buf[a:z], group=pg, group_dst=s.dst))
+    return works
 
 
 def _fault_in(part: torch.Tensor) -> None:

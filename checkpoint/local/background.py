@@ -1,0 +1,230 @@
+"""The local tier's background work for one saved step: checksum, file, replicas, agreement.
+
+Runs on the tier's one worker thread (checkpoint.worker), one step at a time, in save order.
+Per step: the shard's xxh3_64 checksum (once: the file's .json and the replicas' headers reuse
+it), the node-local file, the replica transfers on the dedicated gloo group. Every
+`AGREE_EVERY`-th save of a group (and its first) then runs the cross-rank agreement through the
+store: each rank offers the recent steps it completed (at most two: this one and the one
+before), rank 0 publishes the newest one that every rank offered, and every rank confirms it
+(checkpoint.local.holdings). The steps in between need no store round trip at all.
+
+The rule a restore then sees (docs/checkpoint.md, "Completeness"): a restore still takes the
+newest step that every rank can obtain, from the inventories it gathers itself; what the
+agreement decides is only which older steps may be freed. Kept: the newest `keep` confirmed
+steps and the two newest steps saved since. So when the background work of both of those failed
+on some rank (a full disk, a lost peer) and a process then dies, the restore goes back to the
+newest confirmed step, at most `AGREE_EVERY` + 1 saves older, where a per-step agreement would
+have kept the newest step complete everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from checkpoint.errors import CheckpointAbandoned
+from checkpoint.exchange import StoreExchange
+from checkpoint.local import directory, integrity, placement
+from checkpoint.local.holdings import Holdings
+from checkpoint.local.restore import Shard
+from checkpoint.local.transport import Outgoing, transfer
+
+log = logging.getLogger(__name__)
+
+# One store agreement per this many saves (and at the first save of a group). A per-step
+# agreement cost ~6 store round trips and a few polling wake-ups per rank and step.
+AGREE_EVERY = 16
+
+
+@dataclass
+class SaveJob:
+    """One step's background work, built by LocalTier.save on the training thread."""
+
+    shard: Shard
+    # The group held weakly: a strong reference in the work item would keep a restart's
+    # destroyed group, and its sockets, alive.
+    pg_ref: weakref.ref[dist.ProcessGroup] | None
+    nodes: list[int]
+    # (this attempt's exchange, the previous one) on agreement saves, else None.
+    agree: tuple[StoreExchange, StoreExchange | None] | None
+
+
+class BackgroundSaver:
+    """Does SaveJobs (background thread only); holds the replica placement between them."""
+
+    def __init__(self, holdings: Holdings, local_dir: Path | None, factor: int) -> None:
+        self._hold = holdings
+        self._dir = local_dir
+        self._factor = factor
+        self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
+        self._warned_factor = False
+        self._written: dict[int, set[int]] = {}  # step -> owners whose file this process wrote
+        self._spares: dict[int, Path] = {}  # owner -> a pruned file of it, to overwrite
+
+    def inline(self, job: SaveJob) -> bool:
+        """Whether `job` is so small that the training thread runs it itself: no file, no
+        replica, no agreement (memory only between agreements). A thread wake-up per step
+        cost more than that bookkeeping."""
+        if self._dir is not None or job.agree is not None:
+            return False
+        return job.pg_ref is None or self._effective_factor(job.nodes, job.shard.owner) == 1
+
+    def run(self, job: SaveJob) -> None:
+        """Checksum, directory write, replication, then (agreement saves) the agreement.
+
+        The checksum is computed once here, only when a file or a replica needs it; a memory
+        copy is trusted, and one sent to a peer during a restore is checksummed then
+        (restore.Shard.meta)."""
+        t0 = time.perf_counter()
+        shard = job.shard
+        distributed = job.pg_ref is not None and shard.world > 1
+        replicating = distributed and self._effective_factor(job.nodes, shard.owner) > 1
+        if self._dir is not None or replicating:
+            shard.checksum = integrity.of(shard.buf, shard.nbytes)
+        ok = self._write(shard, "")
+        if distributed:
+            assert job.pg_ref is not None
+            try:
+                ok = self._replicate(shard, job.pg_ref, job.nodes) and ok
+            except CheckpointAbandoned:
+                log.info("local save of step %d abandoned (restart)", shard.step)
+                return
+            except Exception as e:  # a dead peer, a restart, a torn-down group: incomplete
+                log.warning(
+                    "local save of step %d on rank %d: replication failed: %s",
+                    shard.step, shard.owner, e,
+                )  # fmt: skip
+                ok = False
+        if ok:
+            self._hold.mark_ok(shard.step)
+        else:
+            log.warning("local step %d is incomplete on rank %d", shard.step, shard.owner)
+        if not distributed:
+            if ok:
+                self._hold.confirm(shard.step)
+        elif job.agree is not None and not self._agree(shard, job.agree):
+            return
+        self._prune_directory(shard.step)
+        # DEBUG: the local tier typically saves every step; INFO would flood the log.
+        log.debug(
+            "local save of step %d done here (%d bytes) in %.3f s",
+            shard.step, shard.nbytes, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _agree(self, shard: Shard, agree: tuple[StoreExchange, StoreExchange | None]) -> bool:
+        """The store agreement (see the module docstring); False when it was abandoned."""
+        ex, previous = agree
+        try:
+            offers = ex.gather("ok", self._hold.offered())
+            if offers is not None:  # rank 0
+                if previous is not None:  # every rank is past the previous verdict
+                    previous.discard("verdict")
+                common = set.intersection(*(set(o) for o in offers))
+                ex.publish("verdict", max(common) if common else -1)
+            verdict = int(ex.receive("verdict"))
+        except CheckpointAbandoned:
+            log.info("local save of step %d abandoned (restart)", shard.step)
+            return False
+        except Exception as e:
+            log.warning("local agreement of step %d failed: %s", shard.step, e)
+            return True
+        if verdict >= 0:
+            self._hold.confirm(verdict)
+        else:
+            log.warning("no recent local step is complete on every rank (step %d)", shard.step)
+        return True
+
+    def _write(self, shard: Shard, what: str) -> bool:
+        """Write a shard to the node-local directory, if any; False (logged) when it failed."""
+        if self._dir is None:
+            return True
+        try:
+            spare = self._spares.pop(shard.owner, None)
+            directory.write(self._dir, shard.meta(), shard.buf, spare=spare)
+            self._written.setdefault(shard.step, set()).add(shard.owner)
+        except Exception as e:  # never skip the agreement: peers would wait on us
+            log.warning(
+                "local save of step %d: writing %sshard of rank %d to %s failed: %s",
+                shard.step, what, shard.owner, self._dir, e,
+            )  # fmt: skip
+            return False
+        return True
+
+    def _prune_directory(self, step: int) -> None:
+        if self._dir is None:
+            return
+        confirmed, first_recent = self._hold.disk_kept()
+        below = min(first_recent, step)
+        for old in [s for s in self._written if s < below and s not in confirmed]:
+            for owner in self._written.pop(old):
+                if owner not in self._spares:
+                    spare = directory.keep_spare(self._dir, old, owner, into=step)
+                    if spare is not None:
+                        self._spares[owner] = spare
+        # Only older steps: a co-located rank may already be writing a newer one.
+        directory.remove_steps_except(self._dir, keep=confirmed, below=below)
+
+    def close(self) -> None:
+        """Remove the spare files (after the worker stopped: nothing writes any more)."""
+        for spare in self._spares.values():
+            with contextlib.suppress(OSError):
+                spare.unlink()
+        self._spares.clear()
+
+    def _replicate(
+        self, shard: Shard, pg_ref: weakref.ref[dist.ProcessGroup], nodes: list[int]
+    ) -> bool:
+        """Send this rank's shard to its peers and take theirs.
+
+        The group is held strongly only for the transfer itself. A group destroyed by a restart
+        before that (the reference is dead) abandons the step; one destroyed during it fails the
+        transfer as soon as the peers closed theirs.
+        """
+        eff = self._effective_factor(nodes, shard.owner)
+        if eff == 1:
+            return True
+        pg = pg_ref()
+        if pg is None:
+            raise CheckpointAbandoned(f"local save of step {shard.step}: the group was destroyed")
+        if self._placement is None or self._placement[0] is not nodes:
+            plan = placement.placement(nodes, self._factor)
+            self._placement = (nodes, plan, placement.received_from(plan))
+        _, plan, inverse = self._placement
+        m = shard.meta()
+        sends = [
+            Outgoing(dst, m.step, m.owner, m.world, m.nbytes, m.checksum, shard.buf, shard.parsed)
+            for dst in plan[shard.owner]
+        ]
+        ok = True
+        for inc in transfer(pg, sends, inverse[shard.owner], self._hold.take):
+            if inc.buf is None or inc.received != inc.checksum:
+                log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
+                ok = False
+                continue
+            rep = Shard(inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum, inc.buf)
+            self._hold.add_replica(rep)
+            ok = self._write(rep, "the replica ") and ok
+        return ok
+
+    def _effective_factor(self, nodes: list[int], owner: int) -> int:
+        eff = placement.effective_factor(nodes, self._factor)
+        if eff < self._factor and not self._warned_factor:
+            self._warned_factor = True
+            # Once per job (rank 0), not once per rank: the same fact on every rank.
+            log.log(
+                logging.WARNING if owner == 0 else logging.DEBUG,
+                "replication_factor %d needs %d nodes, the job has %d (node = host and launch "
+                "node index): keeping %d cop%s per shard",
+                self._factor,
+                self._factor,
+                placement.num_nodes(nodes),
+                eff,
+                "y" if eff == 1 else "ies",
+            )
+        return eff
