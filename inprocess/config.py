@@ -18,6 +18,9 @@ GRANULARITIES = ("rank", "node")
 SIMULATED_FAULT_TYPES = ("rank_hung", "rank_killed", "random")
 # NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
 _HEARTBEAT_INTERVAL_CAP = 30.0
+# The default bound of a restart decision's wait for respawns: a cold start of a rank (python,
+# torch, the script, its watchdog) took 4-7 s on a loaded 2-core host (issue 35).
+_RESPAWN_WAIT_CAP = 10.0
 # Smallest soft_timeout with the etcd store: an etcd leader election stalls the store 1-2 s
 # (measured, docs/etcd.md), and a main thread blocked in a store call makes no progress.
 ETCD_MIN_SOFT_TIMEOUT = 5.0
@@ -40,6 +43,12 @@ class RestartConfig:
       (process death, in milliseconds) or by ``hard_timeout``. Set together with
       ``heartbeat_interval``, it must exceed it (NVIDIA's rule).
     * ``barrier_timeout``: bound of every barrier between iterations.
+    * ``respawn_wait_timeout``: how long a restart decision that cannot fill the active set
+      (it would shrink the job or stop it) waits for the processes the launcher is respawning
+      in dead ranks' slots (``inprocess.protocol.capacity``); 0: never wait. Unset (None):
+      ``min(10, barrier_timeout / 2)``, which covers a cold start of a rank on a loaded host
+      (4-7 s measured; ``effective_respawn_wait_timeout`` is the value in use). Must be below
+      ``barrier_timeout`` (the other ranks wait for the decision that long).
     * ``completion_timeout``: bound of the wait for the other active ranks after ``train()``
       returned on this one.
     * ``max_iterations``: at most this many calls of ``train()`` (None: unbounded).
@@ -91,6 +100,7 @@ class RestartConfig:
     heartbeat_interval: float | None = None
     heartbeat_timeout: float | None = None
     barrier_timeout: float = 120.0
+    respawn_wait_timeout: float | None = None
     completion_timeout: float = 120.0
     max_iterations: int | None = None
     active_world_size: int | None = None
@@ -146,6 +156,7 @@ class RestartConfig:
             )
         self._check_heartbeat()
         self._check_store()
+        self._check_respawn_wait()
         for name in ("max_iterations", "active_world_size", "max_rank_faults"):
             value = getattr(self, name)
             if value is not None:
@@ -185,6 +196,16 @@ class RestartConfig:
         self._check_section_timeouts()
         self._check_drill()
         self._check_flags()
+
+    def _check_respawn_wait(self) -> None:
+        if self.respawn_wait_timeout is None:
+            return
+        if not 0 <= self.respawn_wait_timeout < self.barrier_timeout:
+            raise ConfigError(
+                f"respawn_wait_timeout ({self.respawn_wait_timeout}) must be >= 0 and below "
+                f"barrier_timeout ({self.barrier_timeout}): the ranks wait for the decision "
+                "at most barrier_timeout; lower respawn_wait_timeout or raise barrier_timeout"
+            )
 
     def _check_flags(self) -> None:
         for name in ("empty_cuda_cache", "freeze_gc", "init_process_group"):
@@ -317,6 +338,13 @@ class RestartConfig:
         if self.rank_out_of_section_timeout is not None:
             limits["out_of_section"] = float(self.rank_out_of_section_timeout)
         return limits
+
+    @property
+    def effective_respawn_wait_timeout(self) -> float:
+        """``respawn_wait_timeout``, or ``min(10, barrier_timeout / 2)`` when unset."""
+        if self.respawn_wait_timeout is not None:
+            return self.respawn_wait_timeout
+        return min(_RESPAWN_WAIT_CAP, self.barrier_timeout / 2)
 
     @property
     def effective_heartbeat_interval(self) -> float:

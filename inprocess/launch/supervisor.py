@@ -285,6 +285,13 @@ class NodeSupervisor:
                 proc_pid=c.proc.pid, lived_s=lived,
             )  # fmt: skip
             return
+        # Announced before it starts: a restart decision short of ranks meanwhile waits for
+        # it instead of shrinking or stopping the job (inprocess.protocol.capacity).
+        identity = respawn_identity(rank, slot.respawns + 1, world_size=cfg.world_size)
+        try:
+            job_keys.announce_respawn(self.store, identity)
+        except Exception as exc:  # node 0 (the store) is gone: poll_action() says so
+            log.debug("store unreachable while announcing identity %d: %r", identity, exc)
         delay = 0.0
         if slot.short_deaths:  # it never got going: wait, longer each time in a row
             delay = min(_MAX_BACKOFF_S, cfg.respawn_backoff * 2 ** (slot.short_deaths - 1))

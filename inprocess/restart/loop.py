@@ -31,7 +31,7 @@ from inprocess.errors import (
 from inprocess.etcd.connect import open_store
 from inprocess.etcd.url import parse_url
 from inprocess.faults import drill
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import capacity, job_keys, keys
 from inprocess.protocol.environment import bind_to_launcher, read_env, store_setting
 from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
@@ -616,22 +616,26 @@ class _Job:
         ``counted`` history (each appends the published decisions), so the inputs differ
         between ranks only in what the store held at the moment each read it.
         """
-        gone, joined = job_keys.gone_and_ready_joiners(self.store)
-        observed = Observed(
+
+        def decide_with(gone: frozenset[int], joined: frozenset[int]) -> Decision:
+            observed = Observed(iteration, tuple(faults), gone=gone, joined=joined)
+            return decide(
+                observed,
+                history=self.counted,
+                assignment=assignment,
+                target=target,
+                node_of=self.node_of,
+                config=self.cfg,
+            )
+
+        # Short of ranks, wait for the respawns the launchers announced (issue 35).
+        return capacity.decide_waiting(
+            self.store,
+            decide_with,
             iteration=iteration,
-            faults=tuple(faults),
-            gone=frozenset(gone),
-            joined=frozenset(joined),
-        )
-        decision = decide(
-            observed,
-            history=self.counted,
-            assignment=assignment,
             target=target,
-            node_of=self.node_of,
-            config=self.cfg,
-        )
-        return decision.to_json()
+            timeout=self.cfg.effective_respawn_wait_timeout,
+        ).to_json()
 
     # ----- helpers ---------------------------------------------------------------------------
 
