@@ -380,7 +380,8 @@ class _Job:
             iteration, assignment = admitted.iteration, admitted.assignment
         pending: _PendingRestart | None = None  # the restart being completed, logged once
         while True:
-            self.watchdog.set_iteration(iteration)
+            # A reserve's death only marks it gone: it never interrupts the training (issue 35).
+            self.watchdog.set_iteration(iteration, reserve=assignment.rank_of(self.me) is None)
             job_keys.start_iteration(
                 self.store,
                 iteration,

@@ -20,7 +20,7 @@ from types import TracebackType
 from checkpoint.sealing import SECRET_ENV
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
-from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE
+from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE, RESERVE_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Watchdog:
         self._logdir = logdir
         self._secret = secret
         self._iteration = 0
+        self._reserve = False
         self._lock = threading.Lock()  # one writer at a time on the pipe
         self._stop = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -132,6 +133,7 @@ class Watchdog:
             f"--initial-rank={self._initial_rank}",
             f"--pid={os.getpid()}",
             f"--iteration={self._iteration}",
+            *(["--reserve"] if self._reserve else []),
             f"--hard-timeout={self._hard_timeout}",
             f"--termination-grace-time={self._grace}",
         ]
@@ -194,10 +196,17 @@ class Watchdog:
             self._ready = bool(readable) and proc.stdout.readline() == READY_MESSAGE
         return self._ready
 
-    def set_iteration(self, iteration: int) -> None:
-        """Deaths from now on are reported for ``iteration``; tells the process at once."""
+    def set_iteration(self, iteration: int, *, reserve: bool = False) -> None:
+        """Deaths from now on are reported for ``iteration``; tells the process at once.
+
+        ``reserve``: this rank waits as a reserve in ``iteration``: its death only marks it
+        gone (``keys.record_reserve_gone``) and never interrupts the ranks that train."""
         self._iteration = iteration
-        self._send(f"{iteration}\n".encode())
+        self._reserve = reserve
+        self._send(self._beat_line())
+
+    def _beat_line(self) -> bytes:
+        return f"{RESERVE_PREFIX.decode() if self._reserve else ''}{self._iteration}\n".encode()
 
     def close(self) -> None:
         """Stop the heartbeat and the process without reporting anything (idempotent)."""
@@ -237,9 +246,9 @@ class Watchdog:
         self.close()
 
     def _beat(self) -> None:
-        self._send(f"{self._iteration}\n".encode())
+        self._send(self._beat_line())
         while not self._stop.wait(self._interval):
-            self._send(f"{self._iteration}\n".encode())
+            self._send(self._beat_line())
 
     def _send(self, data: bytes) -> None:
         proc = self._proc

@@ -57,3 +57,19 @@ def test_four_clustered_kills_finish_on_three_ranks_without_in_job_restart() -> 
     output, d, rc = _clustered(4, 10)
     assert rc == 0, output
     _check_finished_on_three(output, d, 4, 10)
+
+
+def test_a_reserves_death_does_not_interrupt_the_active_ranks() -> None:
+    # 2 active + 1 reserve; the config's drill SIGKILLs the reserve (initial rank 2) 0.3-0.6 s
+    # after the ranks met. Before issue 35 its watchdog ended the iteration: every active rank
+    # restarted once. Now it is only marked gone; the launcher respawns its slot.
+    drill = {"simulate_fault": True, "simulated_fault_type": "rank_killed",
+             "simulated_fault_rank": 2, "simulated_fault_base_delay": 0.3}  # fmt: skip
+    opts = {"steps": 40, "step_time": 0.05, "config": {"active_world_size": 2, **drill}}
+    job, d = launch(3, opts, "--max-respawns", "1")
+    assert job.returncode == 0, job.output
+    assert "rank 2 (identity 2) was killed by SIGKILL" in job.output, job.output
+    assert {s["iteration"] for s in steps(d)} == {0}, job.output  # no restart at all
+    done = results(d)
+    assert set(done) == {0, 1}, done
+    assert all(r["total"] == clean_loss(40, 2) for r in done.values()), done

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.protocol.keys import end_key, read_faults
+from inprocess.protocol.keys import end_key, gone_ranks, read_faults
 from inprocess.watchdog.owner import Watchdog
 from tests.multiproc import REPO_ROOT
 
@@ -43,6 +43,9 @@ CHILD = textwrap.dedent(
     assert w.wait_ready(30), "the watchdog process did not come up"
     print("ready", w.pid, flush=True)
     if mode == "exit":
+        os._exit(3)
+    if mode == "reserve_exit":  # dies while waiting as a reserve
+        w.set_iteration({ITERATION}, reserve=True)
         os._exit(3)
     if mode == "wait":
         time.sleep(3600)
@@ -108,6 +111,15 @@ def wait_gone(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])
     finally:
         os.close(fd)
+
+
+def test_a_reserves_death_marks_it_gone_and_ends_no_iteration(store: TCPStore) -> None:
+    # Issue 35: the ranks that train must not restart because a reserve died.
+    proc, watchdog_pid = start_rank(store, "reserve_exit")
+    assert proc.wait(10) == 3
+    assert wait_gone(watchdog_pid, 10), "the watchdog must exit after its report"
+    assert gone_ranks(store) == {RANK}
+    assert not store.check([end_key(ITERATION)]) and read_faults(store, ITERATION) == []
 
 
 def test_sigkill_of_rank_is_reported_within_milliseconds(store: TCPStore) -> None:
