@@ -57,6 +57,14 @@ _DEFAULT_PORT = 29500  # torchrun's default, for multi-node jobs that name no po
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The launcher's flags; a bad value exits with the flag, the value and the fix."""
+    p = _parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every flag of the launcher (``parse_args`` checks their values)."""
     p = argparse.ArgumentParser(
         prog="python -m inprocess.launch",
         description="Start the ranks of one node; host the coordination store on node 0; "
@@ -85,6 +93,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --store: the job's key namespace, the same on every node (default: "
         "$INPROCESS_JOB_ID, $SLURM_JOB_ID, or a new uuid with --nnodes 1)",
     )
+    _add_recovery_flags(p)
+    d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
+    d.add_argument("--simulated-fault-type", choices=FAULT_TYPES, default=None)
+    d.add_argument("--simulated-fault-rank", type=int, default=None)
+    d.add_argument("--simulated-fault-base-delay", type=float, default=0.0)
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("recovery (for @restartable scripts; all off by default)")
     r.add_argument(
         "--max-respawns",
@@ -138,13 +157,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="SIGTERM -> SIGKILL delay when the launcher stops its ranks (default 5)",
     )
-    d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
-    d.add_argument("--simulated-fault-type", choices=FAULT_TYPES, default=None)
-    d.add_argument("--simulated-fault-rank", type=int, default=None)
-    d.add_argument("--simulated-fault-base-delay", type=float, default=0.0)
-    p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
-    args = p.parse_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit (``p.error``) on a bad value, naming the flag, the value and the rule."""
     for name in ("nproc_per_node", "nnodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -174,7 +190,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.master_port = _DEFAULT_PORT
     if args.store is not None:
         _check_store(p, args)
-    return args
 
 
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -245,18 +260,7 @@ def rank_env(
         # when its fault plan loses more ranks than it has reserves).
         "INPROCESS_MAX_RESPAWNS": str(getattr(args, "max_respawns", 0)),
         environment.ENV_ATTEMPT: str(getattr(args, "attempt", 0)),
-        # torchrun's names for the same facts, for scripts and libraries that read them.
-        "GROUP_WORLD_SIZE": str(args.nnodes),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(args.node_rank * n + local_rank),
-        "ROLE_WORLD_SIZE": str(args.nnodes * n),
-        "TORCHELASTIC_RESTART_COUNT": str(round_),
-        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
-        # A store server listens at MASTER_ADDR:MASTER_PORT (ours, as torchrun's agent store):
-        # a script's own init_process_group("env://") connects to it instead of binding
-        # MASTER_PORT on rank 0 (EADDRINUSE there, and the other ranks waited for rank 0 until
-        # the init timeout); @restartable then names the misuse (inprocess.restart.loop).
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **_torchrun_names(args, args.node_rank * n + local_rank, round_),
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
@@ -267,6 +271,24 @@ def rank_env(
     else:
         env.pop("INPROCESS_RESPAWN_GENERATION", None)
     return env
+
+
+def _torchrun_names(args: argparse.Namespace, rank: int, round_: int) -> dict[str, str]:
+    """torchrun's names for the facts ``rank_env`` sets, for scripts and libraries that read
+    them."""
+    return {
+        "GROUP_WORLD_SIZE": str(args.nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(args.nnodes * args.nproc_per_node),
+        "TORCHELASTIC_RESTART_COUNT": str(round_),
+        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+        # A store server listens at MASTER_ADDR:MASTER_PORT (ours, as torchrun's agent store):
+        # a script's own init_process_group("env://") connects to it instead of binding
+        # MASTER_PORT on rank 0 (EADDRINUSE there, and the other ranks waited for rank 0 until
+        # the init timeout); @restartable then names the misuse (inprocess.restart.loop).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
 
 
 def torchrun_defaults(nproc_per_node: int, environ: Mapping[str, str]) -> dict[str, str]:
@@ -386,19 +408,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
     args.secret = secret.hex()  # rank_env hands it to every rank
     try:
-        control = JobControl(
-            node_rank=args.node_rank,
-            nnodes=args.nnodes,
-            addr=args.master_addr,
-            port=args.master_port,
-            node_timeout=args.node_timeout,
-            beat_stale=max(2.0, 20 * args.monitor_interval),
-            store_url=args.store,
-            job_id=args.job_id,
-            # Under Slurm: one id per job attempt (a requeued attempt journals apart).
-            launch_id=environment.launch_id(),
-            sealer=sealing.Sealer(secret),
-        )
+        control = _job_control(args, secret)
     except Exception as exc:
         return _finish(
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
@@ -445,6 +455,38 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         control.close()
 
 
+def _job_control(args: argparse.Namespace, secret: bytes) -> JobControl:
+    """The launchers' control store for this attempt (raises when it cannot be reached)."""
+    return JobControl(
+        node_rank=args.node_rank,
+        nnodes=args.nnodes,
+        addr=args.master_addr,
+        port=args.master_port,
+        node_timeout=args.node_timeout,
+        beat_stale=max(2.0, 20 * args.monitor_interval),
+        store_url=args.store,
+        job_id=args.job_id,
+        # Under Slurm: one id per job attempt (a requeued attempt journals apart).
+        launch_id=environment.launch_id(),
+        sealer=sealing.Sealer(secret),
+    )
+
+
+def _supervisor_config(args: argparse.Namespace) -> SupervisorConfig:
+    """What the launcher's flags say about this node's processes."""
+    return SupervisorConfig(
+        script=[args.script, *args.args],
+        node_rank=args.node_rank,
+        nproc_per_node=args.nproc_per_node,
+        world_size=args.nnodes * args.nproc_per_node,
+        master_addr=args.master_addr,
+        max_respawns=args.max_respawns,
+        respawn_backoff=args.respawn_backoff,
+        monitor_interval=args.monitor_interval,
+        stop_grace=args.stop_grace,
+    )
+
+
 def _run_round(
     args: argparse.Namespace,
     control: JobControl,
@@ -456,17 +498,7 @@ def _run_round(
     the action (restart or end) every node agreed on, if any."""
     port, store = control.open_round(k)
     launch_id = control.launch_id
-    cfg = SupervisorConfig(
-        script=[args.script, *args.args],
-        node_rank=args.node_rank,
-        nproc_per_node=args.nproc_per_node,
-        world_size=args.nnodes * args.nproc_per_node,
-        master_addr=args.master_addr,
-        max_respawns=args.max_respawns,
-        respawn_backoff=args.respawn_backoff,
-        monitor_interval=args.monitor_interval,
-        stop_grace=args.stop_grace,
-    )
+    cfg = _supervisor_config(args)
 
     def on_stopped(reason: str) -> None:
         origin = job_keys.stop_origin(store) if store is not None else ""
