@@ -32,6 +32,7 @@ otherwise the status of the first rank that failed, or 1 if every rank was kille
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -46,6 +47,7 @@ from checkpoint import sealing
 from inprocess import journal
 from inprocess.faults.drill import FAULT_TYPES, FaultDrill
 from inprocess.launch import autoresume
+from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
 from inprocess.protocol import environment, job_keys
@@ -139,6 +141,7 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="flag file written when the job should be requeued (status 75), removed otherwise",
     )
+    _add_pool_flags(r)
     r.add_argument(
         "--monitor-interval",
         type=float,
@@ -156,6 +159,24 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=5.0,
         help="SIGTERM -> SIGKILL delay when the launcher stops its ranks (default 5)",
+    )
+
+
+def _add_pool_flags(r: argparse._ArgumentGroup) -> None:
+    r.add_argument(
+        "--no-warm-pool",
+        dest="warm_pool",
+        action="store_false",
+        help="start respawned and restarted ranks cold (python, imports, script) instead of "
+        "forking them from the node's pre-started fork server (docs/launching.md#warm-pool)",
+    )
+    r.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="comma-separated modules the warm pool imports before forking, besides "
+        f"{','.join(DEFAULT_PRELOAD)}: only modules whose import starts no thread, no CUDA "
+        "context and no socket",
     )
 
 
@@ -414,6 +435,26 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
         )
     jr.start(control.launch_id)
+    with _warm_pool(args) as pool:
+        return _rounds(args, control, jr, pool)
+
+
+def _warm_pool(args: argparse.Namespace) -> contextlib.AbstractContextManager[WarmPool | None]:
+    """The node's warm pool when a respawn or an in-job restart may need it (started now: it
+    imports while the first round starts cold), else nothing."""
+    if not args.warm_pool or not (args.max_respawns or args.max_restarts):
+        return contextlib.nullcontext()
+    env = {**torchrun_defaults(args.nproc_per_node, os.environ), **os.environ}
+    extra = [m.strip() for m in args.preload.split(",") if m.strip()]
+    pool = WarmPool(env=env, preload=[*DEFAULT_PRELOAD, *extra])
+    pool.start()
+    return pool
+
+
+def _rounds(
+    args: argparse.Namespace, control: JobControl, jr: _LauncherJournal, pool: WarmPool | None
+) -> int:
+    """The job's rounds on this node until it ends; the launcher's exit status."""
     current: list[NodeSupervisor] = []
     signals_seen = 0
 
@@ -427,7 +468,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     try:
         k = 0
         while True:
-            end, action = _run_round(args, control, k, current, jr)
+            end, action = _run_round(args, control, k, current, jr, pool)
             if action is not None and action.kind == "restart":
                 log.warning(
                     "in-job restart %d/%d: %s; every rank restarts and resumes from its newest "
@@ -493,6 +534,7 @@ def _run_round(
     k: int,
     current: list[NodeSupervisor],
     jr: _LauncherJournal,
+    pool: WarmPool | None = None,
 ) -> tuple[RoundEnd, Action | None]:
     """One round on this node: start the ranks, supervise them, stop them; the round's end and
     the action (restart or end) every node agreed on, if any."""
@@ -522,6 +564,8 @@ def _run_round(
         report_live=lambda n: control.report_live(k, n),
         job_gone=lambda: control.job_gone(k),
         on_tick=lambda: jr.follow(store),
+        pool=pool,
+        warm_initial=k > 0,  # an in-job restart forks every rank from the pool
     )
     current[:] = [sup]
     drill = None
@@ -594,7 +638,7 @@ def _log_to_stdout(node_rank: int) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"[launcher node {node_rank}] %(message)s"))
     for name in ("inprocess.launch", "inprocess.launch.supervisor", "inprocess.launch.rounds",
-                 "inprocess.faults.drill"):  # fmt: skip
+                 "inprocess.launch.pool", "inprocess.faults.drill"):  # fmt: skip
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

@@ -50,6 +50,9 @@ def test_two_kills_in_a_row_wait_for_the_respawn_instead_of_stopping() -> None:
     output, d, rc = _clustered(2, 8)
     assert rc == 0, output
     _check_finished_on_three(output, d, 2, 8)
+    # The respawns were forked from the node's warm pool (on by default with --max-respawns).
+    assert "forked from the warm pool" in output, output
+    assert not _orphaned_fork_servers()  # the pool's server ended with its launcher
 
 
 @slow("four cold respawns; test_two_kills_in_a_row_wait_for_the_respawn... covers the wait")
@@ -73,3 +76,19 @@ def test_a_reserves_death_does_not_interrupt_the_active_ranks() -> None:
     done = results(d)
     assert set(done) == {0, 1}, done
     assert all(r["total"] == clean_loss(40, 2) for r in done.values()), done
+
+
+def _orphaned_fork_servers() -> list[str]:
+    """Command lines of warm-pool servers whose launcher is gone (a leak)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if "inprocess.launch.forkserver" not in cmd:
+            continue
+        pid = next(int(a.split("=", 1)[1]) for a in cmd if a.startswith("--launcher-pid="))
+        if not Path(f"/proc/{pid}").exists():
+            found.append(" ".join(cmd))
+    return found
