@@ -4,14 +4,16 @@ In one invocation, with the rank script of the launcher tests
 (``tests/dist/workers_launcher_recovery.py``: an all_reduce loop that checkpoints every step to
 a small JSON file and resumes from it on every start):
 
-* ``refill``: 3 active ranks + 1 reserve under ``--max-respawns 1``; ctx.rank 1 SIGKILLs itself.
+* ``refill``: 3 active ranks + 1 reserve under ``--max-respawns 1``; ctx.rank 1 SIGKILLs itself
+  (``refill_cold``: the same with ``--no-warm-pool``, the respawn a cold start).
   Measured from the kill to the respawned process being a ready reserve (registered in the
-  store, watchdog running), polled every 5 ms from this process through the job's store; the
+  store, watchdog running: its journal's ``reserve_ready`` record); the
   in-process restart that the reserve made meanwhile is reported next to it.
 * ``recovery`` of the same 2-rank job after rank 1 raises at step 3, from the raise to the
   first step finished after it, less one step time (no work is lost: a checkpoint per step):
   ``in_process`` (``@restartable`` restarts train() in place), ``in_job`` (``max_iterations=1``
-  makes the in-process path give up; ``--max-restarts 1`` restarts every process), and
+  makes the in-process path give up; ``--max-restarts 1`` restarts every process, forked from
+  the warm pool; ``in_job_cold``: the same with ``--no-warm-pool``), and
   ``torchrun`` (the same loop without ``@restartable`` under ``torchrun --max-restarts 1``,
   the baseline). Ratios are against torchrun, measured in the same run, trials interleaved.
   ``cold_start_s``: launch -> first step of the same runs (an in-job restart is a cold start
@@ -87,46 +89,33 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def refill_once() -> dict[str, float]:
-    """Kill -> respawned process registered as a ready reserve (seconds)."""
-    from inprocess.protocol import job_keys
-    from inprocess.store_server import client
+def refill_once(warm: bool = True) -> dict[str, float]:
+    """Kill -> respawned process registered as a ready reserve (seconds), from the journal's
+    ``reserve_ready`` record; ``warm``: forked from the warm pool (else ``--no-warm-pool``)."""
+    from inprocess import journal
 
     d = Path(tempfile.mkdtemp(prefix="bench-refill-"))
-    port = _free_port()
-    opts = {"dir": str(d), "steps": 30, "step_time": STEP_S,
-            "kills": [{"iteration": 0, "rank": 1, "step": 3}],
-            "config": {**CONFIG, "active_world_size": 3}}  # fmt: skip
-    cmd = [sys.executable, *LAUNCH, "--nproc-per-node", "4", "--master-port", str(port),
-           "--max-respawns", "1", SCRIPT, json.dumps(opts)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
-    registered = None
-    try:
-        deadline = time.monotonic() + 120
-        store: Any = None
-        while registered is None and time.monotonic() < deadline:
-            try:
-                store = store or client("127.0.0.1", port, timeout=5.0)
-                if job_keys.registered_joiners(store):
-                    registered = time.time()
-            except Exception:
-                store = None
-            time.sleep(0.005)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    if proc.returncode != 0 or registered is None:
-        raise RuntimeError(f"refill job failed ({proc.returncode}):\n{out.decode()[-4000:]}")
+    opts = {
+        "dir": str(d),
+        "steps": 60,
+        "step_time": STEP_S,
+        "kills": [{"iteration": 0, "rank": 1, "step": 3}],
+        "config": {**CONFIG, "active_world_size": 3, "journal_dir": str(d / "journal")},
+    }
+    cmd = [*LAUNCH, "--nproc-per-node", "4", "--max-respawns", "1",
+           *([] if warm else ["--no-warm-pool"]), SCRIPT, json.dumps(opts)]  # fmt: skip
+    out = _run(cmd, timeout=300)
+    ready = [r["t"] for r in journal.read(d / "journal") if r["event"] == "reserve_ready"]
+    if not ready:
+        raise RuntimeError(f"no respawned process became ready:\n{out[-4000:]}")
     killed = _lines(d / "kills.jsonl")[0]["time"]
     restart = next(
         json.loads(line.split("restart ", 1)[1])
-        for line in out.decode().splitlines()
+        for line in out.splitlines()
         if "inprocess.restart.loop: restart {" in line
     )
     return {
-        "kill_to_ready_reserve_s": registered - killed,
+        "kill_to_ready_reserve_s": min(ready) - killed,
         "in_process_restart_s": sum(restart["phases"].values()),
     }
 
@@ -140,9 +129,11 @@ def recovery_once(mode: str) -> tuple[float, float]:
                             "config": dict(CONFIG)}  # fmt: skip
     if mode == "in_process":
         cmd = [*LAUNCH, "--nproc-per-node", "2", SCRIPT, json.dumps(opts)]
-    elif mode == "in_job":
+    elif mode in ("in_job", "in_job_cold"):
         opts["config"]["max_iterations"] = 1
-        cmd = [*LAUNCH, "--nproc-per-node", "2", "--max-restarts", "1", SCRIPT, json.dumps(opts)]
+        cold = ["--no-warm-pool"] if mode == "in_job_cold" else []
+        cmd = [*LAUNCH, "--nproc-per-node", "2", "--max-restarts", "1", *cold, SCRIPT,
+               json.dumps(opts)]  # fmt: skip
     else:
         opts["plain"] = True
         cmd = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -236,17 +227,18 @@ def main() -> None:
 def _refill_and_recovery(trials: int, parts: set[str]) -> dict[str, Any]:
     report: dict[str, Any] = {}
     if "refill" in parts:
-        refills = [refill_once() for _ in range(trials)]
-        report["refill"] = {
-            "kill_to_ready_reserve_s": [r["kill_to_ready_reserve_s"] for r in refills],
-            "median_kill_to_ready_reserve_s": statistics.median(
-                r["kill_to_ready_reserve_s"] for r in refills
-            ),
-            "in_process_restart_s": [r["in_process_restart_s"] for r in refills],
-        }
+        for key, warm in (("refill", True), ("refill_cold", False)):
+            refills = [refill_once(warm) for _ in range(trials)]
+            report[key] = {
+                "kill_to_ready_reserve_s": [r["kill_to_ready_reserve_s"] for r in refills],
+                "median_kill_to_ready_reserve_s": statistics.median(
+                    r["kill_to_ready_reserve_s"] for r in refills
+                ),
+                "in_process_restart_s": [r["in_process_restart_s"] for r in refills],
+            }
     if "recovery" not in parts:
         return report
-    modes = ("torchrun", "in_job", "in_process")
+    modes = ("torchrun", "in_job", "in_job_cold", "in_process")
     rec: dict[str, list[float]] = {m: [] for m in modes}
     cold: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(trials):  # interleaved: the machine's load changes over the run
@@ -260,7 +252,7 @@ def _refill_and_recovery(trials: int, parts: set[str]) -> dict[str, Any]:
         median_recovery_s=med,
         cold_start_s=cold,
         median_cold_start_s={m: statistics.median(v) for m, v in cold.items()},
-        ratio_vs_torchrun={m: med[m] / med["torchrun"] for m in ("in_job", "in_process")},
+        ratio_vs_torchrun={m: med[m] / med["torchrun"] for m in modes if m != "torchrun"},
     )
     return report
 
