@@ -30,12 +30,17 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def pool() -> Iterator[WarmPool]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    p = WarmPool(env=env, preload=["torch"])
+def _started(preload: list[str]) -> WarmPool:
+    p = WarmPool(env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, preload=preload)
     p.start()
     assert wait_ready(p, 60), f"the fork server did not come up: {p.broken}"
+    return p
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WarmPool]:
+    """One server importing torch for the tests that fork from it (it costs seconds)."""
+    p = _started(["torch"])
     yield p
     p.close()
 
@@ -77,9 +82,8 @@ def test_a_killed_rank_reads_as_killed_by_its_signal(pool: WarmPool, tmp_path: P
     assert proc.wait(10) == -signal.SIGKILL
 
 
-def test_when_the_server_dies_spawn_falls_back_to_cold_start(
-    pool: WarmPool, tmp_path: Path
-) -> None:
+def test_when_the_server_dies_spawn_falls_back_to_cold_start(tmp_path: Path) -> None:
+    pool = _started([])  # its own server: this test kills it
     assert pool.pid is not None
     os.kill(pool.pid, signal.SIGKILL)
     end = time.monotonic() + 10
@@ -87,12 +91,11 @@ def test_when_the_server_dies_spawn_falls_back_to_cold_start(
         time.sleep(0.02)
     assert pool.spawn([_script(tmp_path), "0"], env=dict(os.environ)) is None
     assert pool.broken is not None and "exited" in pool.broken
+    pool.close()
 
 
 def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
-    p = WarmPool(env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, preload=[])
-    p.start()
-    assert wait_ready(p, 30)
+    p = _started([])
     server = p.pid
     assert server is not None
     child = p.spawn([_script(tmp_path), "sleep"], env={**os.environ, "X": "1"})
