@@ -4,26 +4,42 @@ In one invocation, with the rank script of the launcher tests
 (``tests/dist/workers_launcher_recovery.py``: an all_reduce loop that checkpoints every step to
 a small JSON file and resumes from it on every start):
 
-* ``refill``: 3 active ranks + 1 reserve under ``--max-respawns 1``; ctx.rank 1 SIGKILLs itself.
+* ``refill``: 3 active ranks + 1 reserve under ``--max-respawns 1``; ctx.rank 1 SIGKILLs itself
+  (``refill_cold``: the same with ``--no-warm-pool``, the respawn a cold start).
   Measured from the kill to the respawned process being a ready reserve (registered in the
-  store, watchdog running), polled every 5 ms from this process through the job's store; the
+  store, watchdog running: its journal's ``reserve_ready`` record); the
   in-process restart that the reserve made meanwhile is reported next to it.
 * ``recovery`` of the same 2-rank job after rank 1 raises at step 3, from the raise to the
   first step finished after it, less one step time (no work is lost: a checkpoint per step):
   ``in_process`` (``@restartable`` restarts train() in place), ``in_job`` (``max_iterations=1``
-  makes the in-process path give up; ``--max-restarts 1`` restarts every process), and
+  makes the in-process path give up; ``--max-restarts 1`` restarts every process, forked from
+  the warm pool; ``in_job_cold``: the same with ``--no-warm-pool``), and
   ``torchrun`` (the same loop without ``@restartable`` under ``torchrun --max-restarts 1``,
   the baseline). Ratios are against torchrun, measured in the same run, trials interleaved.
   ``cold_start_s``: launch -> first step of the same runs (an in-job restart is a cold start
   of every process, plus noticing that the in-process path stopped).
+* ``clustered``: 3 active + 1 reserve, ``--max-respawns 4 --max-restarts 0``, ctx.rank 1
+  SIGKILLed in iterations 0..3 (each kill one in-process restart after the one before: 0.2-1 s
+  apart): whether the job finished on 3 ranks without an in-job restart, the gaps between the
+  kills, and the downtime per fault (kill -> the next step finished, less one step time);
+  decisions short of ranks wait for the respawns on their way (issue 35).
+* ``watchdog``: one watchdog process (``inprocess.watchdog.owner.Watchdog``) against a real
+  TCPStore: start -> ready (wall and CPU seconds), resident memory, whether torch is mapped.
+
+Targets (issue 35; same run): ``refill.median_kill_to_ready_reserve_s`` <= 0.5,
+``ratio_vs_torchrun.in_job`` <= 0.5, ``clustered.finished`` true with no in-job restart,
+``watchdog.rss_mb`` <= 30 and ``watchdog.start_s`` <= 0.05. ``loadavg`` is the 1-minute load
+before and after the run: figures taken above 2.5 on a 2-core host are not comparable.
 
     python benchmarks/launcher_recovery.py              # 3 trials each
     python benchmarks/launcher_recovery.py --trials 1
+    python benchmarks/launcher_recovery.py --only watchdog,clustered
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -73,46 +89,33 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def refill_once() -> dict[str, float]:
-    """Kill -> respawned process registered as a ready reserve (seconds)."""
-    from inprocess.protocol import job_keys
-    from inprocess.store_server import client
+def refill_once(warm: bool = True) -> dict[str, float]:
+    """Kill -> respawned process registered as a ready reserve (seconds), from the journal's
+    ``reserve_ready`` record; ``warm``: forked from the warm pool (else ``--no-warm-pool``)."""
+    from inprocess import journal
 
     d = Path(tempfile.mkdtemp(prefix="bench-refill-"))
-    port = _free_port()
-    opts = {"dir": str(d), "steps": 30, "step_time": STEP_S,
-            "kills": [{"iteration": 0, "rank": 1, "step": 3}],
-            "config": {**CONFIG, "active_world_size": 3}}  # fmt: skip
-    cmd = [sys.executable, *LAUNCH, "--nproc-per-node", "4", "--master-port", str(port),
-           "--max-respawns", "1", SCRIPT, json.dumps(opts)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
-    registered = None
-    try:
-        deadline = time.monotonic() + 120
-        store: Any = None
-        while registered is None and time.monotonic() < deadline:
-            try:
-                store = store or client("127.0.0.1", port, timeout=5.0)
-                if job_keys.registered_joiners(store):
-                    registered = time.time()
-            except Exception:
-                store = None
-            time.sleep(0.005)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    if proc.returncode != 0 or registered is None:
-        raise RuntimeError(f"refill job failed ({proc.returncode}):\n{out.decode()[-4000:]}")
+    opts = {
+        "dir": str(d),
+        "steps": 60,
+        "step_time": STEP_S,
+        "kills": [{"iteration": 0, "rank": 1, "step": 3}],
+        "config": {**CONFIG, "active_world_size": 3, "journal_dir": str(d / "journal")},
+    }
+    cmd = [*LAUNCH, "--nproc-per-node", "4", "--max-respawns", "1",
+           *([] if warm else ["--no-warm-pool"]), SCRIPT, json.dumps(opts)]  # fmt: skip
+    out = _run(cmd, timeout=300)
+    ready = [r["t"] for r in journal.read(d / "journal") if r["event"] == "reserve_ready"]
+    if not ready:
+        raise RuntimeError(f"no respawned process became ready:\n{out[-4000:]}")
     killed = _lines(d / "kills.jsonl")[0]["time"]
     restart = next(
         json.loads(line.split("restart ", 1)[1])
-        for line in out.decode().splitlines()
+        for line in out.splitlines()
         if "inprocess.restart.loop: restart {" in line
     )
     return {
-        "kill_to_ready_reserve_s": registered - killed,
+        "kill_to_ready_reserve_s": min(ready) - killed,
         "in_process_restart_s": sum(restart["phases"].values()),
     }
 
@@ -126,9 +129,11 @@ def recovery_once(mode: str) -> tuple[float, float]:
                             "config": dict(CONFIG)}  # fmt: skip
     if mode == "in_process":
         cmd = [*LAUNCH, "--nproc-per-node", "2", SCRIPT, json.dumps(opts)]
-    elif mode == "in_job":
+    elif mode in ("in_job", "in_job_cold"):
         opts["config"]["max_iterations"] = 1
-        cmd = [*LAUNCH, "--nproc-per-node", "2", "--max-restarts", "1", SCRIPT, json.dumps(opts)]
+        cold = ["--no-warm-pool"] if mode == "in_job_cold" else []
+        cmd = [*LAUNCH, "--nproc-per-node", "2", "--max-restarts", "1", *cold, SCRIPT,
+               json.dumps(opts)]  # fmt: skip
     else:
         opts["plain"] = True
         cmd = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -142,36 +147,114 @@ def recovery_once(mode: str) -> tuple[float, float]:
     return after - raised - STEP_S, done[0]["time"] - launched
 
 
+def watchdog_once() -> dict[str, Any]:
+    """One watchdog process: start -> ready (wall, and its CPU seconds), RSS, torch mapped."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from inprocess.watchdog.owner import Watchdog
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    w = Watchdog(store_host="127.0.0.1", store_port=server.port, initial_rank=0,
+                 hard_timeout=30.0, termination_grace_time=1.0, heartbeat_interval=1.0,
+                 logdir=None)  # fmt: skip
+    t0 = time.monotonic()
+    w.start()
+    start_s = time.monotonic() - t0
+    proc = Path(f"/proc/{w.pid}")
+    rss_kb = next(
+        int(x.split()[1]) for x in (proc / "status").read_text().splitlines() if "VmRSS" in x
+    )
+    fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    cpu_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    torch_mapped = "libtorch" in (proc / "maps").read_text()
+    w.close()
+    return {"start_s": start_s, "cpu_s": cpu_s, "rss_mb": rss_kb / 1024, "torch": torch_mapped}
+
+
+def clustered_once() -> dict[str, Any]:
+    """Four kills one in-process restart apart; downtime per fault (see the module doc)."""
+    d = Path(tempfile.mkdtemp(prefix="bench-clustered-"))
+    kills = [{"iteration": i, "rank": 1, "step": 2 + i} for i in range(4)]
+    config = {**CONFIG, "active_world_size": 3, "min_active_world_size": 3,
+              "respawn_wait_timeout": 25.0}  # fmt: skip
+    opts = {"dir": str(d), "steps": 12, "step_time": STEP_S, "kills": kills, "config": config}
+    cmd = [*LAUNCH, "--nproc-per-node", "4", "--max-respawns", "4", "--max-restarts", "0",
+           SCRIPT, json.dumps(opts)]  # fmt: skip
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=_env(), capture_output=True,
+                       timeout=300)  # fmt: skip
+    out = p.stdout.decode(errors="replace") + p.stderr.decode(errors="replace")
+    fired = [k["time"] for k in _lines(d / "kills.jsonl")] if (d / "kills.jsonl").exists() else []
+    steps = sorted(s["time"] for s in _lines(d / "steps.jsonl"))
+    downtime = [min((t for t in steps if t > k), default=float("nan")) - k - STEP_S for k in fired]
+    return {
+        "status": p.returncode,
+        "finished": p.returncode == 0 and "in-job restart" not in out,
+        "kills": len(fired),
+        "gaps_between_kills_s": [b - a for a, b in itertools.pairwise(fired)],
+        "downtime_per_fault_s": downtime,
+        "decisions_that_waited": out.count("for respawned identities"),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--only", default="refill,recovery,clustered,watchdog",
+                   help="comma-separated parts to run (default: all)")  # fmt: skip
     args = p.parse_args()
-    refills = [refill_once() for _ in range(args.trials)]
-    modes = ("torchrun", "in_job", "in_process")
+    parts = set(args.only.split(","))
+    report: dict[str, Any] = {"trials": args.trials, "loadavg_before": os.getloadavg()[0]}
+    if "watchdog" in parts:
+        wd = [watchdog_once() for _ in range(max(args.trials, 5))]
+        report["watchdog"] = {
+            "start_s": [w["start_s"] for w in wd],
+            "median_start_s": statistics.median(w["start_s"] for w in wd),
+            "median_cpu_s": statistics.median(w["cpu_s"] for w in wd),
+            "rss_mb": max(w["rss_mb"] for w in wd),
+            "torch": any(w["torch"] for w in wd),
+        }
+    if "clustered" in parts:
+        report["clustered"] = [clustered_once() for _ in range(args.trials)]
+    if "refill" in parts or "recovery" in parts:
+        report.update(_refill_and_recovery(args.trials, parts))
+    report["loadavg_after"] = os.getloadavg()[0]
+    print(json.dumps(report, indent=2))
+
+
+def _refill_and_recovery(trials: int, parts: set[str]) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+    if "refill" in parts:
+        for key, warm in (("refill", True), ("refill_cold", False)):
+            refills = [refill_once(warm) for _ in range(trials)]
+            report[key] = {
+                "kill_to_ready_reserve_s": [r["kill_to_ready_reserve_s"] for r in refills],
+                "median_kill_to_ready_reserve_s": statistics.median(
+                    r["kill_to_ready_reserve_s"] for r in refills
+                ),
+                "in_process_restart_s": [r["in_process_restart_s"] for r in refills],
+            }
+    if "recovery" not in parts:
+        return report
+    modes = ("torchrun", "in_job", "in_job_cold", "in_process")
     rec: dict[str, list[float]] = {m: [] for m in modes}
     cold: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(args.trials):  # interleaved: the machine's load changes over the run
+    for _ in range(trials):  # interleaved: the machine's load changes over the run
         for m in modes:
             r, c = recovery_once(m)
             rec[m].append(r)
             cold[m].append(c)
     med = {m: statistics.median(v) for m, v in rec.items()}
-    report = {
-        "trials": args.trials,
-        "refill": {
-            "kill_to_ready_reserve_s": [r["kill_to_ready_reserve_s"] for r in refills],
-            "median_kill_to_ready_reserve_s": statistics.median(
-                r["kill_to_ready_reserve_s"] for r in refills
-            ),
-            "in_process_restart_s": [r["in_process_restart_s"] for r in refills],
-        },
-        "recovery_s": rec,
-        "median_recovery_s": med,
-        "cold_start_s": cold,
-        "median_cold_start_s": {m: statistics.median(v) for m, v in cold.items()},
-        "ratio_vs_torchrun": {m: med[m] / med["torchrun"] for m in ("in_job", "in_process")},
-    }
-    print(json.dumps(report, indent=2))
+    report.update(
+        recovery_s=rec,
+        median_recovery_s=med,
+        cold_start_s=cold,
+        median_cold_start_s={m: statistics.median(v) for m, v in cold.items()},
+        ratio_vs_torchrun={m: med[m] / med["torchrun"] for m in modes if m != "torchrun"},
+    )
+    return report
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ __all__ = [
 
 # NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
 _HEARTBEAT_INTERVAL_CAP = 30.0
+# The default bound of a restart decision's wait for respawns: a cold start of a rank (python,
+# torch, the script, its watchdog) took 4-7 s on a loaded 2-core host (issue 35).
+_RESPAWN_WAIT_CAP = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,12 @@ class RestartConfig:
       (process death, in milliseconds) or by ``hard_timeout``. Set together with
       ``heartbeat_interval``, it must exceed it (NVIDIA's rule).
     * ``barrier_timeout``: bound of every barrier between iterations.
+    * ``respawn_wait_timeout``: how long a restart decision that cannot fill the active set
+      (it would shrink the job or stop it) waits for the processes the launcher is respawning
+      in dead ranks' slots (``inprocess.protocol.capacity``); 0: never wait. Unset (None):
+      ``min(10, barrier_timeout / 2)``, which covers a cold start of a rank on a loaded host
+      (4-7 s measured; ``effective_respawn_wait_timeout`` is the value in use). Must be below
+      ``barrier_timeout`` (the other ranks wait for the decision that long).
     * ``completion_timeout``: bound of the wait for the other active ranks after ``train()``
       returned on this one.
     * ``max_iterations``: at most this many calls of ``train()`` (None: unbounded).
@@ -94,6 +103,7 @@ class RestartConfig:
     heartbeat_interval: float | None = None
     heartbeat_timeout: float | None = None
     barrier_timeout: float = 120.0
+    respawn_wait_timeout: float | None = None
     completion_timeout: float = 120.0
     max_iterations: int | None = None
     active_world_size: int | None = None
@@ -128,6 +138,7 @@ class RestartConfig:
         config_checks.timeouts(self)
         config_checks.heartbeat(self)
         config_checks.store(self)
+        config_checks.respawn_wait(self)
         config_checks.counts(self)
         config_checks.choices(self)
         config_checks.section_timeouts(self)
@@ -152,6 +163,13 @@ class RestartConfig:
         if self.rank_out_of_section_timeout is not None:
             limits["out_of_section"] = float(self.rank_out_of_section_timeout)
         return limits
+
+    @property
+    def effective_respawn_wait_timeout(self) -> float:
+        """``respawn_wait_timeout``, or ``min(10, barrier_timeout / 2)`` when unset."""
+        if self.respawn_wait_timeout is not None:
+            return self.respawn_wait_timeout
+        return min(_RESPAWN_WAIT_CAP, self.barrier_timeout / 2)
 
     @property
     def effective_heartbeat_interval(self) -> float:

@@ -221,6 +221,17 @@ def store(cfg: RestartConfig) -> None:
     cfg.check_store_timeouts(cfg.store, source="store")
 
 
+def respawn_wait(cfg: RestartConfig) -> None:
+    if cfg.respawn_wait_timeout is None:
+        return
+    if not 0 <= cfg.respawn_wait_timeout < cfg.barrier_timeout:
+        raise ConfigError(
+            f"respawn_wait_timeout ({cfg.respawn_wait_timeout}) must be >= 0 and below "
+            f"barrier_timeout ({cfg.barrier_timeout}): the ranks wait for the decision "
+            "at most barrier_timeout; lower respawn_wait_timeout or raise barrier_timeout"
+        )
+
+
 def heartbeat(cfg: RestartConfig) -> None:
     """``heartbeat_interval`` below ``hard_timeout``; warns that ``heartbeat_timeout`` is
     ignored."""

@@ -32,6 +32,7 @@ otherwise the status of the first rank that failed, or 1 if every rank was kille
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -46,6 +47,7 @@ from checkpoint import sealing
 from inprocess import journal
 from inprocess.faults.drill import FAULT_TYPES, FaultDrill
 from inprocess.launch import autoresume
+from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
 from inprocess.protocol import environment, job_keys
@@ -57,6 +59,14 @@ _DEFAULT_PORT = 29500  # torchrun's default, for multi-node jobs that name no po
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The launcher's flags; a bad value exits with the flag, the value and the fix."""
+    p = _parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Every flag of the launcher (``parse_args`` checks their values)."""
     p = argparse.ArgumentParser(
         prog="python -m inprocess.launch",
         description="Start the ranks of one node; host the coordination store on node 0; "
@@ -85,6 +95,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --store: the job's key namespace, the same on every node (default: "
         "$INPROCESS_JOB_ID, $SLURM_JOB_ID, or a new uuid with --nnodes 1)",
     )
+    _add_recovery_flags(p)
+    d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
+    d.add_argument("--simulated-fault-type", choices=FAULT_TYPES, default=None)
+    d.add_argument("--simulated-fault-rank", type=int, default=None)
+    d.add_argument("--simulated-fault-base-delay", type=float, default=0.0)
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("recovery (for @restartable scripts; all off by default)")
     r.add_argument(
         "--max-respawns",
@@ -120,6 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="flag file written when the job should be requeued (status 75), removed otherwise",
     )
+    _add_pool_flags(r)
     r.add_argument(
         "--monitor-interval",
         type=float,
@@ -138,13 +160,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="SIGTERM -> SIGKILL delay when the launcher stops its ranks (default 5)",
     )
-    d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
-    d.add_argument("--simulated-fault-type", choices=FAULT_TYPES, default=None)
-    d.add_argument("--simulated-fault-rank", type=int, default=None)
-    d.add_argument("--simulated-fault-base-delay", type=float, default=0.0)
-    p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
-    args = p.parse_args(argv)
+
+
+def _add_pool_flags(r: argparse._ArgumentGroup) -> None:
+    r.add_argument(
+        "--no-warm-pool",
+        dest="warm_pool",
+        action="store_false",
+        help="start respawned and restarted ranks cold (python, imports, script) instead of "
+        "forking them from the node's pre-started fork server (docs/launching.md#warm-pool)",
+    )
+    r.add_argument(
+        "--preload",
+        default="",
+        metavar="MODULES",
+        help="comma-separated modules the warm pool imports before forking, besides "
+        f"{','.join(DEFAULT_PRELOAD)}: only modules whose import starts no thread, no CUDA "
+        "context and no socket",
+    )
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit (``p.error``) on a bad value, naming the flag, the value and the rule."""
     for name in ("nproc_per_node", "nnodes"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -174,7 +211,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.master_port = _DEFAULT_PORT
     if args.store is not None:
         _check_store(p, args)
-    return args
 
 
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -245,18 +281,7 @@ def rank_env(
         # when its fault plan loses more ranks than it has reserves).
         "INPROCESS_MAX_RESPAWNS": str(getattr(args, "max_respawns", 0)),
         environment.ENV_ATTEMPT: str(getattr(args, "attempt", 0)),
-        # torchrun's names for the same facts, for scripts and libraries that read them.
-        "GROUP_WORLD_SIZE": str(args.nnodes),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(args.node_rank * n + local_rank),
-        "ROLE_WORLD_SIZE": str(args.nnodes * n),
-        "TORCHELASTIC_RESTART_COUNT": str(round_),
-        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
-        # A store server listens at MASTER_ADDR:MASTER_PORT (ours, as torchrun's agent store):
-        # a script's own init_process_group("env://") connects to it instead of binding
-        # MASTER_PORT on rank 0 (EADDRINUSE there, and the other ranks waited for rank 0 until
-        # the init timeout); @restartable then names the misuse (inprocess.restart.loop).
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **_torchrun_names(args, args.node_rank * n + local_rank, round_),
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
@@ -267,6 +292,24 @@ def rank_env(
     else:
         env.pop("INPROCESS_RESPAWN_GENERATION", None)
     return env
+
+
+def _torchrun_names(args: argparse.Namespace, rank: int, round_: int) -> dict[str, str]:
+    """torchrun's names for the facts ``rank_env`` sets, for scripts and libraries that read
+    them."""
+    return {
+        "GROUP_WORLD_SIZE": str(args.nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(args.nnodes * args.nproc_per_node),
+        "TORCHELASTIC_RESTART_COUNT": str(round_),
+        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
+        # A store server listens at MASTER_ADDR:MASTER_PORT (ours, as torchrun's agent store):
+        # a script's own init_process_group("env://") connects to it instead of binding
+        # MASTER_PORT on rank 0 (EADDRINUSE there, and the other ranks waited for rank 0 until
+        # the init timeout); @restartable then names the misuse (inprocess.restart.loop).
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
 
 
 def torchrun_defaults(nproc_per_node: int, environ: Mapping[str, str]) -> dict[str, str]:
@@ -386,24 +429,32 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
     args.secret = secret.hex()  # rank_env hands it to every rank
     try:
-        control = JobControl(
-            node_rank=args.node_rank,
-            nnodes=args.nnodes,
-            addr=args.master_addr,
-            port=args.master_port,
-            node_timeout=args.node_timeout,
-            beat_stale=max(2.0, 20 * args.monitor_interval),
-            store_url=args.store,
-            job_id=args.job_id,
-            # Under Slurm: one id per job attempt (a requeued attempt journals apart).
-            launch_id=environment.launch_id(),
-            sealer=sealing.Sealer(secret),
-        )
+        control = _job_control(args, secret)
     except Exception as exc:
         return _finish(
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
         )
     jr.start(control.launch_id)
+    with _warm_pool(args) as pool:
+        return _rounds(args, control, jr, pool)
+
+
+def _warm_pool(args: argparse.Namespace) -> contextlib.AbstractContextManager[WarmPool | None]:
+    """The node's warm pool when a respawn or an in-job restart may need it (started now: it
+    imports while the first round starts cold), else nothing."""
+    if not args.warm_pool or not (args.max_respawns or args.max_restarts):
+        return contextlib.nullcontext()
+    env = {**torchrun_defaults(args.nproc_per_node, os.environ), **os.environ}
+    extra = [m.strip() for m in args.preload.split(",") if m.strip()]
+    pool = WarmPool(env=env, preload=[*DEFAULT_PRELOAD, *extra])
+    pool.start()
+    return pool
+
+
+def _rounds(
+    args: argparse.Namespace, control: JobControl, jr: _LauncherJournal, pool: WarmPool | None
+) -> int:
+    """The job's rounds on this node until it ends; the launcher's exit status."""
     current: list[NodeSupervisor] = []
     signals_seen = 0
 
@@ -417,7 +468,7 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     try:
         k = 0
         while True:
-            end, action = _run_round(args, control, k, current, jr)
+            end, action = _run_round(args, control, k, current, jr, pool)
             if action is not None and action.kind == "restart":
                 log.warning(
                     "in-job restart %d/%d: %s; every rank restarts and resumes from its newest "
@@ -445,18 +496,26 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         control.close()
 
 
-def _run_round(
-    args: argparse.Namespace,
-    control: JobControl,
-    k: int,
-    current: list[NodeSupervisor],
-    jr: _LauncherJournal,
-) -> tuple[RoundEnd, Action | None]:
-    """One round on this node: start the ranks, supervise them, stop them; the round's end and
-    the action (restart or end) every node agreed on, if any."""
-    port, store = control.open_round(k)
-    launch_id = control.launch_id
-    cfg = SupervisorConfig(
+def _job_control(args: argparse.Namespace, secret: bytes) -> JobControl:
+    """The launchers' control store for this attempt (raises when it cannot be reached)."""
+    return JobControl(
+        node_rank=args.node_rank,
+        nnodes=args.nnodes,
+        addr=args.master_addr,
+        port=args.master_port,
+        node_timeout=args.node_timeout,
+        beat_stale=max(2.0, 20 * args.monitor_interval),
+        store_url=args.store,
+        job_id=args.job_id,
+        # Under Slurm: one id per job attempt (a requeued attempt journals apart).
+        launch_id=environment.launch_id(),
+        sealer=sealing.Sealer(secret),
+    )
+
+
+def _supervisor_config(args: argparse.Namespace) -> SupervisorConfig:
+    """What the launcher's flags say about this node's processes."""
+    return SupervisorConfig(
         script=[args.script, *args.args],
         node_rank=args.node_rank,
         nproc_per_node=args.nproc_per_node,
@@ -467,6 +526,21 @@ def _run_round(
         monitor_interval=args.monitor_interval,
         stop_grace=args.stop_grace,
     )
+
+
+def _run_round(
+    args: argparse.Namespace,
+    control: JobControl,
+    k: int,
+    current: list[NodeSupervisor],
+    jr: _LauncherJournal,
+    pool: WarmPool | None = None,
+) -> tuple[RoundEnd, Action | None]:
+    """One round on this node: start the ranks, supervise them, stop them; the round's end and
+    the action (restart or end) every node agreed on, if any."""
+    port, store = control.open_round(k)
+    launch_id = control.launch_id
+    cfg = _supervisor_config(args)
 
     def on_stopped(reason: str) -> None:
         origin = job_keys.stop_origin(store) if store is not None else ""
@@ -490,6 +564,8 @@ def _run_round(
         report_live=lambda n: control.report_live(k, n),
         job_gone=lambda: control.job_gone(k),
         on_tick=lambda: jr.follow(store),
+        pool=pool,
+        warm_initial=k > 0,  # an in-job restart forks every rank from the pool
     )
     current[:] = [sup]
     drill = None
@@ -562,7 +638,7 @@ def _log_to_stdout(node_rank: int) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"[launcher node {node_rank}] %(message)s"))
     for name in ("inprocess.launch", "inprocess.launch.supervisor", "inprocess.launch.rounds",
-                 "inprocess.faults.drill"):  # fmt: skip
+                 "inprocess.launch.pool", "inprocess.faults.drill"):  # fmt: skip
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

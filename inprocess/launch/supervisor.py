@@ -22,6 +22,7 @@ from typing import IO, Any
 
 from inprocess import journal
 from inprocess.launch.autoresume import VERDICT_STATUSES
+from inprocess.launch.pool import PooledProcess, WarmPool
 from inprocess.protocol import job_keys
 from inprocess.protocol.ranks import respawn_identity
 
@@ -68,7 +69,7 @@ class _Child:
     slot: int  # local rank
     generation: int
     identity: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | PooledProcess
     started: float
     pump: threading.Thread
 
@@ -100,6 +101,10 @@ class NodeSupervisor:
     report_live: Callable[[int], None] = lambda n: None
     job_gone: Callable[[], bool] = lambda: False
     on_tick: Callable[[], None] = lambda: None  # each look, before the children's exits
+    # Respawns (and, with warm_initial, the round's first processes: an in-job restart) are
+    # forked from it while it is ready; otherwise, or when it broke, started cold.
+    pool: WarmPool | None = None
+    warm_initial: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     children: dict[int, _Child] = field(default_factory=dict)
     slots: dict[int, _Slot] = field(default_factory=dict)
@@ -211,13 +216,7 @@ class NodeSupervisor:
         cfg = self.cfg
         slot_rank = cfg.node_rank * cfg.nproc_per_node + local
         identity = respawn_identity(slot_rank, generation, world_size=cfg.world_size)
-        proc = subprocess.Popen(
-            [sys.executable, *cfg.script],
-            env=dict(self.env_of(local, generation)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a terminal's Ctrl-C reaches ranks only through us
-        )
+        proc = self._start_process(local, generation)
         assert proc.stdout is not None
         prefix = f"[rank {slot_rank}] " if generation == 0 else f"[rank {slot_rank}.{generation}] "
         pump = threading.Thread(
@@ -232,6 +231,26 @@ class NodeSupervisor:
                 "respawn_started", slot_rank=slot_rank, identity=identity, replaces=replaces,
                 generation=generation, proc_pid=proc.pid,
             )  # fmt: skip
+
+    def _start_process(
+        self, local: int, generation: int
+    ) -> subprocess.Popen[bytes] | PooledProcess:
+        """Fork the process from the warm pool when it may (see ``pool``), else start it cold."""
+        env = dict(self.env_of(local, generation))
+        if self.pool is not None and (generation or self.warm_initial):
+            warm = self.pool.spawn(self.cfg.script, env=env)
+            if warm is not None:
+                log.info(
+                    "rank process of slot %d forked from the warm pool (pid %d)", local, warm.pid
+                )
+                return warm
+        return subprocess.Popen(
+            [sys.executable, *self.cfg.script],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a terminal's Ctrl-C reaches ranks only through us
+        )
 
     def _reap(self) -> None:
         """Handle children that exited since the last look: schedule a respawn or retire."""
@@ -285,6 +304,13 @@ class NodeSupervisor:
                 proc_pid=c.proc.pid, lived_s=lived,
             )  # fmt: skip
             return
+        # Announced before it starts: a restart decision short of ranks meanwhile waits for
+        # it instead of shrinking or stopping the job (inprocess.protocol.capacity).
+        identity = respawn_identity(rank, slot.respawns + 1, world_size=cfg.world_size)
+        try:
+            job_keys.announce_respawn(self.store, identity)
+        except Exception as exc:  # node 0 (the store) is gone: poll_action() says so
+            log.debug("store unreachable while announcing identity %d: %r", identity, exc)
         delay = 0.0
         if slot.short_deaths:  # it never got going: wait, longer each time in a row
             delay = min(_MAX_BACKOFF_S, cfg.respawn_backoff * 2 ** (slot.short_deaths - 1))

@@ -4,6 +4,7 @@ pool, the current iteration, and how the in-process path ended (done or stopped)
 Keys (under ``restartable/``, next to ``inprocess.protocol.keys``'s): ``iteration`` (the iteration
 the
 ranks are in), ``joiners`` (respawned identities that are ready to wait as reserves, appended),
+``respawning`` (identities a launcher is starting: capacity on its way, appended),
 ``stopped`` (why the in-process path gave up; first writer wins). The launcher
 (``inprocess.launch.supervisor``) reads them to choose between a respawn and an in-job restart.
 """
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 ITERATION_KEY = keys.ROOT + "iteration"
 JOINERS_KEY = keys.ROOT + "joiners"
+RESPAWNING_KEY = keys.ROOT + "respawning"
 STOPPED_KEY = keys.ROOT + "stopped"
 STOPPED_ORIGIN_KEY = keys.ROOT + "stopped_origin"
 JOURNAL_DIR_KEY = keys.ROOT + "journal_dir"  # where the ranks journal: the launcher joins them
@@ -112,6 +114,27 @@ def gone_and_ready_joiners(store: keys.StoreLike) -> tuple[set[int], set[int]]:
 def ready_joiners(store: keys.StoreLike) -> set[int]:
     """Registered respawned identities whose process is not known to be gone; never blocks."""
     return gone_and_ready_joiners(store)[1]
+
+
+def announce_respawn(store: keys.StoreLike, identity: int) -> None:
+    """The launcher decided to start ``identity`` (``ranks.respawn_identity``) in a dead
+    process's slot: a restart decision short of ranks may wait for it (``pending_respawns``).
+
+    Called before the process starts, so that a decision taken while it starts knows of it.
+    It stops being pending when it registers (``register_joiner``) or is marked gone."""
+    store.append(RESPAWNING_KEY, f"{identity},")
+
+
+def respawn_state(store: keys.StoreLike) -> tuple[set[int], set[int], set[int]]:
+    """``(gone, ready, pending)`` read together (one transaction on etcd); never blocks.
+
+    ``gone``: ranks known gone; ``ready``: registered respawned identities not gone;
+    ``pending``: announced respawns (``announce_respawn``) neither registered nor gone."""
+    gone_raw, joiners_raw, pending_raw = keys.peek_many(
+        store, [keys.GONE_KEY, JOINERS_KEY, RESPAWNING_KEY]
+    )
+    gone, joiners = keys.parse_ranks(gone_raw), keys.parse_ranks(joiners_raw)
+    return gone, joiners - gone, keys.parse_ranks(pending_raw) - joiners - gone
 
 
 def mark_gone(store: keys.StoreLike, identity: int) -> None:

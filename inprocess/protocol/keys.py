@@ -180,6 +180,18 @@ def report_fault(
     )
 
 
+def record_reserve_gone(store: StoreLike, iteration: int, initial_rank: int) -> None:
+    """A reserve's process is gone (its watchdog saw it die, or killed it at the hard timeout):
+    no barrier or decision waits for it, and the ranks that train are NOT interrupted.
+
+    Unlike ``record_fault`` this ends no iteration: a reserve takes no part in ``train()``,
+    so its death costs the active ranks nothing (issue 35). It is counted at the restart
+    barrier of ``iteration`` (the one its ranks meet at when the iteration faults for another
+    reason), and the next decision retires it (``gone_ranks``). Never blocks."""
+    store.append(GONE_KEY, f"{initial_rank},")
+    _count_once(store, iteration, initial_rank)
+
+
 def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
     """Every fault recorded for ``iteration`` so far, in arrival order."""
     raw = peek(store, _key(iteration, "faults"))

@@ -108,23 +108,11 @@ def reassign(
         min_active_world_size=min_active_world_size,
     )
     retired = previous.retired | frozenset(lost)
-    leaving = set(demoted) - retired
-    if granularity == "node":
-        # A fault on a node makes the whole node suspect (shared PCIe switch, NIC, host memory):
-        # its healthy ranks step back rather than exit, so they can still fill in later.
-        bad_nodes = {node_index(r, node_of) for r in (set(lost) - previous.retired) | set(demoted)}
-        leaving |= {r for r in known if node_index(r, node_of) in bad_nodes} - retired
+    leaving = _leaving(previous, node_of, lost, demoted, known, retired, granularity)
 
-    # Ranks beyond active_world_size (a larger active set earlier) step back to the pool front.
-    kept = [r if r not in retired and r not in leaving else None for r in previous.active]
-    extra = [r for r in kept[active_world_size:] if r is not None]
-    slots = kept[:active_world_size] + [None] * max(0, active_world_size - len(kept))
-    # Demoted / excluded ranks go to the back, in initial-rank order so every rank agrees.
-    pool = extra + [r for r in previous.reserve if r not in retired and r not in leaving]
-    in_job = set(previous.active) | set(previous.reserve)
-    pool += sorted(r for r in joined if r not in in_job and r not in retired and r not in leaving)
-    pool += sorted(leaving)
-
+    slots, pool = _slots_and_pool(
+        previous, retired=retired, leaving=leaving, joined=joined, size=active_world_size
+    )
     holes = [i for i, r in enumerate(slots) if r is None]
     chosen = _pick_reserves(
         pool,
@@ -137,18 +125,66 @@ def reassign(
     for pos, rank in zip(holes, chosen, strict=False):  # fewer chosen: shrink
         slots[pos] = rank
     active = _compact(slots)
-    if len(active) < min_active_world_size:
-        raise NotEnoughRanksError(
-            f"only {len(active)} healthy rank(s) remain but min_active_world_size is "
-            f"{min_active_world_size} (active_world_size {active_world_size}, retired ranks "
-            f"{sorted(retired)}): launch more ranks as reserves or lower min_active_world_size"
-        )
+    _check_enough(active, retired, active_world_size, min_active_world_size)
     taken = set(active)
     return Assignment(
         active=tuple(active),
         reserve=tuple(r for r in pool if r not in taken),
         retired=retired,
     )
+
+
+def _leaving(
+    previous: Assignment,
+    node_of: Sequence[int],
+    lost: Collection[int],
+    demoted: Collection[int],
+    known: set[int],
+    retired: frozenset[int],
+    granularity: str,
+) -> set[int]:
+    """The healthy ranks that step back to the reserve pool: the demoted ones, and under node
+    granularity every healthy rank of a node that lost or demoted one."""
+    leaving = set(demoted) - retired
+    if granularity == "node":
+        # A fault on a node makes the whole node suspect (shared PCIe switch, NIC, host memory):
+        # its healthy ranks step back rather than exit, so they can still fill in later.
+        bad_nodes = {node_index(r, node_of) for r in (set(lost) - previous.retired) | set(demoted)}
+        leaving |= {r for r in known if node_index(r, node_of) in bad_nodes} - retired
+    return leaving
+
+
+def _check_enough(
+    active: Sequence[int], retired: Collection[int], active_world_size: int, minimum: int
+) -> None:
+    if len(active) < minimum:
+        raise NotEnoughRanksError(
+            f"only {len(active)} healthy rank(s) remain but min_active_world_size is "
+            f"{minimum} (active_world_size {active_world_size}, retired ranks "
+            f"{sorted(retired)}): launch more ranks as reserves or lower min_active_world_size"
+        )
+
+
+def _slots_and_pool(
+    previous: Assignment,
+    *,
+    retired: frozenset[int],
+    leaving: set[int],
+    joined: Collection[int],
+    size: int,
+) -> tuple[list[int | None], list[int]]:
+    """``reassign``'s first step: the active places (None: a hole to fill) and the reserve
+    pool in the order its ranks are taken."""
+    # Ranks beyond the active size (a larger active set earlier) step back to the pool front.
+    kept = [r if r not in retired and r not in leaving else None for r in previous.active]
+    extra = [r for r in kept[size:] if r is not None]
+    slots = kept[:size] + [None] * max(0, size - len(kept))
+    # Demoted / excluded ranks go to the back, in initial-rank order so every rank agrees.
+    pool = extra + [r for r in previous.reserve if r not in retired and r not in leaving]
+    in_job = set(previous.active) | set(previous.reserve)
+    pool += sorted(r for r in joined if r not in in_job and r not in retired and r not in leaving)
+    pool += sorted(leaving)
+    return slots, pool
 
 
 def _check_reassign(

@@ -14,7 +14,7 @@ from typing import Any
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord, RestartAbortedError
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import capacity, keys
 from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment
 from inprocess.restart.progress import ProgressTracker
@@ -83,19 +83,23 @@ class RestartAgreement:
         ``counted`` history (each appends the published decisions), so the inputs differ
         between ranks only in what the store held at the moment each read it.
         """
-        gone, joined = job_keys.gone_and_ready_joiners(store)
-        observed = Observed(
+
+        def decide_with(gone: frozenset[int], joined: frozenset[int]) -> Decision:
+            observed = Observed(iteration, tuple(faults), gone=gone, joined=joined)
+            return decide(
+                observed,
+                history=self.counted,
+                assignment=assignment,
+                target=target,
+                node_of=self.node_of,
+                config=self.cfg,
+            )
+
+        # Short of ranks, wait for the respawns the launchers announced (issue 35).
+        return capacity.decide_waiting(
+            store,
+            decide_with,
             iteration=iteration,
-            faults=tuple(faults),
-            gone=frozenset(gone),
-            joined=frozenset(joined),
-        )
-        decision = decide(
-            observed,
-            history=self.counted,
-            assignment=assignment,
             target=target,
-            node_of=self.node_of,
-            config=self.cfg,
-        )
-        return decision.to_json()
+            timeout=self.cfg.effective_respawn_wait_timeout,
+        ).to_json()

@@ -340,7 +340,8 @@ class _Job:
         kwargs: dict[str, Any],
     ) -> Outcome:
         """Announce ``iteration``, then run it in this rank's role (active or reserve)."""
-        self.watchdog.set_iteration(iteration)
+        # A reserve's death only marks it gone: it never interrupts the training (issue 35).
+        self.watchdog.set_iteration(iteration, reserve=assignment.rank_of(self.me) is None)
         job_keys.start_iteration(
             self.store,
             iteration,

@@ -20,12 +20,12 @@ from types import TracebackType
 from checkpoint.sealing import SECRET_ENV
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
-from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE
+from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE, RESERVE_PREFIX
 
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 5.0  # the process exits within milliseconds of "close"; kill it after this
-_READY_TIMEOUT_S = 60.0  # torch import on a loaded host; never block a rank's start for longer
+_READY_TIMEOUT_S = 60.0  # a badly overloaded host; never block a rank's start for longer
 
 
 class Watchdog:
@@ -33,8 +33,8 @@ class Watchdog:
 
     Call order: ``start()`` once when the wrapper starts, ``set_iteration(n)`` at the start of
     every restart iteration, ``close()`` when the rank leaves normally (idempotent; also on
-    ``__exit__``). ``start()`` blocks until the process watches (it imports torch: about a
-    second, bounded); ``close()`` waits at most a few seconds; the rest is a pipe write.
+    ``__exit__``). ``start()`` blocks until the process watches (no torch: tens of ms on a
+    quiet host, bounded); ``close()`` waits at most a few seconds; the rest is a pipe write.
 
     How it works: a daemon thread writes the current iteration to the process's stdin every
     ``heartbeat_interval``. That thread needs the GIL, so the beats stop only when the process
@@ -94,6 +94,7 @@ class Watchdog:
         self._logdir = logdir
         self._secret = secret
         self._iteration = 0
+        self._reserve = False
         self._lock = threading.Lock()  # one writer at a time on the pipe
         self._stop = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -123,22 +124,7 @@ class Watchdog:
         """
         if self._proc is not None or self._closed:
             raise RuntimeError("Watchdog.start() called twice or after close(): create a new one")
-        cmd = [
-            sys.executable,
-            "-m",
-            "inprocess.watchdog",
-            f"--store-host={self._store_host}",
-            f"--store-port={self._store_port}",
-            f"--initial-rank={self._initial_rank}",
-            f"--pid={os.getpid()}",
-            f"--iteration={self._iteration}",
-            f"--hard-timeout={self._hard_timeout}",
-            f"--termination-grace-time={self._grace}",
-        ]
-        if self._store_url is not None:
-            cmd.append(f"--store-url={self._store_url}")
-            if self._job_id is not None:
-                cmd.append(f"--job-id={self._job_id}")
+        cmd = self._command()
         stderr = None
         if self._logdir is not None:
             Path(self._logdir).mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -180,11 +166,33 @@ class Watchdog:
             time.monotonic() - t0,
         )
 
+    def _command(self) -> list[str]:
+        """The watchdog process's command line (stdlib and this project only: no torch)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "inprocess.watchdog",
+            f"--store-host={self._store_host}",
+            f"--store-port={self._store_port}",
+            f"--initial-rank={self._initial_rank}",
+            f"--pid={os.getpid()}",
+            f"--iteration={self._iteration}",
+            *(["--reserve"] if self._reserve else []),
+            f"--hard-timeout={self._hard_timeout}",
+            f"--termination-grace-time={self._grace}",
+        ]
+        if self._store_url is not None:
+            cmd.append(f"--store-url={self._store_url}")
+            if self._job_id is not None:
+                cmd.append(f"--job-id={self._job_id}")
+        return cmd
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait at most ``timeout`` s until the process is connected to the store and watching.
 
-        The process first imports torch to reach the store (about a second, more on a loaded
-        host); a death before it is ready is still reported, only that much later.
+        The process reaches the store with a pure-Python client
+        (``inprocess.protocol.tcpstore_client``); a death before it is ready is still reported,
+        only that much later.
         """
         proc = self._proc
         if proc is None or proc.stdout is None:
@@ -194,10 +202,17 @@ class Watchdog:
             self._ready = bool(readable) and proc.stdout.readline() == READY_MESSAGE
         return self._ready
 
-    def set_iteration(self, iteration: int) -> None:
-        """Deaths from now on are reported for ``iteration``; tells the process at once."""
+    def set_iteration(self, iteration: int, *, reserve: bool = False) -> None:
+        """Deaths from now on are reported for ``iteration``; tells the process at once.
+
+        ``reserve``: this rank waits as a reserve in ``iteration``: its death only marks it
+        gone (``keys.record_reserve_gone``) and never interrupts the ranks that train."""
         self._iteration = iteration
-        self._send(f"{iteration}\n".encode())
+        self._reserve = reserve
+        self._send(self._beat_line())
+
+    def _beat_line(self) -> bytes:
+        return f"{RESERVE_PREFIX.decode() if self._reserve else ''}{self._iteration}\n".encode()
 
     def close(self) -> None:
         """Stop the heartbeat and the process without reporting anything (idempotent)."""
@@ -237,9 +252,9 @@ class Watchdog:
         self.close()
 
     def _beat(self) -> None:
-        self._send(f"{self._iteration}\n".encode())
+        self._send(self._beat_line())
         while not self._stop.wait(self._interval):
-            self._send(f"{self._iteration}\n".encode())
+            self._send(self._beat_line())
 
     def _send(self, data: bytes) -> None:
         proc = self._proc

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import logging
 import os
 import select
@@ -22,9 +21,11 @@ from inprocess.watchdog import kill_notice
 log = logging.getLogger(__name__)
 
 # The pipe protocol. Rank -> watchdog (stdin): one line per heartbeat holding the current
-# iteration, or CLOSE_MESSAGE. Watchdog -> rank (stdout): READY_MESSAGE once, when watching.
+# iteration, prefixed with RESERVE_PREFIX while the rank waits as a reserve, or CLOSE_MESSAGE.
+# Watchdog -> rank (stdout): READY_MESSAGE once, when watching.
 CLOSE_MESSAGE = b"close\n"
 READY_MESSAGE = b"ready\n"
+RESERVE_PREFIX = b"r"
 
 _STORE_TIMEOUT_S = 30.0  # connect + report; the watchdog must never outlive its job for long
 _DEAD_POLL_S = 0.01  # only where pidfd_open is missing (not Linux >= 5.3)
@@ -60,8 +61,10 @@ def main(argv: Sequence[str]) -> int:
                 if line + b"\n" == CLOSE_MESSAGE:
                     log.debug("rank %d closed its watchdog", args.initial_rank)
                     return 0
+                reserve = line.startswith(RESERVE_PREFIX)
                 try:
-                    iteration = int(line)
+                    iteration = int(line[len(RESERVE_PREFIX) :] if reserve else line)
+                    args.reserve = reserve
                 except ValueError:  # not ours (a stray write): keep watching, it was a beat
                     log.warning("ignoring unexpected input %r", line[:80])
             if lines:
@@ -205,29 +208,28 @@ def _connect_raw(args: argparse.Namespace) -> Any:
             return None
     host, port = args.store_host, args.store_port
     try:
-        from torch.distributed import TCPStore
+        # Not torch's client: importing torch cost this process ~220 MB and a second (issue 35).
+        from inprocess.protocol.tcpstore_client import TCPStoreClient
 
-        return TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S),
-            wait_for_workers=False,
-        )
+        return TCPStoreClient(host, port, timeout=_STORE_TIMEOUT_S)
     except Exception:
         log.exception("cannot reach the store at %s:%d; faults will only be logged", host, port)
         return None
 
 
 def _report(store: Any, args: argparse.Namespace, iteration: int, kind: str, detail: str) -> None:
-    log.warning("rank %d iteration %d: %s (%s)", args.initial_rank, iteration, kind, detail)
+    who = "reserve rank" if args.reserve else "rank"
+    log.warning("%s %d iteration %d: %s (%s)", who, args.initial_rank, iteration, kind, detail)
     if store is None:
         store = _connect(args)
     if store is None:
         return
     try:
-        from inprocess.protocol.keys import report_fault
+        from inprocess.protocol.keys import record_reserve_gone, report_fault
 
+        if args.reserve:  # a reserve's death must not interrupt the ranks that train
+            record_reserve_gone(store, iteration, args.initial_rank)
+            return
         report_fault(
             store, iteration=iteration, initial_rank=args.initial_rank, kind=kind, detail=detail
         )
@@ -242,6 +244,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--initial-rank", type=int, required=True)
     p.add_argument("--pid", type=int, required=True)
     p.add_argument("--iteration", type=int, default=0)
+    p.add_argument("--reserve", action="store_true", help="the rank starts as a reserve")
     p.add_argument("--hard-timeout", type=float, required=True)
     p.add_argument("--termination-grace-time", type=float, required=True)
     p.add_argument("--logfile", default=None)

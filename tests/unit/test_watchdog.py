@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.protocol.keys import end_key, read_faults
+from inprocess.protocol.keys import end_key, gone_ranks, read_faults
 from inprocess.watchdog.owner import Watchdog
 from tests.multiproc import REPO_ROOT
 
@@ -43,6 +43,9 @@ CHILD = textwrap.dedent(
     assert w.wait_ready(30), "the watchdog process did not come up"
     print("ready", w.pid, flush=True)
     if mode == "exit":
+        os._exit(3)
+    if mode == "reserve_exit":  # dies while waiting as a reserve
+        w.set_iteration({ITERATION}, reserve=True)
         os._exit(3)
     if mode == "wait":
         time.sleep(3600)
@@ -108,6 +111,15 @@ def wait_gone(pid: int, timeout: float) -> bool:
         return bool(select.select([fd], [], [], timeout)[0])
     finally:
         os.close(fd)
+
+
+def test_a_reserves_death_marks_it_gone_and_ends_no_iteration(store: TCPStore) -> None:
+    # Issue 35: the ranks that train must not restart because a reserve died.
+    proc, watchdog_pid = start_rank(store, "reserve_exit")
+    assert proc.wait(10) == 3
+    assert wait_gone(watchdog_pid, 10), "the watchdog must exit after its report"
+    assert gone_ranks(store) == {RANK}
+    assert not store.check([end_key(ITERATION)]) and read_faults(store, ITERATION) == []
 
 
 def test_sigkill_of_rank_is_reported_within_milliseconds(store: TCPStore) -> None:
@@ -207,3 +219,33 @@ def test_an_infinite_kill_delay_is_refused(field: str) -> None:
     with pytest.raises(ValueError, match=f"{field} \\(inf\\) must be .* finite"):
         Watchdog(store_host="h", store_port=1, initial_rank=0, heartbeat_interval=0.5,
                  logdir=None, **kw)  # fmt: skip
+
+
+# Runs the watchdog's main in a process that says, once main returned, which heavy modules it
+# imported and its peak resident memory (VmHWM: ru_maxrss would carry pytest's over the exec;
+# stdout is the rank's pipe: stderr carries the answer).
+LEAN_PROBE = (
+    "import sys; from inprocess.watchdog.process import main; rc = main(sys.argv[1:]);"
+    "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'));"
+    "hwm = [x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0];"
+    "print('PROBE', rc, len(heavy), hwm, file=sys.stderr)"
+)
+
+
+def test_the_watchdog_process_imports_no_torch_and_stays_small(store: TCPStore) -> None:
+    # Issue 35: no torch (it cost ~220 MB and a second of start-up per rank); <= 30 MB.
+    watched = subprocess.Popen(["sleep", "0.5"])
+    probe = subprocess.run(
+        [sys.executable, "-c", LEAN_PROBE, "--store-host=127.0.0.1", f"--store-port={store.port}",
+         f"--initial-rank={RANK}", f"--pid={watched.pid}", f"--iteration={ITERATION}",
+         "--hard-timeout=30", "--termination-grace-time=1"],
+        stdin=subprocess.PIPE, capture_output=True, text=True, timeout=30,
+        env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), cwd=REPO_ROOT,
+    )  # fmt: skip
+    watched.wait()
+    (line,) = [x for x in probe.stderr.splitlines() if x.startswith("PROBE")]
+    _, rc, heavy, max_rss_kb = line.split()
+    assert (rc, heavy) == ("0", "0"), probe.stderr
+    assert int(max_rss_kb) <= 30 * 1024, f"watchdog peak RSS {max_rss_kb} KB > 30 MB"
+    kind, _ = wait_fault(store, timeout=10)  # the report went through the pure-Python client
+    assert kind == "dead"

@@ -1,0 +1,103 @@
+"""A restart decision short of ranks waits for the respawned processes already on their way.
+
+Faults cluster (a failing node loses its ranks one after the other): the second death may come
+while the first one's replacement is still starting. Counting only the ranks ready at that
+moment, the decision would shrink the job or stop it ("not enough healthy ranks"); the
+launchers announce each respawn before it starts (``job_keys.announce_respawn``), so the
+decision can tell that capacity is coming and wait for it, bounded by
+``RestartConfig.respawn_wait_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
+from inprocess.protocol import job_keys, keys
+from inprocess.protocol.policy import Decision
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02  # how often a waiting decider re-reads the store (a few reads per wait)
+
+# decide(gone, ready): the policy's decision with these ranks gone and these respawned
+# identities ready to join (``inprocess.protocol.policy.decide`` with the other inputs bound).
+DecideFn = Callable[[frozenset[int], frozenset[int]], Decision]
+
+
+def decide_waiting(
+    store: keys.StoreLike,
+    decide: DecideFn,
+    *,
+    iteration: int,
+    target: int,
+    timeout: float,
+    clock: Clock = SYSTEM,
+) -> Decision:
+    """The decision of the restart barrier of ``iteration``, waiting for pending respawns.
+
+    Called by the one rank that decides (``keys.restart_barrier``'s ``decide``), while every
+    other rank waits for the published decision (bounded by ``barrier_timeout``, which must
+    exceed ``timeout``). Decides with what the store holds now; when that decision fills fewer
+    than ``target`` active ranks (it shrinks the job or stops it) and the announced respawns
+    not yet ready would make it fill more, re-reads the store every ``_POLL_S`` until they
+    joined, died, or ``timeout`` seconds passed, and decides again with what is there then.
+    Blocks at most ``timeout`` (+ one poll). Logs and journals what it waited for.
+    """
+    start = clock.monotonic()
+    waited: set[int] = set()
+    while True:
+        gone, ready, pending = (frozenset(s) for s in job_keys.respawn_state(store))
+        decision = decide(gone, ready)
+        if _size(decision) >= target or not pending:
+            break
+        if _size(decide(gone, ready | pending)) <= _size(decision):
+            break  # the respawns on their way would not change the outcome
+        if clock.monotonic() - start >= timeout:
+            break
+        waited |= pending
+        clock.sleep(_POLL_S)
+    if waited:
+        _log_wait(iteration, decision, waited, ready, pending, clock.monotonic() - start, timeout)
+    return decision
+
+
+def _size(decision: Decision) -> int:
+    return 0 if decision.assignment is None else decision.assignment.world_size
+
+
+def _log_wait(
+    iteration: int,
+    decision: Decision,
+    waited: set[int],
+    ready: frozenset[int],
+    pending: frozenset[int],
+    waited_s: float,
+    timeout: float,
+) -> None:
+    joined = sorted(waited & ready)
+    missing = sorted(waited - ready)
+    outcome = (
+        f"{_size(decision)} active rank(s)"
+        if decision.stop is None
+        else f"stop: {decision.stop.splitlines()[0]}"
+    )
+    log.info(
+        "restart decision of iteration %d waited %.2f s for respawned identities %s "
+        "(respawn_wait_timeout %.1f s): joined %s, still missing %s (%s); %s",
+        iteration,
+        waited_s,
+        sorted(waited),
+        timeout,
+        joined or "none",
+        missing or "none",
+        "still starting" if pending else "gone or not started",
+        outcome,
+    )
+    journal.record(
+        "respawn_wait", iteration=iteration, waited_for=sorted(waited), joined=joined,
+        missing=missing, waited_s=waited_s, timeout_s=timeout,
+        active=_size(decision), stop=decision.stop,
+    )  # fmt: skip

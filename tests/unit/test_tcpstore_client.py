@@ -1,0 +1,94 @@
+"""The pure-Python TCPStore client (inprocess.protocol.tcpstore_client) against torch's real
+TCPStore server, side by side with torch's own client: fails loudly when torch changes its
+private wire protocol (issue 35: the watchdog uses it to stay free of torch)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed import TCPStore
+
+from inprocess.protocol import keys
+from inprocess.protocol.tcpstore_client import TCPStoreClient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def server() -> Iterator[TCPStore]:
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                 timeout=datetime.timedelta(seconds=20))  # fmt: skip
+    yield s
+    del s
+
+
+@pytest.fixture
+def ours(server: TCPStore) -> Iterator[TCPStoreClient]:
+    c = TCPStoreClient("127.0.0.1", server.port, timeout=10.0)
+    yield c
+    c.close()
+
+
+def test_every_call_agrees_with_torchs_client(server: TCPStore, ours: TCPStoreClient) -> None:
+    ours.set("a", "1")
+    assert server.get("a") == b"1"
+    server.set("b", b"\x00bin\xff")
+    assert ours.get("b") == b"\x00bin\xff"
+    assert ours.add("n", 3) == 3 and server.add("n", 2) == 5 and ours.add("n", 0) == 5
+    ours.append("l", "x,")
+    server.append("l", "y,")
+    ours.append("l", b"z,")
+    assert server.get("l") == b"x,y,z," == ours.get("l")
+    # compare_set: an absent key with expected "" is set; a mismatch returns the current value.
+    assert ours.compare_set("c", "", "first") == b"first"
+    assert ours.compare_set("c", "", "second") == b"first"
+    assert ours.compare_set("c", "first", "third") == b"third" == server.get("c")
+    assert ours.check(["a", "b"]) and not ours.check(["a", "missing"])
+    ours.multi_set(["m1", "m2"], ["v1", b"v2"])
+    assert server.multi_get(["m1", "m2"]) == [b"v1", b"v2"]
+
+
+def test_wait_returns_when_another_client_sets_the_key(
+    server: TCPStore, ours: TCPStoreClient
+) -> None:
+    threading.Timer(0.2, lambda: server.set("late", "here")).start()
+    t0 = time.monotonic()
+    ours.wait(["late"], datetime.timedelta(seconds=10))
+    assert 0.1 < time.monotonic() - t0 < 5
+    assert ours.get("late") == b"here"
+
+
+def test_a_timed_out_wait_leaves_the_connection_usable(
+    server: TCPStore, ours: TCPStoreClient
+) -> None:
+    with pytest.raises(TimeoutError, match="timeout"):
+        ours.wait(["never"], datetime.timedelta(seconds=0.2))
+    ours.set("after", "ok")  # the cancel's answer was read: requests and answers stay in step
+    assert ours.get("after") == b"ok" and ours.add("k", 1) == 1
+
+
+def test_the_protocols_fault_report_reads_back_through_torch(
+    server: TCPStore, ours: TCPStoreClient
+) -> None:
+    keys.report_fault(ours, iteration=2, initial_rank=1, kind="dead", detail="gone")
+    assert server.get(keys.end_key(2)) == keys.OUTCOME_FAULT.encode()
+    (f,) = keys.read_faults(server, 2)
+    assert (f.initial_rank, f.kind) == (1, "dead") and keys.gone_ranks(server) == {1}
+    keys.record_reserve_gone(ours, 3, 4)
+    assert keys.gone_ranks(server) == {1, 4} and not server.check([keys.end_key(3)])
+
+
+def test_connecting_to_a_closed_port_fails_within_the_timeout() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            TCPStoreClient("127.0.0.1", port, timeout=0.3)
+        assert time.monotonic() - t0 < 3
