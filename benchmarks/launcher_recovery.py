@@ -76,6 +76,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 def refill_once() -> dict[str, float]:
     """Kill -> respawned process registered as a ready reserve (seconds)."""
     from inprocess.protocol import job_keys
+    from inprocess.protocol.store import as_store
     from inprocess.store_server import client
 
     d = Path(tempfile.mkdtemp(prefix="bench-refill-"))
@@ -93,7 +94,7 @@ def refill_once() -> dict[str, float]:
         store: Any = None
         while registered is None and time.monotonic() < deadline:
             try:
-                store = store or client("127.0.0.1", port, timeout=5.0)
+                store = store or as_store(client("127.0.0.1", port, timeout=5.0))
                 if job_keys.registered_joiners(store):
                     registered = time.time()
             except Exception:

@@ -40,7 +40,6 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
 
 from checkpoint import sealing
 from inprocess import journal
@@ -49,6 +48,7 @@ from inprocess.launch import autoresume
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
 from inprocess.protocol import environment, job_keys
+from inprocess.protocol.store import Store
 
 log = logging.getLogger("inprocess.launch")
 
@@ -331,7 +331,7 @@ class _LauncherJournal:
         if directory is not None:
             self.jr = journal.open_journal(directory, rank=self.rank, launch=launch)
 
-    def follow(self, store: Any) -> None:
+    def follow(self, store: Store | None) -> None:
         """Open the ranks' directory once they published it (one store look per call until)."""
         if self.jr is not None or store is None or self.launch is None:
             return

@@ -24,6 +24,7 @@ from inprocess import journal
 from inprocess.launch.autoresume import VERDICT_STATUSES
 from inprocess.protocol import job_keys
 from inprocess.protocol.ranks import respawn_identity
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class NodeSupervisor:
             self._spawn(local, slot.respawns)
 
 
-def _state(store: Any) -> str:
+def _state(store: Store) -> str:
     try:
         return job_keys.job_state(store)
     except Exception as exc:  # the store host (node 0) is gone
