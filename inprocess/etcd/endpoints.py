@@ -135,6 +135,11 @@ class Endpoints:
             except Transient as exc:
                 last = exc
                 log.debug("etcd %s on %s failed: %s", what, self.address.endpoints[index], exc)
+                if isinstance(exc, TokenRefused) and self._creds.user is None:
+                    raise EtcdStoreError(
+                        f"etcd at {client.base_url} requires authentication ({exc}): set "
+                        "INPROCESS_ETCD_USER and INPROCESS_ETCD_PASSWORD_FILE (docs/etcd.md)"
+                    ) from exc
                 self.failed(index, exc)
                 tried += 1
             now = time.monotonic()
@@ -155,9 +160,11 @@ class Endpoints:
         if self._creds.user is None or self._authed[index]:
             return
         body = {"name": self._creds.user, "password": self._creds.password or ""}
+        # Not with the refused token: etcd answers 401 to any request that carries one.
+        client.session.headers.pop("Authorization", None)
         try:
             answer = classify(lambda: client.post(client.get_url("/auth/authenticate"), json=body))
-        except EtcdStoreError as exc:
+        except (EtcdStoreError, TokenRefused) as exc:
             raise EtcdStoreError(
                 f"etcd at {client.base_url} refused user {self._creds.user!r}: {exc}; check "
                 "INPROCESS_ETCD_USER and the password in INPROCESS_ETCD_PASSWORD_FILE"
@@ -234,8 +241,13 @@ def classify(fn: Callable[[], T]) -> T:
         raise Transient(_brief(e)) from e
     except ex.Etcd3Exception as e:
         text = _brief(e)
-        if "invalid auth token" in text:
+        if "invalid auth token" in text or "Unauthorized" in text:  # HTTP 401
             raise TokenRefused(text) from e
+        if "user name is empty" in text:
+            raise EtcdStoreError(
+                f"etcd requires authentication ({text}): set INPROCESS_ETCD_USER and "
+                "INPROCESS_ETCD_PASSWORD_FILE (docs/etcd.md)"
+            ) from e
         if "404" in text or "not found" in text.lower():
             raise EtcdStoreError(
                 f"etcd answered {text}: no v3 API (gRPC gateway at {API_PATH}) there; "
@@ -245,5 +257,11 @@ def classify(fn: Callable[[], T]) -> T:
 
 
 def _brief(exc: BaseException) -> str:
-    text = " ".join(str(a) for a in exc.args) or type(exc).__name__
+    """The error's class, its arguments (etcd3gw: the HTTP reason) and the body etcd answered
+    (etcd3gw keeps it apart, in ``detail_text``: "etcdserver: user name is empty", ...)."""
+    parts = [str(a) for a in exc.args]
+    detail = getattr(exc, "detail_text", None)
+    if detail:
+        parts.append(str(detail).strip())
+    text = " ".join(parts) or type(exc).__name__
     return f"{type(exc).__name__}: {text[:300]}"

@@ -83,7 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--job-id",
         default=os.environ.get("INPROCESS_JOB_ID") or None,
         help="with --store: the job's key namespace, the same on every node (default: "
-        "$INPROCESS_JOB_ID, $SLURM_JOB_ID, or a new uuid with --nnodes 1)",
+        "$INPROCESS_JOB_ID, $SLURM_JOB_ID.$SLURM_STEP_ID, or a new uuid with --nnodes 1)",
     )
     r = p.add_argument_group("recovery (for @restartable scripts; all off by default)")
     r.add_argument(
@@ -190,8 +190,9 @@ def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(exc))
     if address.prefix is not None or args.job_id is not None:
         return
-    if os.environ.get("SLURM_JOB_ID"):
-        args.job_id = os.environ["SLURM_JOB_ID"]
+    step = environment.slurm_job_step()
+    if step is not None:  # the job step: two srun steps of one allocation never share keys
+        args.job_id = step
     elif args.nnodes == 1:
         args.job_id = f"launch-{uuid.uuid4().hex}"
     else:

@@ -135,11 +135,16 @@ class C10dStore(StoreBase):
     operation forwarded as it is, the fast paths in their generic form (``StoreBase``) except
     ``multi_get`` / ``multi_set``, which c10d stores do in one round trip.
 
-    Other attributes of the torch store (``port``, ``num_keys``, ...) are reached through
-    ``inner``. ``close()`` drops nothing: a TCPStore client closes when it is dropped."""
+    Other attributes of the torch store (``port``, ``num_keys``, ...) are ``inner``'s.
+    ``close()`` drops nothing: a TCPStore client closes when it is dropped."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "inner":  # never reached for set attributes
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def set(self, key: str, value: str | bytes) -> None:
         self.inner.set(key, value)
