@@ -111,13 +111,10 @@ class JobControl:
         job's secret; every value of the control store and of the round stores is sealed with
         it (``inprocess.protocol.sealed_store``), so a forged action is rejected, never obeyed.
         ``clock``: where this launcher's time comes from (a test skews it)."""
-
-        self._sealer = sealer
-        self.clock = clock
+        self._sealer, self.clock = sealer, clock
         self._beats = 0  # this launcher's beat count (report_live)
         # Another launcher's last beat value and when (this clock's monotonic) it changed.
         self._seen: dict[int, tuple[bytes, float]] = {}
-
         self.node_rank, self.nnodes, self.addr = node_rank, nnodes, addr
         self.node_timeout = node_timeout
         self.store_url, self.job_id = store_url, job_id
