@@ -52,6 +52,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from inprocess.protocol.store import StoreBase  # noqa: E402 (torch-free, after the path)
+
 FAULT_RANK = 1  # the rank that is killed; its watchdog records the death
 RANKS_PER_NODE = 8  # node_of for the decision (granularity "rank", so only bookkeeping)
 # Threads per worker process: with ~1,000 threads in one process the GIL hand-offs alone took
@@ -73,9 +75,11 @@ def _n(value: Any) -> int:
     return 8  # an integer or a flag
 
 
-class CountingStore:
+class CountingStore(StoreBase):
     """Wraps one store client; counts calls and payload bytes (keys and values sent, values
-    received). Used by exactly one simulated rank (one thread)."""
+    received). Used by exactly one simulated rank (one thread). The protocol's fast paths are
+    the inner store's own (one counted call) on etcd, and ``StoreBase``'s generic ones (their
+    c10d calls counted one by one) on a TCPStore."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -127,6 +131,34 @@ class CountingStore:
 
     def delete_key(self, key: str) -> bool:
         return self._count(len(key), self.inner.delete_key(key))
+
+    def _fast(self, name: str, generic: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(self.inner, StoreBase):  # etcd: one request of its own
+            out = sum(_n(a) for a in args if isinstance(a, (str, bytes)))
+            return self._count(out, getattr(self.inner, name)(*args, **kwargs))
+        return generic(self, *args, **kwargs)
+
+    def try_get(self, key: str) -> bytes | None:
+        return self._fast("try_get", StoreBase.try_get, key)
+
+    def try_get_many(self, keys: Any) -> Any:
+        return self._fast("try_get_many", StoreBase.try_get_many, keys)
+
+    def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
+        return self._fast("wait_value", StoreBase.wait_value, key, timeout)
+
+    def count_arrival(self, key: str, member: str | None = None) -> int:
+        return self._fast("count_arrival", StoreBase.count_arrival, key, member)
+
+    def record_fault_batch(self, **kw: Any) -> None:
+        self._fast("record_fault_batch", StoreBase.record_fault_batch, **kw)
+
+    def multi_set(self, keys: Any, values: Any) -> None:
+        if isinstance(self.inner, StoreBase):
+            self._fast("multi_set", StoreBase.multi_set, keys, values)
+        else:  # a TCPStore: one round trip
+            out = sum(map(len, keys)) + sum(_n(v) for v in values)
+            self._count(out, self.inner.multi_set(keys, values))
 
     def __getattr__(self, name: str) -> Any:  # anything else the protocol may call
         attr = getattr(self.inner, name)

@@ -34,6 +34,7 @@ from inprocess.errors import ConfigError
 from inprocess.protocol.environment import LaunchEnv
 from inprocess.protocol.keys import GONE_KEY, ROOT, StoreLike, parse_ranks, peek
 from inprocess.protocol.sealed_store import seal
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def mark_left(store: StoreLike, identity: int) -> int:
     return int(store.add(LEFT_KEY, 0))
 
 
-def all_left(store: Any, world_size: int, *, count_gone: bool) -> bool:
+def all_left(store: Store, world_size: int, *, count_gone: bool) -> bool:
     """Whether every rank 0..world_size-1 has left (or, with ``count_gone``, is gone)."""
     out = parse_ranks(peek(store, LEFT_RANKS_KEY))
     if count_gone:

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from inprocess.errors import ConfigError
 from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
-from inprocess.etcd.url import EtcdAddress
+from inprocess.etcd.security import ENV_CA, ENV_CERT, EtcdCredentials, credentials_from_env
+from inprocess.etcd.url import TLS_SCHEME, EtcdAddress
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
@@ -38,6 +40,11 @@ class Transient(Exception):
     """An endpoint-level failure worth retrying elsewhere (wraps the library's error)."""
 
 
+class TokenRefused(Transient):
+    """The endpoint refused this client's auth token (expired, or issued by another member):
+    a new one is asked for before the next request there."""
+
+
 def _client_module() -> Any:
     try:
         # Not `import etcd3gw.client`: the package's `client` function shadows the module.
@@ -52,23 +59,42 @@ class Endpoints:
     """The clients of every endpoint of one cluster, and the one in use (thread-safe).
 
     ``request_timeout`` bounds one HTTP request (a member that hangs instead of refusing is left
-    after this long). Constructed by ``EtcdStore``; ``call`` is its only way to the cluster.
+    after this long). ``credentials`` (default: ``credentials_from_env()``): TLS files and the
+    etcd user, see ``inprocess.etcd.security``; with a user, each endpoint's client asks for a
+    token before its first request (etcd's simple tokens are valid on the member that issued
+    them only) and again when the member refuses it. Constructed by ``EtcdStore``; ``call`` is
+    its only way to the cluster.
     """
 
-    def __init__(self, address: EtcdAddress, *, request_timeout: float) -> None:
+    def __init__(
+        self,
+        address: EtcdAddress,
+        *,
+        request_timeout: float,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
         mod = _client_module()
+        creds = credentials_from_env() if credentials is None else credentials
+        if creds.needs_tls and not address.tls:
+            raise ConfigError(
+                f"{ENV_CA} or {ENV_CERT} is set but the store URL ({address.to_url()!r}) is not "
+                f"TLS: start it with {TLS_SCHEME} to talk to etcd over TLS"
+            )
         self.address = address
         self.request_timeout = request_timeout
+        self._creds = creds
         self._clients: list[Etcd3Client] = [
             mod.Etcd3Client(
                 host=h,
                 port=p,
+                protocol="https" if address.tls else "http",
                 timeout=request_timeout,
                 api_path=API_PATH,
-                session=_bounded_session(request_timeout),
+                session=_bounded_session(request_timeout, creds),
             )
             for h, p in address.endpoints
         ]
+        self._authed = [False] * len(self._clients)
         self._current = 0
         self._lock = threading.Lock()
 
@@ -87,6 +113,13 @@ class Endpoints:
             if self._current == index:
                 self._current = (index + 1) % len(self._clients)
 
+    def failed(self, index: int, exc: Transient) -> None:
+        """A request to endpoint ``index`` failed with ``exc``: move on from it (and ask it for
+        a new token next time when it refused this one)."""
+        if isinstance(exc, TokenRefused):
+            self._authed[index] = False
+        self.fail_over(index)
+
     def call(self, what: str, op: Callable[[Etcd3Client], T], *, deadline: float) -> T:
         """Run ``op`` against a live endpoint; retry on the next endpoint until ``deadline``
         (``time.monotonic()`` seconds). ``op`` must be safe to repeat (the store makes its
@@ -97,11 +130,17 @@ class Endpoints:
         while True:
             index, client = self.current()
             try:
+                self.authenticate(index, client)
                 return classify(functools.partial(op, client))
             except Transient as exc:
                 last = exc
                 log.debug("etcd %s on %s failed: %s", what, self.address.endpoints[index], exc)
-                self.fail_over(index)
+                if isinstance(exc, TokenRefused) and self._creds.user is None:
+                    raise EtcdStoreError(
+                        f"etcd at {client.base_url} requires authentication ({exc}): set "
+                        "INPROCESS_ETCD_USER and INPROCESS_ETCD_PASSWORD_FILE (docs/etcd.md)"
+                    ) from exc
+                self.failed(index, exc)
                 tried += 1
             now = time.monotonic()
             if now >= deadline:
@@ -113,6 +152,25 @@ class Endpoints:
             if tried % len(self._clients) == 0:  # a full round failed: back off
                 time.sleep(min(backoff, deadline - now))
                 backoff = min(max(2 * backoff, 0.01), _BACKOFF_MAX_S)
+
+    def authenticate(self, index: int, client: Etcd3Client) -> None:
+        """Give endpoint ``index``'s client a token of the configured user, unless it has one
+        (no user: nothing to do). ``Transient`` when the member does not answer;
+        ``EtcdStoreError`` naming the user when it refuses the password."""
+        if self._creds.user is None or self._authed[index]:
+            return
+        body = {"name": self._creds.user, "password": self._creds.password or ""}
+        # Not with the refused token: etcd answers 401 to any request that carries one.
+        client.session.headers.pop("Authorization", None)
+        try:
+            answer = classify(lambda: client.post(client.get_url("/auth/authenticate"), json=body))
+        except (EtcdStoreError, TokenRefused) as exc:
+            raise EtcdStoreError(
+                f"etcd at {client.base_url} refused user {self._creds.user!r}: {exc}; check "
+                "INPROCESS_ETCD_USER and the password in INPROCESS_ETCD_PASSWORD_FILE"
+            ) from exc
+        client.session.headers["Authorization"] = str(answer.get("token", ""))
+        self._authed[index] = True
 
     def probe(self, *, deadline: float) -> None:
         """Check that some endpoint is an etcd with the v3 API (one status request).
@@ -127,8 +185,10 @@ class Endpoints:
 WATCH_IDLE_S = 5.0
 
 
-def _bounded_session(request_timeout: float) -> Any:
-    """A requests session whose every request is bounded, the library's watch creation too.
+def _bounded_session(request_timeout: float, creds: EtcdCredentials) -> Any:
+    """A requests session whose every request is bounded, the library's watch creation too,
+    with the TLS files of ``creds`` (the CA that signed the members' certificates, the
+    client certificate).
 
     etcd3gw passes its timeout to unary requests but opens watch streams without one: a member
     that accepts the connection and then hangs would block a waiter forever.
@@ -146,6 +206,10 @@ def _bounded_session(request_timeout: float) -> Any:
     # No proxy variables or ~/.netrc for cluster-internal endpoints: looking them up on every
     # request cost 0.4-1.2 ms of a ~2 ms call (measured, benchmarks/store_etcd.py's setup).
     session.trust_env = False
+    if creds.ca_file is not None:
+        session.verify = creds.ca_file
+    if creds.cert_file is not None and creds.key_file is not None:
+        session.cert = (creds.cert_file, creds.key_file)
     session.mount("http://", _Bounded())
     session.mount("https://", _Bounded())
     return session
@@ -177,6 +241,13 @@ def classify(fn: Callable[[], T]) -> T:
         raise Transient(_brief(e)) from e
     except ex.Etcd3Exception as e:
         text = _brief(e)
+        if "invalid auth token" in text or "Unauthorized" in text:  # HTTP 401
+            raise TokenRefused(text) from e
+        if "user name is empty" in text:
+            raise EtcdStoreError(
+                f"etcd requires authentication ({text}): set INPROCESS_ETCD_USER and "
+                "INPROCESS_ETCD_PASSWORD_FILE (docs/etcd.md)"
+            ) from e
         if "404" in text or "not found" in text.lower():
             raise EtcdStoreError(
                 f"etcd answered {text}: no v3 API (gRPC gateway at {API_PATH}) there; "
@@ -186,5 +257,11 @@ def classify(fn: Callable[[], T]) -> T:
 
 
 def _brief(exc: BaseException) -> str:
-    text = " ".join(str(a) for a in exc.args) or type(exc).__name__
+    """The error's class, its arguments (etcd3gw: the HTTP reason) and the body etcd answered
+    (etcd3gw keeps it apart, in ``detail_text``: "etcdserver: user name is empty", ...)."""
+    parts = [str(a) for a in exc.args]
+    detail = getattr(exc, "detail_text", None)
+    if detail:
+        parts.append(str(detail).strip())
+    text = " ".join(parts) or type(exc).__name__
     return f"{type(exc).__name__}: {text[:300]}"

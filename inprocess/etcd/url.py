@@ -1,4 +1,6 @@
-"""Parsing of ``etcd://host:port,host:port,.../prefix`` store URLs (pure, no I/O)."""
+"""Parsing of ``etcd://host:port,host:port,.../prefix`` store URLs (``etcds://`` for TLS; pure,
+no I/O). Credentials never go in the URL (``inprocess.etcd.security`` takes them from the
+environment or files)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from inprocess.errors import ConfigError
 
 SCHEME = "etcd://"
+TLS_SCHEME = "etcds://"  # the same over TLS (https to every endpoint)
 DEFAULT_PORT = 2379
 # A job prefix becomes part of every key: keep it to characters that need no escaping anywhere.
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
@@ -20,6 +23,7 @@ class EtcdAddress:
 
     endpoints: tuple[tuple[str, int], ...]
     prefix: str | None = None
+    tls: bool = False  # etcds://: https, the CA and client certificate of security.py
 
     def describe(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
@@ -27,29 +31,55 @@ class EtcdAddress:
     def to_url(self, prefix: str | None = None) -> str:
         """The URL of these endpoints with ``prefix`` as its path (none when None)."""
         hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
-        return f"{SCHEME}{hosts}" + (f"/{prefix}" if prefix else "")
+        scheme = TLS_SCHEME if self.tls else SCHEME
+        return f"{scheme}{hosts}" + (f"/{prefix}" if prefix else "")
 
 
 def is_etcd_url(value: str) -> bool:
-    """True when ``value`` selects the etcd backend (starts with ``etcd://``)."""
-    return value.strip().lower().startswith(SCHEME)
+    """True when ``value`` selects the etcd backend (starts with ``etcd://`` or ``etcds://``)."""
+    lowered = value.strip().lower()
+    return lowered.startswith(SCHEME) or lowered.startswith(TLS_SCHEME)
 
 
 def parse_url(url: str) -> EtcdAddress:
     """Parse ``etcd://host1:2379,host2:2379,host3[/prefix]`` (port 2379 when omitted; IPv6 hosts
-    in brackets). Raises ``ConfigError`` naming the URL, the bad part and the expected form."""
-    form = "expected etcd://host:port[,host:port...][/job-prefix]"
+    in brackets; ``etcds://`` for TLS). Raises ``ConfigError`` naming the URL, the bad part and
+    the expected form; a URL with credentials (``user:password@``) is refused, naming the
+    variables that take them."""
+    form = "expected etcd://host:port[,host:port...][/job-prefix] (etcds:// for TLS)"
     if not isinstance(url, str) or not is_etcd_url(url):
-        raise ConfigError(f"store URL ({url!r}) must start with {SCHEME}: {form}")
-    rest = url.strip()[len(SCHEME) :]
+        raise ConfigError(f"store URL ({url!r}) must start with {SCHEME} or {TLS_SCHEME}: {form}")
+    tls = url.strip().lower().startswith(TLS_SCHEME)
+    rest = url.strip()[len(TLS_SCHEME if tls else SCHEME) :]
     hosts, _, prefix = rest.partition("/")
+    if "@" in hosts:
+        # Not parsed as a host: a URL is visible in the process list, the launcher's command
+        # line and the journal, so a password in it would leak (docs/security.md).
+        raise ConfigError(
+            f"store URL ({_redacted(url)!r}) holds credentials (user:password@host): they never "
+            "go in the URL, which every process list shows; set INPROCESS_ETCD_USER and "
+            "INPROCESS_ETCD_PASSWORD_FILE (a 0600 file holding the password) instead, and "
+            "drop the user part from the URL (docs/etcd.md#tls-and-authentication)"
+        )
     if not hosts:
         raise ConfigError(f"store URL ({url!r}) names no endpoint: {form}")
     endpoints = tuple(_endpoint(url, part, form) for part in hosts.split(","))
     prefix = prefix.strip("/")
     if prefix:
         check_prefix(prefix, where=f"store URL ({url!r}): the job prefix")
-    return EtcdAddress(endpoints=endpoints, prefix=prefix or None)
+    return EtcdAddress(endpoints=endpoints, prefix=prefix or None, tls=tls)
+
+
+def _redacted(url: str) -> str:
+    """``url`` with whatever precedes an ``@`` in its host part replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    hosts, slash, path = rest.partition("/")
+    return (
+        f"{scheme}{sep}"
+        + ",".join(f"***@{h.rpartition('@')[2]}" if "@" in h else h for h in hosts.split(","))
+        + slash
+        + path
+    )
 
 
 def check_prefix(prefix: str, *, where: str = "prefix") -> str:

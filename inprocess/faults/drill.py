@@ -13,7 +13,7 @@ import os
 import random
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from inprocess import journal
 from inprocess.config import SIMULATED_FAULT_TYPES, RestartConfig
@@ -22,6 +22,7 @@ from inprocess.protocol import job_keys, keys
 if TYPE_CHECKING:
     from inprocess.launch.supervisor import NodeSupervisor
     from inprocess.protocol.environment import LaunchEnv
+    from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ class RankDrill:
 def start_in_rank(
     cfg: RestartConfig,
     env: LaunchEnv,
-    store: Any,
+    store: Store,
     *,
     rng: random.Random | None = None,
 ) -> RankDrill | None:

@@ -41,7 +41,6 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any
 
 from checkpoint import sealing
 from inprocess import journal
@@ -51,6 +50,7 @@ from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
 from inprocess.protocol import environment, job_keys
+from inprocess.protocol.store import Store
 
 log = logging.getLogger("inprocess.launch")
 
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         "--job-id",
         default=os.environ.get("INPROCESS_JOB_ID") or None,
         help="with --store: the job's key namespace, the same on every node (default: "
-        "$INPROCESS_JOB_ID, $SLURM_JOB_ID, or a new uuid with --nnodes 1)",
+        "$INPROCESS_JOB_ID, $SLURM_JOB_ID.$SLURM_STEP_ID, or a new uuid with --nnodes 1)",
     )
     _add_recovery_flags(p)
     d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
@@ -226,8 +226,9 @@ def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(str(exc))
     if address.prefix is not None or args.job_id is not None:
         return
-    if os.environ.get("SLURM_JOB_ID"):
-        args.job_id = os.environ["SLURM_JOB_ID"]
+    step = environment.slurm_job_step()
+    if step is not None:  # the job step: two srun steps of one allocation never share keys
+        args.job_id = step
     elif args.nnodes == 1:
         args.job_id = f"launch-{uuid.uuid4().hex}"
     else:
@@ -374,7 +375,7 @@ class _LauncherJournal:
         if directory is not None:
             self.jr = journal.open_journal(directory, rank=self.rank, launch=launch)
 
-    def follow(self, store: Any) -> None:
+    def follow(self, store: Store | None) -> None:
         """Open the ranks' directory once they published it (one store look per call until)."""
         if self.jr is not None or store is None or self.launch is None:
             return

@@ -12,7 +12,9 @@ earlier round is ever read again):
 * ``<ns>r{k}/action``      what ends round ``k`` for every node: JSON ``{"kind": "restart" |
                            "end", "status", "reason"}``; first writer wins
 * ``<ns>r{k}/live/{n}``    processes node ``n`` still runs or will respawn
-* ``<ns>beat/{n}``         node ``n``'s launcher was alive at this time.time() (while it runs)
+* ``<ns>beat/{n}``         node ``n``'s launcher's beat: a value that changes while it runs (a
+                           count; the reader times it with its own monotonic clock, so no host
+                           compares another host's clock)
 * ``<ns>left/{n}``         node ``n``'s launcher is leaving (node 0 waits for the live ones)
 * ``<ns>end``              the job's exit status, first launcher to end writes it (read by the
                            ``inprocess.launch.task`` of a launcher that was killed: it stands in for
@@ -26,7 +28,10 @@ namespace ``job_prefix(url, job_id, round_=k)``: every launcher opens its own et
 (a requeued Slurm job keeps its job id) and then publishes ``launch/token`` (the launch id and
 when it was drawn); the other launchers wait for a token drawn after they started (less
 ``node_timeout`` of clock skew), so they never join a crashed earlier run's keys. The last
-launcher to leave deletes every key of the job (``leave``).
+launcher to leave deletes every key of the job (``leave``): a launcher counts as gone when it
+left, or when its beat did not change for ``beat_stale`` seconds of the reader's own monotonic
+clock (never by comparing the wall clocks of two hosts: 2 s of skew would have deleted a live
+node's keys).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from checkpoint.sealing import ForgedValueError, Sealer
+from inprocess.clock import SYSTEM, Clock
 from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
 from inprocess.protocol.sealed_store import seal
 from inprocess.store_server import listening_server
@@ -97,19 +103,22 @@ class JobControl:
         job_id: str | None = None,
         launch_id: str | None = None,
         sealer: Sealer | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         """Connect to (node 0: host, or with etcd: open) the control store and settle the
         launch id: ``launch_id`` on node 0 (default: a new one), node 0's on the others, who
         wait for it at most ``node_timeout`` (``NodeLostError`` after that). ``sealer``: the
         job's secret; every value of the control store and of the round stores is sealed with
-        it (``inprocess.protocol.sealed_store``), so a forged action is rejected, never obeyed."""
-
-        self._sealer = sealer
-
+        it (``inprocess.protocol.sealed_store``), so a forged action is rejected, never obeyed.
+        ``clock``: where this launcher's time comes from (a test skews it)."""
+        self._sealer, self.clock = sealer, clock
+        self._beats = 0  # this launcher's beat count (report_live)
+        # Another launcher's last beat value and when (this clock's monotonic) it changed.
+        self._seen: dict[int, tuple[bytes, float]] = {}
         self.node_rank, self.nnodes, self.addr = node_rank, nnodes, addr
         self.node_timeout = node_timeout
         self.store_url, self.job_id = store_url, job_id
-        self.beat_stale = beat_stale  # a launcher silent this long is gone (same-host clocks)
+        self.beat_stale = beat_stale  # a launcher whose beat is unchanged this long is gone
         self._round_stores: dict[int, Any] = {}
         self.store: Any
         self.ns = "launch/"
@@ -149,10 +158,11 @@ class JobControl:
         """With etcd: node 0 publishes the launch (after deleting stale keys); the others wait
         for a token drawn after they started (less ``node_timeout`` for clock skew)."""
         if self.node_rank == 0:
-            token = {"id": launch_id or new_launch_id(), "t": time.time()}
+            token = {"id": launch_id or new_launch_id(), "t": self.clock.wall()}
             self.store.set(TOKEN_KEY, json.dumps(token))
             return str(token["id"])
-        oldest = time.time() - self.node_timeout
+        # The one wall-clock comparison between hosts, with node_timeout of slack for skew.
+        oldest = self.clock.wall() - self.node_timeout
         deadline = time.monotonic() + self.node_timeout
         while time.monotonic() < deadline:
             try:
@@ -278,7 +288,8 @@ class JobControl:
         launcher's heartbeat. Raises ``NodeLostError`` when the control store is gone."""
         try:
             self.store.set(self._k(f"r{k}/live/{self.node_rank}"), str(n))
-            self.store.set(self._k(f"beat/{self.node_rank}"), repr(time.time()))
+            self._beats += 1
+            self.store.set(self._k(f"beat/{self.node_rank}"), str(self._beats))
         except Exception as exc:
             raise _store_lost(exc) from exc
 
@@ -314,19 +325,19 @@ class JobControl:
                 return
             if self.node_rank != 0:
                 return
-            deadline = time.monotonic() + self.node_timeout
+            deadline = self.clock.monotonic() + self.node_timeout
             waiting = list(range(1, self.nnodes))
-            while waiting and time.monotonic() < deadline:
+            while waiting and self.clock.monotonic() < deadline:
                 waiting = [n for n in waiting if self._still_there(n)]
-                time.sleep(0.05)
+                self.clock.sleep(0.05)
         except Exception as exc:
             log.debug("leaving the control store: %r", exc)
 
     def _last_out_cleans(self) -> None:
-        deadline = time.monotonic() + self.node_timeout
+        deadline = self.clock.monotonic() + self.node_timeout
         others = [n for n in range(self.nnodes) if n != self.node_rank]
         cleanup = self._k("cleanup")
-        while time.monotonic() < deadline:
+        while self.clock.monotonic() < deadline:
             # Another launcher cleans (or did: the token is gone with every other key).
             if self.store.check([cleanup]) or not self.store.check([TOKEN_KEY]):
                 return
@@ -337,7 +348,7 @@ class JobControl:
                 if won.decode() == str(self.node_rank):
                     self.delete_job_keys()
                 return
-            time.sleep(0.05)
+            self.clock.sleep(0.05)
         log.warning(
             "node(s) %s still running after --node-timeout (%s s): the job's keys on etcd are "
             "left for them to delete",
@@ -346,12 +357,19 @@ class JobControl:
         )
 
     def _still_there(self, node: int) -> bool:
+        """False once ``node``'s launcher left, or its beat stayed the same for ``beat_stale``
+        seconds of this launcher's monotonic clock (from the first time this one read it)."""
         if self.store.check([self._k(f"left/{node}")]):
             return False
-        beat = self._k(f"beat/{node}")
-        if not self.store.check([beat]):
+        beat = self.store.try_get(self._k(f"beat/{node}"))
+        if beat is None:
             return True  # not started yet: the deadline bounds the wait
-        return time.time() - float(self.store.get(beat)) < self.beat_stale
+        now = self.clock.monotonic()
+        seen = self._seen.get(node)
+        if seen is None or seen[0] != beat:
+            self._seen[node] = (beat, now)
+            return True
+        return now - seen[1] < self.beat_stale
 
     def close(self) -> None:
         """Drop the stores (node 0: the servers stop; etcd: the clients close)."""

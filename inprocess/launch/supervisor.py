@@ -25,6 +25,7 @@ from inprocess.launch.autoresume import VERDICT_STATUSES
 from inprocess.launch.pool import PooledProcess, WarmPool
 from inprocess.protocol import job_keys
 from inprocess.protocol.ranks import respawn_identity
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +344,7 @@ class NodeSupervisor:
             self._spawn(local, slot.respawns)
 
 
-def _state(store: Any) -> str:
+def _state(store: Store) -> str:
     try:
         return job_keys.job_state(store)
     except Exception as exc:  # the store host (node 0) is gone

@@ -37,7 +37,7 @@ class LaunchEnv:
     max_respawns: int = 0
     # The coordination store on etcd (INPROCESS_STORE, "etcd://h1:2379,..."; None: the TCPStore
     # at MASTER_ADDR:MASTER_PORT) and the job id its keys live under (INPROCESS_JOB_ID, else
-    # SLURM_JOB_ID, else TORCHELASTIC_RUN_ID); see docs/etcd.md.
+    # SLURM_JOB_ID.SLURM_STEP_ID, else TORCHELASTIC_RUN_ID); see docs/etcd.md.
     store_url: str | None = None
     job_id: str | None = None
     # The in-job restart round of inprocess.launch (INPROCESS_LAUNCH_ROUND) or torchrun's
@@ -138,9 +138,26 @@ def launch_id(env: Mapping[str, str] | None = None) -> str | None:
 _JOB_ID_VARS = ("INPROCESS_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 
 
+def slurm_job_step(env: Mapping[str, str] | None = None) -> str | None:
+    """The id of this Slurm job step as a store namespace: ``<SLURM_JOB_ID>.<SLURM_STEP_ID>``
+    (``<SLURM_JOB_ID>`` where no step id is set, as in a batch script); None outside Slurm.
+
+    Two ``srun`` steps of one allocation share the job id: with the step in the namespace the
+    second one's start never deletes the first one's keys. A requeued job runs its steps with
+    the same ids again, so its stale keys are still found and deleted (``inprocess.launch``)."""
+    env = os.environ if env is None else env
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if not job:
+        return None
+    step = env.get("SLURM_STEP_ID", "").strip()
+    return f"{job}.{step}" if step.isdigit() else job
+
+
 def _job_id(env: Mapping[str, str]) -> str | None:
     for name in _JOB_ID_VARS:
         value = env.get(name, "").strip()
+        if name == "SLURM_JOB_ID" and value:
+            return slurm_job_step(env)
         # torchrun's --rdzv-id defaults to "none": shared by every job, so not an id.
         if value and not (name == "TORCHELASTIC_RUN_ID" and value == "none"):
             return value

@@ -31,14 +31,13 @@ import datetime
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Protocol
 
 from inprocess import journal
 from inprocess.errors import FaultRecord, StoreTimeoutError
 from inprocess.protocol.ranks import decode_ranks, encode_ranks
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -55,51 +54,26 @@ _RECHECK_S = 1.0
 REPORT_COMPLETED = "report"
 
 
-class StoreLike(Protocol):
-    """The subset of ``torch.distributed.Store`` this module uses (a fake store implements it)."""
-
-    def set(self, key: str, value: str | bytes) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def add(self, key: str, value: int) -> int: ...
-    def append(self, key: str, value: str | bytes) -> None: ...
-    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes: ...
-    def check(self, keys: list[str]) -> bool: ...
-    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
+# The store as this module sees it (the name other modules import).
+StoreLike = Store
 
 
-def peek(store: StoreLike, key: str) -> bytes | None:
-    """The value of ``key``, or None when it is absent; never blocks, never writes.
-
-    A store with ``try_get`` (etcd: one range request) answers in one round trip; any other
-    takes two (``check``, then ``get``). Not a compare-and-set with an impossible expected
-    value: on a TCPStore that wakes every client waiting on the key (measured: a monitor
-    woke with an empty outcome and missed the fault).
-    """
-    try_get = getattr(store, "try_get", None)
-    if try_get is not None:
-        value = try_get(key)
-        return None if value is None else bytes(value)
-    return store.get(key) if store.check([key]) else None
+def peek(store: Store, key: str) -> bytes | None:
+    """The value of ``key``, or None when it is absent; never blocks, never writes (etcd: one
+    range request; a TCPStore: ``check``, then ``get``)."""
+    return store.try_get(key)
 
 
-def peek_many(store: StoreLike, keys: Sequence[str]) -> list[bytes | None]:
-    """``peek`` of several keys; a store with ``try_get_many`` (etcd) reads them in one
-    transaction, any other one by one. Never blocks, never writes."""
-    many = getattr(store, "try_get_many", None)
-    if many is not None:
-        return [None if v is None else bytes(v) for v in many(list(keys))]
-    return [peek(store, k) for k in keys]
+def peek_many(store: Store, keys: Sequence[str]) -> list[bytes | None]:
+    """``peek`` of several keys (etcd: one transaction; a TCPStore: one by one). Never blocks,
+    never writes."""
+    return store.try_get_many(list(keys))
 
 
-def set_many(store: StoreLike, values: Mapping[str, str]) -> None:
-    """Set several keys: one ``multi_set`` where the store has it (the TCPStore and etcd: one
-    round trip / transaction), else one ``set`` each."""
-    multi_set = getattr(store, "multi_set", None)
-    if multi_set is not None:
-        multi_set(list(values), list(values.values()))
-        return
-    for k, v in values.items():
-        store.set(k, v)
+def set_many(store: Store, values: Mapping[str, str]) -> None:
+    """Set several keys in one ``multi_set`` (the TCPStore and etcd: one round trip /
+    transaction)."""
+    store.multi_set(list(values), list(values.values()))
 
 
 def parse_ranks(raw: bytes | None) -> set[int]:
@@ -116,42 +90,32 @@ def _key(iteration: int, name: str) -> str:
     return iteration_prefix(iteration) + name
 
 
-def record_fault(store: StoreLike, record: FaultRecord) -> None:
+def record_fault(store: Store, record: FaultRecord) -> None:
     """Append ``record`` to its iteration's fault list and end that iteration (wake everyone).
 
-    Writes that never block: an append, then first-writer-wins sets of the iteration's
-    outcome and of its join and ready barriers, so ranks waiting there (monitors, barriers,
-    reserves) all wake with the same answer at once. A store with ``record_fault_batch`` (etcd)
-    does the appends and the sets in one transaction. A death (``GONE_KINDS``) also counts the
-    rank at the restart barrier, after its record is appended (the decider reads the records
-    once the count is full). Safe to call from any process, any number of times.
+    Writes that never block, in one ``record_fault_batch`` (etcd: one transaction): an append,
+    then first-writer-wins sets of the iteration's outcome and of its join and ready barriers,
+    so ranks waiting there (monitors, barriers, reserves) all wake with the same answer at
+    once. A death (``GONE_KINDS``) also counts the rank at the restart barrier, after its
+    record is appended (the decider reads the records once the count is full). Safe to call
+    from any process, any number of times.
     """
     it = record.iteration
     fields = asdict(record)
     gone = record.kind in GONE_KINDS
-    batch = getattr(store, "record_fault_batch", None)
-    if batch is not None:  # one transaction on etcd (inprocess.etcd.EtcdStore)
-        batch(
-            append=[(_key(it, "faults"), json.dumps(fields) + "\n")]
-            + ([(GONE_KEY, f"{record.initial_rank},")] if gone else []),
-            set_if_absent=[(_key(it, k), OUTCOME_FAULT) for k in ("end", "join/go", "ready/go")],
-        )
-    else:
-        store.append(_key(it, "faults"), json.dumps(fields) + "\n")
-        if gone:
-            store.append(GONE_KEY, f"{record.initial_rank},")
+    store.record_fault_batch(
+        append=[(_key(it, "faults"), json.dumps(fields) + "\n")]
+        + ([(GONE_KEY, f"{record.initial_rank},")] if gone else []),
+        set_if_absent=[(_key(it, k), OUTCOME_FAULT) for k in ("end", "join/go", "ready/go")],
+    )
     fields["fault_rank"] = fields.pop("initial_rank")  # "rank" is the journal writer's own
     journal.record("fault", **fields)
     if gone:  # job-wide: no later iteration waits for this rank either
         _count_once(store, it, record.initial_rank)
-    if batch is None:
-        store.compare_set(_key(it, "end"), "", OUTCOME_FAULT)
-        store.compare_set(_key(it, "join/go"), "", OUTCOME_FAULT)
-        store.compare_set(_key(it, "ready/go"), "", OUTCOME_FAULT)
 
 
 def report_fault(
-    store: Any,
+    store: Store,
     *,
     iteration: int,
     initial_rank: int,
@@ -161,11 +125,11 @@ def report_fault(
 ) -> None:
     """Record a fault of ``initial_rank`` in restart iteration ``iteration`` and wake every rank.
 
-    ``store`` is a client of the job's coordination store (``torch.distributed.Store``, not a
-    prefixed one). ``kind``: "exception", "soft_timeout", "dead", "hard_timeout", "unhealthy",
-    ... ``step``: the rank's last ``ctx.step``, when known. Called by the rank itself, by its
-    watchdog process, or by health checks. Idempotent in
-    effect: a repeated report adds a record but the iteration ends once.
+    ``store`` is a client of the job's coordination store (not a prefixed one). ``kind``:
+    "exception", "soft_timeout", "dead", "hard_timeout", "unhealthy", ... ``step``: the rank's
+    last ``ctx.step``, when known. Called by the rank itself, by its watchdog process, or by
+    health checks. Idempotent in effect: a repeated report adds a record but the iteration ends
+    once.
     """
     record_fault(
         store,
@@ -180,7 +144,7 @@ def report_fault(
     )
 
 
-def record_reserve_gone(store: StoreLike, iteration: int, initial_rank: int) -> None:
+def record_reserve_gone(store: Store, iteration: int, initial_rank: int) -> None:
     """A reserve's process is gone (its watchdog saw it die, or killed it at the hard timeout):
     no barrier or decision waits for it, and the ranks that train are NOT interrupted.
 
@@ -192,7 +156,7 @@ def record_reserve_gone(store: StoreLike, iteration: int, initial_rank: int) -> 
     _count_once(store, iteration, initial_rank)
 
 
-def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
+def read_faults(store: Store, iteration: int) -> list[FaultRecord]:
     """Every fault recorded for ``iteration`` so far, in arrival order."""
     raw = peek(store, _key(iteration, "faults"))
     if raw is None:
@@ -201,12 +165,12 @@ def read_faults(store: StoreLike, iteration: int) -> list[FaultRecord]:
     return [FaultRecord(**json.loads(line)) for line in lines if line]
 
 
-def gone_ranks(store: StoreLike) -> set[int]:
+def gone_ranks(store: Store) -> set[int]:
     """Initial ranks whose process is known to be gone (any iteration); never blocks."""
     return parse_ranks(peek(store, GONE_KEY))
 
 
-def outcome(store: StoreLike, iteration: int) -> str | None:
+def outcome(store: Store, iteration: int) -> str | None:
     """``"fault"``, ``"done"`` or None (the iteration is still running); never blocks."""
     raw = peek(store, _key(iteration, "end"))
     return None if raw is None else raw.decode()
@@ -218,7 +182,7 @@ def end_key(iteration: int) -> str:
 
 
 def wait_outcome(
-    store: StoreLike, iteration: int, *, timeout: float | None, clock: Callable[[], float]
+    store: Store, iteration: int, *, timeout: float | None, clock: Callable[[], float]
 ) -> str | None:
     """Block until ``iteration`` ends; return its outcome, or None after ``timeout`` seconds.
 
@@ -237,29 +201,10 @@ def wait_outcome(
                 raise
 
 
-def _arrive(store: StoreLike, counter: str, member: str) -> int:
-    """Count one arrival of ``member`` at ``counter``; return how many have arrived.
-
-    ``add`` on the TCPStore (one round trip); ``count_arrival`` where the store has it (etcd:
-    one transaction per arrival instead of a compare-and-swap loop on one hot counter).
-    """
-    arrive = getattr(store, "count_arrival", None)
-    if arrive is not None:
-        return int(arrive(counter, member))
-    return store.add(counter, 1)
-
-
-def _wait_value(store: StoreLike, key: str, seconds: float) -> bytes:
-    """Block until ``key`` exists (at most ``seconds``: the store's timeout error), return it.
-
-    A store with ``wait_value`` (etcd) answers in one step: its watch event carries the value.
-    """
-    timeout = datetime.timedelta(seconds=seconds)
-    wait_value = getattr(store, "wait_value", None)
-    if wait_value is not None:
-        return bytes(wait_value(key, timeout))
-    store.wait([key], timeout)
-    return store.get(key)
+def _wait_value(store: Store, key: str, seconds: float) -> bytes:
+    """Block until ``key`` exists (at most ``seconds``: the store's timeout error), return it
+    (etcd: the watch event carries the value; a TCPStore: ``wait``, then ``get``)."""
+    return store.wait_value(key, datetime.timedelta(seconds=seconds))
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -267,7 +212,7 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 def _wait_released(
-    store: StoreLike,
+    store: Store,
     go_key: str,
     *,
     deadline: float,
@@ -291,7 +236,7 @@ def _wait_released(
 
 
 def counting_barrier(
-    store: StoreLike,
+    store: Store,
     name: str,
     *,
     expected: int,
@@ -308,7 +253,9 @@ def counting_barrier(
     """
     go = f"{name}/go"
     deadline = clock() + timeout
-    if _arrive(store, f"{name}/n", uuid.uuid4().hex) >= expected:
+    # TCPStore: one add; etcd: one transaction per arrival (a put of its own key and a count)
+    # instead of a compare-and-swap loop on one hot counter.
+    if store.count_arrival(f"{name}/n") >= expected:
         # The answer is the value now stored: "ok", or what broke the barrier first. No wait.
         return store.compare_set(go, "", "ok").decode()
     return _wait_released(
@@ -317,7 +264,7 @@ def counting_barrier(
 
 
 def join_barrier(
-    store: StoreLike,
+    store: Store,
     iteration: int,
     *,
     expected: int,
@@ -342,7 +289,7 @@ def join_barrier(
 
 
 def ready_barrier(
-    store: StoreLike, iteration: int, *, expected: int, timeout: float, clock: Callable[[], float]
+    store: Store, iteration: int, *, expected: int, timeout: float, clock: Callable[[], float]
 ) -> bool:
     """Active ranks meet after creating the process group; False when a fault broke it.
 
@@ -356,19 +303,19 @@ def ready_barrier(
 
 
 def initial_barrier(
-    store: StoreLike, *, world_size: int, timeout: float, clock: Callable[[], float]
+    store: Store, *, world_size: int, timeout: float, clock: Callable[[], float]
 ) -> None:
     """Every rank of the job arrives once before the first iteration (bounded by ``timeout``)."""
     counting_barrier(store, f"{ROOT}init", expected=world_size, timeout=timeout, clock=clock)
 
 
-def mark_completed(store: StoreLike, iteration: int, *, active: int) -> None:
+def mark_completed(store: Store, iteration: int, *, active: int) -> None:
     """An active rank's ``train()`` returned; the last of ``active`` ends the iteration "done"."""
     if store.add(_key(iteration, "done/n"), 1) >= active:
         store.compare_set(_key(iteration, "end"), "", OUTCOME_DONE)
 
 
-def set_participants(store: StoreLike, iteration: int, count: int) -> None:
+def set_participants(store: Store, iteration: int, count: int) -> None:
     """How many ranks (active + reserve) take part in ``iteration``; every rank writes it."""
     store.set(*participants_item(iteration, count))
 
@@ -378,7 +325,7 @@ def participants_item(iteration: int, count: int) -> tuple[str, str]:
     return _key(iteration, "restart/expected"), str(count)
 
 
-def set_reserves(store: StoreLike, iteration: int, reserves: Sequence[int]) -> None:
+def set_reserves(store: Store, iteration: int, reserves: Sequence[int]) -> None:
     """The warm reserves (initial ranks) of ``iteration``; every rank writes the same value."""
     store.set(*reserves_item(iteration, reserves))
 
@@ -390,14 +337,14 @@ def reserves_item(iteration: int, reserves: Sequence[int]) -> tuple[str, str]:
     return _key(iteration, "reserves"), encode_ranks(reserves)
 
 
-def reserves(store: StoreLike, iteration: int) -> tuple[int, ...]:
+def reserves(store: Store, iteration: int) -> tuple[int, ...]:
     """The warm reserves of ``iteration`` (``set_reserves``; () when unknown); never blocks."""
     raw = peek(store, _key(iteration, "reserves"))
     return () if raw is None else decode_ranks(raw.decode())
 
 
 def _count_once(
-    store: StoreLike,
+    store: Store,
     iteration: int,
     initial_rank: int,
     *,
@@ -412,16 +359,10 @@ def _count_once(
     arrives on its behalf; ``expected`` is read from the store, None before
     ``set_participants``), so the last of either completes the barrier at once. Whoever
     completes it writes ``restart/full`` = ``by`` (first writer wins): that rank decides.
-    Two ``add`` calls (one ``count_arrival`` transaction on etcd), plus one read for a report.
+    One ``count_arrival`` (two ``add`` calls on a TCPStore, one transaction on etcd), plus one
+    read for a report.
     """
-    counter = _key(iteration, "restart/n")
-    arrive = getattr(store, "count_arrival", None)
-    if arrive is not None:  # etcd: one transaction, idempotent (see _arrive)
-        n = int(arrive(counter, str(initial_rank)))
-    elif store.add(_key(iteration, f"restart/counted/{initial_rank}"), 1) != 1:
-        return False
-    else:
-        n = store.add(counter, 1)
+    n = store.count_arrival(_key(iteration, "restart/n"), str(initial_rank))
     if expected is None:
         raw = peek(store, _key(iteration, "restart/expected"))
         if raw is None:
@@ -433,7 +374,7 @@ def _count_once(
 
 
 def restart_barrier(
-    store: StoreLike,
+    store: Store,
     iteration: int,
     *,
     initial_rank: int,
@@ -463,54 +404,73 @@ def restart_barrier(
     its place); a participant whose death was reported for an earlier iteration (it died during
     the previous restart) is counted by a waiter.
     """
-    full, go, claim = (_key(iteration, f"restart/{k}") for k in ("full", "go", "decider"))
-    me, members = str(initial_rank), set(participants)
-    deadline = clock() + timeout
+    meeting = _RestartMeeting(store, iteration, str(initial_rank), set(participants), decide)
+    return meeting.run(deadline=clock() + timeout, clock=clock)
 
-    def publish() -> str:
-        return store.compare_set(go, "", decide(read_faults(store, iteration))).decode()
 
-    if _count_once(store, iteration, initial_rank, expected=len(members), by=me):
-        return publish()
+class _RestartMeeting:
+    """One live rank's part of ``restart_barrier`` (the state its re-checks share)."""
 
-    def count_gone() -> bool:
-        for r in sorted(gone_ranks(store) & members):
-            if _count_once(store, iteration, r, expected=len(members), by=me):
-                return True  # restart/full is now this rank: the wait below returns it
+    def __init__(
+        self,
+        store: Store,
+        iteration: int,
+        me: str,
+        members: set[int],
+        decide: Callable[[list[FaultRecord]], str],
+    ) -> None:
+        self.store, self.iteration, self.me, self.members = store, iteration, me, members
+        self.decide = decide
+        self.full, self.go, self.claim = (
+            _key(iteration, f"restart/{k}") for k in ("full", "go", "decider")
+        )
+        self.what = f"restart barrier {iteration}"
+
+    def run(self, *, deadline: float, clock: Callable[[], float]) -> str:
+        store, me = self.store, self.me
+        if _count_once(store, self.iteration, int(me), expected=len(self.members), by=me):
+            return self.publish()
+        # First the count's completion, not the decision: when a death report completed it
+        # (the killed rank's report came last, as after most SIGKILLs) no live rank did, and a
+        # waiter must decide now, not at its next re-check (measured: one restart in three took
+        # 1 s more by benchmarks/restart_latency.py --quick). One more wait per rank, whatever
+        # the number.
+        who = _wait_released(
+            store, self.full, deadline=deadline, clock=clock, what=self.what,
+            recheck=self.count_gone,
+        )  # fmt: skip
+        if who == REPORT_COMPLETED:
+            who = store.compare_set(self.claim, "", me).decode()  # the first claim decides
+        if who == me:
+            return self.publish()
+        return _wait_released(
+            store, self.go, deadline=deadline, clock=clock, what=self.what,
+            recheck=self.decide_for_the_gone,
+        )  # fmt: skip
+
+    def publish(self) -> str:
+        faults = read_faults(self.store, self.iteration)
+        return self.store.compare_set(self.go, "", self.decide(faults)).decode()
+
+    def count_gone(self) -> bool:
+        """Count the participants reported gone (for an earlier iteration); True when that
+        completed the count (``restart/full`` is now this rank: the wait returns it)."""
+        for r in sorted(gone_ranks(self.store) & self.members):
+            if _count_once(self.store, self.iteration, r, expected=len(self.members), by=self.me):
+                return True
         return False
 
-    # First the count's completion, not the decision: when a death report completed it (the
-    # killed rank's report came last, as after most SIGKILLs) no live rank did, and a waiter
-    # must decide now, not at its next re-check (measured: one restart in three took 1 s more
-    # by benchmarks/restart_latency.py --quick). One more wait per rank, whatever the number.
-    who = _wait_released(
-        store, full, deadline=deadline, clock=clock, what=f"restart barrier {iteration}",
-        recheck=count_gone,
-    )  # fmt: skip
-    if who == REPORT_COMPLETED:
-        who = store.compare_set(claim, "", me).decode()  # the first claim decides
-    if who == me:
-        return publish()
-
-    def recheck() -> bool:
-        # restart/full is set (waited for above): its rank, or the first claimant, decides;
-        # a waiter decides in its place when that rank is gone.
-        who = store.get(full).decode()
+    def decide_for_the_gone(self) -> bool:
+        """``restart/full`` is set (waited for): its rank, or the first claimant, decides; a
+        waiter decides in its place when that rank is gone. True when this rank published."""
+        store, me = self.store, self.me
+        who = store.get(self.full).decode()
         if who == REPORT_COMPLETED:
-            who = store.compare_set(claim, "", me).decode()
+            who = store.compare_set(self.claim, "", me).decode()
         if who == me or (who.isdigit() and int(who) in gone_ranks(store)):
-            publish()
+            self.publish()
             return True
         return False  # the decider is alive and deciding
-
-    return _wait_released(
-        store,
-        go,
-        deadline=deadline,
-        clock=clock,
-        what=f"restart barrier {iteration}",
-        recheck=recheck,
-    )
 
 
 def pg_prefix(iteration: int) -> str:

@@ -17,55 +17,45 @@ import datetime
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint.sealing import ForgedValueError, Sealer
+from inprocess.protocol.store import Store, StoreBase, as_store
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ForgedValueError", "SealedStore", "seal", "unsealed"]
 
-# Methods of the inner store that SealedStore offers only where the inner store has them
-# (inprocess.protocol.keys tests for them with getattr to pick the one-round-trip path).
-_OPTIONAL = (
-    "try_get",
-    "try_get_many",
-    "wait_value",
-    "multi_set",
-    "multi_get",
-    "record_fault_batch",
-)
 
+class SealedStore(StoreBase):
+    """A ``Store`` whose values are sealed with the job's secret (see the module docstring).
 
-class SealedStore:
-    """A store client whose values are sealed with the job's secret (see the module docstring).
-
-    Thread-safe as far as the inner client is. ``raw`` is the inner client. Anything not listed
-    here (``add``, ``check``, ``wait``, ``delete_key``, ``count_arrival``, ``close``, ...) is the
-    inner client's own.
+    Thread-safe as far as the inner client is. ``raw`` is the inner ``Store`` (``inner`` itself,
+    or a ``C10dStore`` around a torch store); ``add``,
+    ``check``, ``wait``, ``delete_key``, ``count_arrival`` and ``close`` are its own (they carry
+    no value to seal). Attributes outside ``Store`` (a TCPStore's ``port``, an EtcdStore's
+    ``delete_all``) are the torch store's (``__getattr__``).
     """
 
     def __init__(self, inner: Any, sealer: Sealer) -> None:
-        self.raw = inner
+        self.raw: Store = as_store(inner)  # a torch store is wrapped (C10dStore)
         self._sealer = sealer
         self._reported: set[str] = set()
         self._lock = threading.Lock()
-        for name in _OPTIONAL:
-            if callable(getattr(inner, name, None)):
-                setattr(self, name, getattr(self, f"_{name}"))
 
     def __getattr__(self, name: str) -> Any:
-        if name in _OPTIONAL or name.startswith("_"):
+        if name.startswith("_") or name == "raw":  # never reached for set attributes
             raise AttributeError(name)
-        return getattr(self.raw, name)
+        return getattr(self.raw.torch_store(), name)
 
     def __enter__(self) -> SealedStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        close = getattr(self.raw, "close", None)
-        if close is not None:
-            close()
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SealedStore({self.raw!r})"
 
     # ----- sealing --------------------------------------------------------------------------
 
@@ -98,42 +88,78 @@ class SealedStore:
         got = self.raw.compare_set(key, expected, self._sealer.seal(key, desired_value))
         return self._open(key, got)
 
-    def _try_get(self, key: str) -> bytes | None:
+    def try_get(self, key: str) -> bytes | None:
         value = self.raw.try_get(key)
         return None if value is None else self._open(key, value)
 
-    def _try_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def try_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         values = self.raw.try_get_many(list(keys))
         return [None if v is None else self._open(k, v) for k, v in zip(keys, values, strict=True)]
 
-    def _wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
+    def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
         return self._open(key, self.raw.wait_value(key, timeout))
 
-    def _multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         sealed = [self._sealer.seal(k, v) for k, v in zip(keys, values, strict=True)]
         self.raw.multi_set(list(keys), sealed)
 
-    def _multi_get(self, keys: Sequence[str]) -> list[bytes]:
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         values = self.raw.multi_get(list(keys))
         return [self._open(k, v) for k, v in zip(keys, values, strict=True)]
 
-    def _record_fault_batch(
+    def record_fault_batch(
         self,
         *,
         append: Sequence[tuple[str, str | bytes]],
         set_if_absent: Sequence[tuple[str, str | bytes]],
-    ) -> Any:
-        return self.raw.record_fault_batch(
+    ) -> None:
+        self.raw.record_fault_batch(
             append=[(k, self._sealer.seal(k, v)) for k, v in append],
             set_if_absent=[(k, self._sealer.seal(k, v)) for k, v in set_if_absent],
         )
 
+    # ----- no value to seal -----------------------------------------------------------------
 
-def seal(store: Any, sealer: Sealer | None) -> Any:
-    """``store`` with its values sealed (``sealer`` None: ``store`` itself, unauthenticated)."""
-    return store if sealer is None or isinstance(store, SealedStore) else SealedStore(store, sealer)
+    def add(self, key: str, value: int) -> int:
+        return self.raw.add(key, value)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.raw.check(keys)
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta) -> None:
+        self.raw.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.raw.delete_key(key)
+
+    def count_arrival(self, key: str, member: str | None = None) -> int:
+        return self.raw.count_arrival(key, member)
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def torch_store(self) -> Any:
+        return self.raw.torch_store()
+
+
+def seal(store: Any, sealer: Sealer | None) -> Store:
+    """``store`` (a ``Store`` or a torch store, see ``as_store``) with its values sealed
+    (``sealer`` None: as it is, unauthenticated)."""
+    if isinstance(store, SealedStore):
+        return store
+    inner = as_store(store)
+    return inner if sealer is None else SealedStore(inner, sealer)
 
 
 def unsealed(store: Any) -> Any:
-    """The client under a ``SealedStore`` (for torch: process groups, ``ctx.store``)."""
-    return store.raw if isinstance(store, SealedStore) else store
+    """The torch store under ``store`` (for torch: process groups, ``ctx.store``); a torch
+    store is returned as it is."""
+    return store.torch_store() if isinstance(store, StoreBase) else store
+
+
+if TYPE_CHECKING:
+
+    def _implements_store(store: SealedStore) -> Store:  # mypy checks SealedStore against Store
+        return store

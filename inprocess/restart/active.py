@@ -25,6 +25,7 @@ from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.protocol import keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.sealed_store import unsealed
+from inprocess.protocol.store import Store
 from inprocess.restart.monitor import Interrupter, Monitor, waits_on_peers
 from inprocess.restart.process_group import init_iteration_group, own_group_misuse
 from inprocess.restart.progress import ProgressTracker
@@ -60,8 +61,8 @@ class RankServices:
     config: RestartConfig
     me: int
     local_rank: int
-    store: Any
-    report_store: Any
+    store: Store
+    report_store: Store
     new_client: Callable[[], Any]
     progress: ProgressTracker
     interrupter: Interrupter
@@ -488,7 +489,7 @@ def exception_record(
     )
 
 
-def _break_if_gone(store: Any, iteration: int, active: tuple[int, ...]) -> bool:
+def _break_if_gone(store: Store, iteration: int, active: tuple[int, ...]) -> bool:
     """Join recheck: an active rank that died during the restart breaks the barrier."""
     dead = keys.gone_ranks(store) & set(active)
     for r in sorted(dead):

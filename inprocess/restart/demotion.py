@@ -15,12 +15,13 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from checkpoint.sealing import job_sealer
 from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
 from inprocess.protocol.sealed_store import seal
+from inprocess.protocol.store import Store
 
 if TYPE_CHECKING:
     from inprocess.context import RestartContext
@@ -36,7 +37,7 @@ _POLL_S = 0.005
 DECISION_PREFIX = "inprocess/demotion/"
 
 
-def free_reserves(store: Any, iteration: int) -> tuple[int, ...]:
+def free_reserves(store: Store, iteration: int) -> tuple[int, ...]:
     """The reserves of ``iteration`` whose process is still there (initial ranks); never blocks."""
     gone = keys.gone_ranks(store)
     return tuple(r for r in keys.reserves(store, iteration) if r not in gone)
@@ -112,7 +113,7 @@ def _decide(ctx: RestartContext, job: Any, decisions: Any, key: str, *, reason: 
     return granted
 
 
-def _job_store(ctx: RestartContext) -> Any:
+def _job_store(ctx: RestartContext) -> Store:
     """The job's store under ``ctx.store`` (the wrapper builds ``ctx.store`` as a PrefixStore
     of the iteration's user namespace over it; fault records live outside that namespace),
     with the job's values sealed (``inprocess.protocol.sealed_store``)."""

@@ -18,6 +18,7 @@ from inprocess import journal
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord, RestartInterrupt
 from inprocess.protocol import keys
+from inprocess.protocol.store import Store
 from inprocess.restart.progress import ProgressTracker
 from inprocess.timeouts.sections import Overrun, SectionClock
 
@@ -193,8 +194,8 @@ class Monitor:
     def __init__(
         self,
         *,
-        store: Any,
-        report_store: Any,
+        store: Store,
+        report_store: Store,
         iteration: int,
         give_back: Callable[[Any], None] | None = None,
         initial_rank: int,

@@ -14,9 +14,12 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inprocess.watchdog import kill_notice
+
+if TYPE_CHECKING:
+    from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +184,7 @@ def _read_all(fd: int) -> tuple[bytes, bool]:
         data += chunk
 
 
-def _connect(args: argparse.Namespace) -> Any:
+def _connect(args: argparse.Namespace) -> Store | None:
     """A client of the job's store (etcd with ``--store-url``, else the TCPStore) whose values
     are sealed with the job's secret (from the rank, in this process's environment), or None
     when the store cannot be reached (reports are then logged)."""
@@ -217,7 +220,9 @@ def _connect_raw(args: argparse.Namespace) -> Any:
         return None
 
 
-def _report(store: Any, args: argparse.Namespace, iteration: int, kind: str, detail: str) -> None:
+def _report(
+    store: Store | None, args: argparse.Namespace, iteration: int, kind: str, detail: str
+) -> None:
     who = "reserve rank" if args.reserve else "rank"
     log.warning("%s %d iteration %d: %s (%s)", who, args.initial_rank, iteration, kind, detail)
     if store is None:

@@ -36,9 +36,12 @@ def clean_loss(steps: int, world: int) -> float:
 def _waiting_joiners(active: tuple[int, ...]) -> int:
     """Respawned processes registered, alive and not active: the refilled part of the pool."""
     from inprocess.protocol import job_keys
+    from inprocess.protocol.store import as_store
     from inprocess.store_server import client
 
-    store = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
+    store = as_store(
+        client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
+    )
     return len(job_keys.ready_joiners(store) - set(active))
 
 

@@ -6,6 +6,7 @@ import datetime
 import importlib.util
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -451,3 +452,90 @@ def test_advertised_host_is_the_interface_that_reaches_the_store() -> None:
     from inprocess.restart.rendezvous import advertised_host
 
     assert advertised_host((("127.0.0.1", 2379),)) == "127.0.0.1"
+
+
+# ----- launchers on etcd: one namespace per job step, staleness without comparing clocks ----
+
+
+def _control(cluster: EtcdCluster, job_id: str, node: int, **kw: Any) -> Any:
+    from inprocess.launch.rounds import JobControl
+
+    return JobControl(node_rank=node, nnodes=2, addr="127.0.0.1", port=None,
+                      store_url=cluster.url, job_id=job_id, **kw)  # fmt: skip
+
+
+@needs_etcd
+def test_a_second_srun_step_never_deletes_the_first_steps_keys(cluster: EtcdCluster) -> None:
+    from inprocess.launch.rounds import TOKEN_KEY
+    from inprocess.protocol.environment import slurm_job_step
+
+    job = f"4711{uuid.uuid4().hex[:6]}"
+    steps = [slurm_job_step({"SLURM_JOB_ID": job, "SLURM_STEP_ID": str(i)}) for i in (0, 1)]
+    assert steps[0] != steps[1]
+    first = _control(cluster, str(steps[0]), 0, node_timeout=5.0)
+    try:
+        second = _control(cluster, str(steps[1]), 0, node_timeout=5.0)  # deletes ITS stale keys
+        second.delete_job_keys()
+        second.close()
+        assert first.store.check([TOKEN_KEY])  # the first step's launch is intact
+    finally:
+        first.delete_job_keys()
+        first.close()
+
+
+@needs_etcd
+def test_the_last_launcher_out_never_judges_a_live_node_by_its_skewed_clock(
+    cluster: EtcdCluster,
+) -> None:
+    # Issue 33: node 1's wall clock is 3 s behind node 0's; node 0 compared node 1's beat (its
+    # wall time) with its own clock, found it "stale" and deleted the job's keys under it.
+    from inprocess.clock import Clock
+    from inprocess.launch.rounds import TOKEN_KEY
+
+    job = f"skew-{uuid.uuid4().hex[:8]}"
+    node0 = _control(cluster, job, 0, node_timeout=4.0, beat_stale=1.0)
+    node1 = _control(cluster, job, 1, node_timeout=4.0, beat_stale=1.0,
+                     clock=Clock(wall=lambda: time.time() - 3.0))  # fmt: skip
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            node1.report_live(0, 1)
+            stop.wait(0.1)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try:
+        node0.report_live(0, 0)
+        leaving = threading.Thread(target=node0.leave, daemon=True)
+        leaving.start()
+        leaving.join(1.5)  # longer than beat_stale: node 1 beats, so node 0 keeps waiting
+        assert leaving.is_alive() and node1.store.check([TOKEN_KEY])
+        stop.set()
+        beating.join(5)
+        node1.leave()  # the last one out: node 0 left, so node 1 deletes every key
+        leaving.join(5)
+        assert not leaving.is_alive()
+        with EtcdStore(cluster.url, prefix=job, timeout=5.0) as s:
+            assert s.num_keys() == 0
+    finally:
+        stop.set()
+        node0.close()
+        node1.close()
+
+
+@needs_etcd
+def test_a_launcher_whose_beat_stopped_is_gone_after_beat_stale(cluster: EtcdCluster) -> None:
+    job = f"stale-{uuid.uuid4().hex[:8]}"
+    node0 = _control(cluster, job, 0, node_timeout=10.0, beat_stale=0.5)
+    node1 = _control(cluster, job, 1, node_timeout=10.0, beat_stale=0.5)
+    try:
+        node1.report_live(0, 1)  # then node 1 dies without leaving
+        t0 = time.monotonic()
+        node0.leave()
+        assert time.monotonic() - t0 < 5.0  # ~beat_stale on node 0's own clock, not 10 s
+        with EtcdStore(cluster.url, prefix=job, timeout=5.0) as s:
+            assert s.num_keys() == 0  # the last one out deleted the job's keys
+    finally:
+        node0.close()
+        node1.close()

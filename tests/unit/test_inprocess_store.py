@@ -10,13 +10,15 @@ import pytest
 
 from inprocess.errors import StoreTimeoutError
 from inprocess.protocol import keys
+from inprocess.protocol.store import StoreBase
 from tests.fake_clock import FakeClock
 
 
-class FakeStore:
-    """A dict with the Store calls the protocol uses; ``wait`` on a missing key first runs the
-    next scripted event (what other ranks do meanwhile), else advances the fake clock by the
-    timeout and raises the timeout error c10d raises."""
+class FakeStore(StoreBase):
+    """A dict with the c10d calls the protocol uses (the fast paths: ``StoreBase``'s generic
+    ones, as on a TCPStore); ``wait`` on a missing key first runs the next scripted event (what
+    other ranks do meanwhile), else advances the fake clock by the timeout and raises the
+    timeout error c10d raises."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.data: dict[str, bytes] = {}

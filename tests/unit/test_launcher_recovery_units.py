@@ -17,6 +17,7 @@ from inprocess.launch.rounds import restart_or_end
 from inprocess.protocol import job_keys, keys
 from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment
+from inprocess.protocol.store import as_store
 
 
 def test_flag_written_for_requeue_while_retries_remain(tmp_path: Path) -> None:
@@ -78,7 +79,7 @@ def _decision(iteration: int, active: tuple[int, ...], reserve: tuple[int, ...])
 
 
 def test_joiner_is_admitted_by_the_next_decision_that_names_it() -> None:
-    store = dist.HashStore()
+    store = as_store(dist.HashStore())
     store.set(keys.ROOT + "init/go", "ok")
     job_keys.start_iteration(store, 1, participants=1, reserves=())
     since = job_keys.current_iteration(store)
@@ -110,7 +111,7 @@ def test_an_admission_decided_before_the_joiner_waits_is_not_missed() -> None:
     """Found by the four-kills launcher test: the respawned process registered, the restart
     admitted it and the ranks announced the next iteration, all before it started waiting.
     Reading the iteration only then, it waited on the iteration that waits for it."""
-    store = dist.HashStore()
+    store = as_store(dist.HashStore())
     store.set(keys.iteration_prefix(0) + "restart/go", _decision(0, (0, 1, 2), ()))
     job_keys.start_iteration(store, 1, participants=3, reserves=())
     since = job_keys.current_iteration(store)  # read before registering, as the wrapper does
@@ -125,11 +126,11 @@ def test_an_admission_decided_before_the_joiner_waits_is_not_missed() -> None:
 
 
 def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
-    store = dist.HashStore()
+    store = as_store(dist.HashStore())
     job_keys.start_iteration(store, 0, participants=1, reserves=())
     store.set(keys.end_key(0), keys.OUTCOME_DONE)
     assert job_keys.wait_admission(store, identity=5, decision_timeout=1, since=0) is None
-    store = dist.HashStore()
+    store = as_store(dist.HashStore())
     store.set(keys.end_key(0), keys.OUTCOME_FAULT)
     stop = Decision(0, (), (), (), (), None, "not enough healthy ranks").to_json()
     store.set(keys.iteration_prefix(0) + "restart/go", stop)
@@ -138,7 +139,7 @@ def test_joiner_leaves_when_the_job_finishes_or_stops() -> None:
 
 
 def test_job_state_tells_the_launcher_what_the_ranks_did() -> None:
-    store = dist.HashStore()
+    store = as_store(dist.HashStore())
     assert job_keys.job_state(store) == job_keys.JOB_NOT_STARTED
     store.set(keys.ROOT + "init/go", "ok")
     job_keys.start_iteration(store, 2, participants=1, reserves=())

@@ -13,7 +13,13 @@ from inprocess.protocol.environment import read_env, store_setting
 
 URL = "etcd://10.0.0.1:2379,10.0.0.2,[::1]:2380"
 BASE = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
-JOB_VARS = ("INPROCESS_STORE", "INPROCESS_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+JOB_VARS = (
+    "INPROCESS_STORE",
+    "INPROCESS_JOB_ID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def test_environment_selects_the_store_and_the_job_id_in_order() -> None:
@@ -92,9 +98,24 @@ def test_launcher_store_flag_and_job_id(monkeypatch: pytest.MonkeyPatch) -> None
         parse_args(several)  # every node must agree: no id made up on one of them
     monkeypatch.setenv("SLURM_JOB_ID", "4711")
     assert parse_args(several).job_id == "4711"
+    monkeypatch.setenv("SLURM_STEP_ID", "3")  # srun: the job step is the namespace
+    assert parse_args(several).job_id == "4711.3"
     for bad in (["--store", "etcd://h:x"], ["--store", URL, "--job-id", "a b"]):
         with pytest.raises(SystemExit):
             parse_args(["--nproc-per-node", "2", *bad, *script])
+
+
+def test_two_srun_steps_of_one_allocation_get_two_namespaces() -> None:
+    # Issue 33: both steps had the namespace SLURM_JOB_ID, so the second one's launcher deleted
+    # the first one's keys while it ran.
+    slurm = {**BASE, "INPROCESS_STORE": URL, "SLURM_JOB_ID": "4711"}
+    first = read_env({**slurm, "SLURM_STEP_ID": "0"})
+    second = read_env({**slurm, "SLURM_STEP_ID": "1"})
+    assert (first.job_id, second.job_id) == ("4711.0", "4711.1")
+    assert store_setting(None, first) == URL  # a valid job id
+    batch = read_env({**BASE, "SLURM_JOB_ID": "4711"})  # a batch script: no step id
+    assert batch.job_id == "4711"
+    assert read_env({**BASE, "INPROCESS_JOB_ID": "j", "SLURM_STEP_ID": "1"}).job_id == "j"
 
 
 def test_each_round_of_the_launcher_gets_its_own_namespace() -> None:

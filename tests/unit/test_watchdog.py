@@ -19,6 +19,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from inprocess.protocol.keys import end_key, gone_ranks, read_faults
+from inprocess.protocol.store import as_store
 from inprocess.watchdog.owner import Watchdog
 from tests.multiproc import REPO_ROOT
 
@@ -97,8 +98,9 @@ def read_line(proc: subprocess.Popen[str], *, timeout: float) -> str:
 def wait_fault(store: TCPStore, *, timeout: float) -> tuple[str, str]:
     """(kind, detail) of the fault reported for RANK in ITERATION; waits on the end key."""
     store.wait([end_key(ITERATION)], datetime.timedelta(seconds=timeout))
-    mine = [f for f in read_faults(store, ITERATION) if f.initial_rank == RANK]
-    assert len(mine) == 1, f"expected one fault of rank {RANK}: {read_faults(store, ITERATION)}"
+    faults = read_faults(as_store(store), ITERATION)
+    mine = [f for f in faults if f.initial_rank == RANK]
+    assert len(mine) == 1, f"expected one fault of rank {RANK}: {faults}"
     return mine[0].kind, mine[0].detail
 
 
@@ -164,7 +166,7 @@ def test_sleeping_rank_is_not_killed_and_clean_close_reports_nothing(store: TCPS
     assert read_line(proc, timeout=20) == "closed"
     assert proc.wait(10) == 0
     assert wait_gone(watchdog_pid, 5), "close() left the watchdog process running"
-    assert read_faults(store, ITERATION) == []
+    assert read_faults(as_store(store), ITERATION) == []
 
 
 def test_start_waits_until_watching_and_close_is_idempotent(store: TCPStore) -> None:
@@ -184,7 +186,7 @@ def test_start_waits_until_watching_and_close_is_idempotent(store: TCPStore) -> 
         assert pid is not None
     w.close()
     assert wait_gone(pid, 5)
-    assert read_faults(store, 0) == []
+    assert read_faults(as_store(store), 0) == []
 
 
 @pytest.mark.parametrize(
