@@ -7,7 +7,7 @@ torch server, so a change in torch fails there loudly. Layout: a request is one 
 type) followed by its arguments; a string or byte value is a little-endian uint64 length and
 the bytes; an integer is a little-endian int64; every key gets torch's ``/`` prefix. A new
 connection sends VALIDATE with the magic number, then PING with a nonce that the server echoes.
-Only the calls this project's protocol uses are here (``inprocess.protocol.keys.StoreLike``).
+Only the calls ``inprocess.protocol.store.C10dStore`` makes are here (``as_store`` wraps it).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = range(7)
-_APPEND, _MULTI_SET, _CANCEL_WAIT, _PING = 9, 11, 12, 13
+_DELETE_KEY, _APPEND, _MULTI_GET, _MULTI_SET, _CANCEL_WAIT, _PING = 8, 9, 10, 11, 12, 13
 _MAGIC = 0x3C85F7CE
 _READY = 0  # CHECK's answer when every key exists
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
@@ -37,7 +37,8 @@ class TCPStoreClient:
     """A client connection to a ``torch.distributed.TCPStore`` server (``is_master=False``).
 
     Same call signatures as torch's store for ``set``, ``get``, ``add``, ``append``,
-    ``compare_set``, ``check``, ``wait``, ``multi_set``; ``timeout`` bounds the connection and
+    ``compare_set``, ``check``, ``wait``, ``multi_get``, ``multi_set``, ``delete_key`` (what
+    ``inprocess.protocol.store.C10dStore`` calls); ``timeout`` bounds the connection and
     each call (``TimeoutError``). Calls are serialized by a lock; ``close()`` is idempotent.
     """
 
@@ -95,6 +96,18 @@ class TCPStoreClient:
         with self._lock:
             self._send(bytes([_CHECK]) + _keys(keys))
             return self._recv(1)[0] == _READY
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Waits (at most ``timeout``) for every key, as torch's client does, then reads them."""
+        self.wait(keys, datetime.timedelta(seconds=self.timeout))
+        with self._lock:
+            self._send(bytes([_MULTI_GET]) + _keys(keys))
+            return [self._recv_bytes() for _ in keys]
+
+    def delete_key(self, key: str) -> bool:
+        with self._lock:
+            self._send(bytes([_DELETE_KEY]) + _str(_key(key)))
+            return int(struct.unpack("<q", self._recv(8))[0]) == 1
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         pairs = b"".join(_str(_key(k)) + _str(_bytes(v)) for k, v in zip(keys, values, strict=True))

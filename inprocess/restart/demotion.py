@@ -85,7 +85,7 @@ def replace_rank(
     return True
 
 
-def _decide(ctx: RestartContext, job: Any, decisions: Any, key: str, *, reason: str) -> bool:
+def _decide(ctx: RestartContext, job: Store, decisions: Store, key: str, *, reason: str) -> bool:
     """The rank to replace decides (``replace_rank``): publishes "yes" when a warm reserve is
     free and records its own ``straggler`` fault (action ``demote``), else "no"."""
     granted = bool(free_reserves(job, ctx.iteration))

@@ -322,7 +322,12 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     from inprocess.watchdog import process
 
     args = argparse.Namespace(
-        store_url=cluster.url, job_id="wd-job", store_host="unused", store_port=1, initial_rank=3
+        store_url=cluster.url,
+        job_id="wd-job",
+        store_host="unused",
+        store_port=1,
+        initial_rank=3,
+        reserve=False,
     )
     process._report(None, args, 0, "dead", "rank process 1 disappeared")
     with EtcdStore(cluster.url, prefix="wd-job", timeout=10) as job:

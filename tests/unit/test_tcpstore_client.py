@@ -74,12 +74,26 @@ def test_a_timed_out_wait_leaves_the_connection_usable(
 def test_the_protocols_fault_report_reads_back_through_torch(
     server: TCPStore, ours: TCPStoreClient
 ) -> None:
-    keys.report_fault(ours, iteration=2, initial_rank=1, kind="dead", detail="gone")
+    from inprocess.protocol.store import as_store
+
+    # Both ends as the framework opens them: behind the Store protocol (as_store, as seal does).
+    mine, theirs = as_store(ours), as_store(server)
+    keys.report_fault(mine, iteration=2, initial_rank=1, kind="dead", detail="gone")
     assert server.get(keys.end_key(2)) == keys.OUTCOME_FAULT.encode()
-    (f,) = keys.read_faults(server, 2)
-    assert (f.initial_rank, f.kind) == (1, "dead") and keys.gone_ranks(server) == {1}
-    keys.record_reserve_gone(ours, 3, 4)
-    assert keys.gone_ranks(server) == {1, 4} and not server.check([keys.end_key(3)])
+    (f,) = keys.read_faults(theirs, 2)
+    assert (f.initial_rank, f.kind) == (1, "dead") and keys.gone_ranks(theirs) == {1}
+    keys.record_reserve_gone(mine, 3, 4)
+    assert keys.gone_ranks(theirs) == {1, 4} and not server.check([keys.end_key(3)])
+
+
+def test_multi_get_and_delete_key_match_torchs_client(
+    server: TCPStore, ours: TCPStoreClient
+) -> None:
+    server.set("a", b"1")
+    server.set("b", b"")
+    assert ours.multi_get(["a", "b"]) == server.multi_get(["a", "b"]) == [b"1", b""]
+    assert ours.delete_key("a") is True and ours.delete_key("a") is False
+    assert not server.check(["a"])
 
 
 def test_connecting_to_a_closed_port_fails_within_the_timeout() -> None:

@@ -120,8 +120,8 @@ def test_a_reserves_death_marks_it_gone_and_ends_no_iteration(store: TCPStore) -
     proc, watchdog_pid = start_rank(store, "reserve_exit")
     assert proc.wait(10) == 3
     assert wait_gone(watchdog_pid, 10), "the watchdog must exit after its report"
-    assert gone_ranks(store) == {RANK}
-    assert not store.check([end_key(ITERATION)]) and read_faults(store, ITERATION) == []
+    assert gone_ranks(as_store(store)) == {RANK}
+    assert not store.check([end_key(ITERATION)]) and read_faults(as_store(store), ITERATION) == []
 
 
 def test_sigkill_of_rank_is_reported_within_milliseconds(store: TCPStore) -> None:
