@@ -129,6 +129,10 @@ ETCD_PLAN = "exception@rank1:step10,kill@rank1:step20,nan@rank1:step40"
 
 
 @pytest.mark.skipif(etcd_skip_reason() is not None, reason=str(etcd_skip_reason()))
+@slow(
+    "tests/dist/test_etcd_store.py::test_restartable_job_on_etcd_survives_exception_kill_and_"
+    "leader_loss runs a restartable job on etcd through faults"
+)
 def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
     tmp_path: Path, clean_final_loss: float
 ) -> None:

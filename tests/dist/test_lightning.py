@@ -18,6 +18,12 @@ from tests.multiproc import free_port, run_job, run_ranks, slow
 SCRIPT = "tests/dist/workers_lightning.py"
 
 
+@slow(
+    "Lightning restarted in place: test_fit_restarts_in_place_and_a_reserve_takes_the_lost_"
+    "ranks_place; an in-job restart resuming from a checkpoint: tests/dist/"
+    "test_launcher_recovery.py::test_in_process_stop_leads_to_in_job_restart_that_resumes_from_"
+    "the_checkpoint"
+)
 def test_sigkills_resume_from_the_local_tier_then_the_persistent_one_to_the_clean_loss(
     tmp_path: Path,
 ) -> None:
