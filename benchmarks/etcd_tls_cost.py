@@ -22,11 +22,9 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,30 +32,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.etcd_cluster, tests.etcd_secure
 
-from inprocess.errors import FaultRecord  # noqa: E402
+# The same restart protocol and timer as the sealing benchmark (benchmarks/ is sys.path[0]).
+from sealing_cost import _median_us, _restart  # noqa: E402
+
 from inprocess.etcd import EtcdStore  # noqa: E402
-from inprocess.protocol import keys  # noqa: E402
 from tests.etcd_cluster import EtcdCluster, skip_reason  # noqa: E402
 from tests.etcd_secure import SecureEtcd  # noqa: E402
 
 
 def _median_ms(fn: Callable[[], Any], n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
-def _restart(store: EtcdStore, it: int) -> None:
-    rec = FaultRecord(iteration=it, initial_rank=0, kind="exception", detail="x" * 200, step=it)
-    keys.set_participants(store, it, 1)
-    keys.record_fault(store, rec)
-    keys.wait_outcome(store, it, timeout=5.0, clock=time.monotonic)
-    keys.restart_barrier(
-        store, it, initial_rank=0, participants=[0], decide=lambda faults: '{"go": 1}', timeout=5
-    )
+    return _median_us(fn, n) / 1e3
 
 
 def _woken(store: EtcdStore, other: EtcdStore, counter: list[int]) -> None:
