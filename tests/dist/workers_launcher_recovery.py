@@ -35,13 +35,14 @@ def clean_loss(steps: int, world: int) -> float:
 
 def _waiting_joiners(active: tuple[int, ...]) -> int:
     """Respawned processes registered, alive and not active: the refilled part of the pool."""
+    from checkpoint.sealing import job_sealer
     from inprocess.protocol import job_keys
-    from inprocess.protocol.store import as_store
+    from inprocess.protocol.sealed_store import seal
     from inprocess.store_server import client
 
-    store = as_store(
-        client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
-    )
+    # The job's values are sealed (docs/security.md): read them as its processes do.
+    raw = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
+    store = seal(raw, job_sealer(create=False))
     return len(job_keys.ready_joiners(store) - set(active))
 
 
