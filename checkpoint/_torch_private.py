@@ -80,3 +80,13 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
+
+
+def dtensor_with_local(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor with ``like``'s mesh, placements, global shape and stride whose local tensor is
+    ``local`` itself, on whatever device ``local`` lives (the DTensor constructor and its
+    ``_spec``). ``DTensor.from_local`` would move a host buffer to the mesh's device type, so a
+    DTensor of a CUDA mesh staged into host memory would go back onto the GPU."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)

@@ -23,6 +23,9 @@ class TrainState(Stateful):
         # de-duplication of identical keys from saving rank 0's copy for everyone.
         self.rerun_key = f"rerun_rank{rank}"
         self.step = 0
+        # The last step's loss (a tensor while training; a float once restored): a run restored
+        # at its final step trains no step, yet reports the loss it had reached.
+        self.loss: torch.Tensor | float = float("nan")
         self._cached: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]] | None = None
 
     def _model_and_optim(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -58,6 +61,7 @@ class TrainState(Stateful):
             "optim": optim_sd,
             self.rerun_key: self.rsm.state_dict(),
             "step": self.step,
+            "loss": float(self.loss),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -67,6 +71,7 @@ class TrainState(Stateful):
         )
         self.rsm.load_state_dict(sd[self.rerun_key])
         self.step = int(sd["step"])
+        self.loss = float(sd.get("loss", float("nan")))
 
 
 def _ptr(t: torch.Tensor) -> int:

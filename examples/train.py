@@ -287,7 +287,6 @@ def run(args: argparse.Namespace) -> int:
             start = state.step if restored is not None else 0
         if ctx.rank == 0:
             _tell_restart(ctx.last_restart, run_dir, restored, restore, time.monotonic() - t0)
-        loss = torch.tensor(float("nan"))
         tick, tick_step = time.monotonic(), start
         for step in range(start, args.steps):
             ctx.ping(step)  # the step lets the wrapper spot the same fault repeating at a step
@@ -323,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
                 if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
                     rsm.exit_or_raise(close=[mgr])  # the checkpoint is committed first
                 opt.step()
-            state.step = step + 1
+            state.step, state.loss = step + 1, loss.detach()
             stop = preempt.should_stop()
             with ctx.section("checkpointing"):
                 mgr.save(state.step, ckpt, force_persistent=stop)
@@ -331,18 +330,19 @@ def run(args: argparse.Namespace) -> int:
                 rate = (step + 1 - tick_step) / (time.monotonic() - tick)
                 tick, tick_step = time.monotonic(), step + 1
                 print(
-                    f"step {step + 1:5d}  loss {loss.item():.4f}  {rate:6.1f} steps/s", flush=True
+                    f"step {step + 1:5d}  loss {float(state.loss):.4f}  {rate:6.1f} steps/s",
+                    flush=True,
                 )
             if stop:
                 mgr.wait()
                 return {
                     "step": state.step,
-                    "loss": loss.item(),
+                    "loss": float(state.loss),
                     "preempted": True,
                     "rank": ctx.rank,
                 }
         mgr.wait()
-        return {"step": state.step, "loss": loss.item(), "preempted": False, "rank": ctx.rank}
+        return {"step": state.step, "loss": float(state.loss), "preempted": False, "rank": ctx.rank}
 
     try:
         with PreemptionHandler(exit_signal=signal.SIGTERM) as preempt:

@@ -117,14 +117,8 @@ class StagingPool:
             from torch.distributed.tensor import DTensor
 
             if isinstance(obj, DTensor):
-                return DTensor.from_local(
-                    view,
-                    obj.device_mesh,
-                    obj.placements,
-                    run_check=False,
-                    shape=obj.shape,
-                    stride=obj.stride(),
-                )
+                # Not DTensor.from_local: it would copy a GPU mesh's shard back to the GPU.
+                return _torch_private.dtensor_with_local(view, obj)
             return view
         if isinstance(obj, Mapping):
             return {k: self._rebuild(v, (*path, k)) for k, v in obj.items()}

@@ -107,3 +107,26 @@ def test_split_write_items_and_storage_info_match_dcp_filesystem_writer() -> Non
     assert sorted(i.index.fqn for b in buckets for i in b) == ["a", "b"]
     info = ckpt_private.storage_info("__0_0.distcp", 8, 16)
     assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 8, 16)
+
+
+def test_dtensor_with_local_keeps_the_given_local_tensor_and_the_sharding(
+    store: dist.TCPStore,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    _init(store, "d")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    live = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)])
+    host = torch.full((3, 4), 7.0)
+    d = ckpt_private.dtensor_with_local(host, live)
+    assert isinstance(d, DTensor)
+    # The very tensor given (the staging buffer), not a copy on the mesh's device.
+    assert d.to_local() is host or d.to_local().data_ptr() == host.data_ptr()
+    assert (d.device_mesh, d.placements, d.shape, d.stride()) == (
+        live.device_mesh,
+        live.placements,
+        live.shape,
+        live.stride(),
+    )
+    assert torch.equal(d.full_tensor(), host)
