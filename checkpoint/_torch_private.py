@@ -90,3 +90,10 @@ def dtensor_with_local(local: torch.Tensor, like: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, like._spec, requires_grad=False)
+
+
+def dtensor_local_and_spec(dt: Any) -> tuple[torch.Tensor, Any]:
+    """A DTensor's own local tensor and its sharding spec, as attributes (``_local_tensor``,
+    ``_spec``): two attribute reads where ``to_local()`` costs microseconds, for the local
+    tier's per-save check that a DTensor still holds what the last save saw."""
+    return dt._local_tensor, dt._spec

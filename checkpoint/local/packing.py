@@ -14,12 +14,15 @@ import json
 import struct
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointMismatchError
 from checkpoint.local import sharded
+
+if TYPE_CHECKING:
+    from checkpoint.local.memo import WalkMemo
 
 MAGIC = b"RSTLOCAL"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
@@ -151,7 +154,7 @@ class ReplicatedState(dict[str, Any]):
     """
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """One leaf of a state: a tensor, a JSON scalar or an encoded object, and where it sits."""
 
@@ -185,11 +188,17 @@ def _is_json_scalar_tree(obj: Any) -> bool:
     return False
 
 
-def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]) -> list[Leaf]:
+def leaves(
+    state: Mapping[str, Any],
+    statefuls: list[tuple[Any, dict[str, Any]]],
+    memo: WalkMemo | None = None,
+) -> list[Leaf]:
     """Every leaf of `state`, keyed by its '/'-joined path, in a deterministic order.
 
     Stateful objects are expanded through their state_dict(); each (object, that dict) pair is
     appended to `statefuls` so a load can hand the filled dict back via load_state_dict().
+    `memo` (the local tier's saves): flat tensor mappings unchanged since the last walk with
+    this memo give their leaves without a walk (checkpoint.local.memo).
     """
     out: list[Leaf] = []
     # A module-level function, not a recursive closure: a closure that calls itself is a
@@ -197,7 +206,11 @@ def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]
     # process group) until the cyclic GC happened to run. After a restart the destroyed group
     # then stayed referenced, and the peers blocked on this rank waited for the gloo timeout
     # (12.5 s in 2 of 5 restarts of the README-style script).
-    _walk(state, "", None, None, False, out, statefuls)
+    if memo is not None:
+        memo.begin()
+    _walk(state, "", None, None, False, out, statefuls, memo)
+    if memo is not None:
+        memo.end()
     return out
 
 
@@ -211,6 +224,7 @@ def _walk(
     rep: bool,
     out: list[Leaf],
     statefuls: list[tuple[Any, dict[str, Any]]],
+    memo: WalkMemo | None,
 ) -> None:
     # Runs at every local save (a small model's state has a few hundred nodes): the common
     # cases are tested first.
@@ -224,22 +238,30 @@ def _walk(
         out.append(Leaf(prefix, obj, container, index, rep))
     elif isinstance(obj, Mapping):
         rep = rep or isinstance(obj, ReplicatedState)
+        fresh = memo.replay(obj, prefix, rep, out) if memo is not None else None
+        if fresh:
+            return
+        start = len(out)
         keys = list(obj)
         if all(type(k) is str for k in keys):
             keys.sort()  # the same order as key=str, without a call per key
         else:
             keys.sort(key=str)
         for k in keys:
-            _walk(obj[k], f"{prefix}/{k}" if prefix else str(k), obj, k, rep, out, statefuls)
+            path = f"{prefix}/{k}" if prefix else str(k)
+            _walk(obj[k], path, obj, k, rep, out, statefuls, memo)
+        if fresh is False:
+            assert memo is not None
+            memo.remember(obj, prefix, rep, out[start:])
     elif is_stateful(obj):
         sd = obj.state_dict()
         statefuls.append((obj, sd))
-        _walk(sd, prefix, None, None, rep, out, statefuls)
-    elif isinstance(obj, (list, tuple)) and not _is_json_scalar_tree(obj):
-        for i, v in enumerate(obj):
-            _walk(v, f"{prefix}/{i}", obj, i, rep, out, statefuls)
-    elif _is_json_scalar_tree(obj):
+        _walk(sd, prefix, None, None, rep, out, statefuls, memo)
+    elif _is_json_scalar_tree(obj):  # a list of scalars (a param group's names) is one leaf
         out.append(Leaf(prefix, obj, container, index, rep))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk(v, f"{prefix}/{i}", obj, i, rep, out, statefuls, memo)
     elif type(obj) is bytes:
         encoded = {_BYTES: base64.b64encode(obj).decode("ascii")}
         out.append(Leaf(prefix, encoded, container, index, rep))

@@ -33,6 +33,7 @@ from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local import directory, packing, placement
 from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob
 from checkpoint.local.holdings import Holdings
+from checkpoint.local.memo import WalkMemo
 from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import RestoreResult, Shard, restore
 from checkpoint.worker import BackgroundWorker
@@ -117,6 +118,7 @@ class LocalTier:
         self._hold = Holdings(keep)
         self._saver = BackgroundSaver(self._hold, self._dir, replication_factor)
         self._cache: _Cache | None = None
+        self._memo = WalkMemo()  # the save's walk: flat tensor mappings seen unchanged
         self._capacity_checked = 0
         self._worker = BackgroundWorker("local-ckpt")
         self._future: Future[None] | None = None
@@ -147,7 +149,7 @@ class LocalTier:
         if self._hold.stale(step, world):
             self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
-        leaves = packing.leaves(state, statefuls)
+        leaves = packing.leaves(state, statefuls, self._memo)
         cache = self._plan(leaves, rank, world)
         tensors = [x for x in leaves if x.key in cache.keep_keys]
         objects = {x.key: x.value for x in leaves if x.key not in cache.tensor_keys}
@@ -318,6 +320,7 @@ class LocalTier:
         if self._worker.stop(timeout=5.0):  # its work is over or timed out above: never long
             self._saver.close()
         self._hold.clear()
+        self._memo = WalkMemo()
         self._cache = None  # its layout's cached views would keep the buffers alive
 
     def __enter__(self) -> LocalTier:

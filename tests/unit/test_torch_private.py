@@ -130,3 +130,18 @@ def test_dtensor_with_local_keeps_the_given_local_tensor_and_the_sharding(
         live.stride(),
     )
     assert torch.equal(d.full_tensor(), host)
+
+
+def test_dtensor_local_and_spec_are_what_to_local_and_the_placements_say(
+    store: dist.TCPStore,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init(store, "e")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    d = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    local, spec = ckpt_private.dtensor_local_and_spec(d)
+    with torch.no_grad():
+        assert local is d.to_local()
+    assert (spec.mesh, spec.placements) == (d.device_mesh, d.placements)

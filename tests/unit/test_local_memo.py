@@ -1,0 +1,117 @@
+"""The local tier's walk memo: leaves of unchanged tensor mappings reused, every change seen."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from checkpoint.local import packing
+from checkpoint.local.memo import WalkMemo
+
+
+def _state() -> dict[str, Any]:
+    model = {f"layer{i}.weight": torch.full((2, 3), float(i)) for i in range(10)}
+    optim = {f"layer{i}.weight": {"step": torch.tensor(1.0), "m": torch.zeros(2, 3)}
+             for i in range(10)}  # fmt: skip
+    return {"model": model, "optim": {"state": optim, "lr": 0.1}, "step": 7}
+
+
+def _view(leaves: list[packing.Leaf]) -> list[tuple[Any, ...]]:
+    """What a save reads of each leaf: key, value (by identity), container, index, sharding."""
+    return [
+        (x.key, id(x.value) if isinstance(x.value, torch.Tensor) else x.value,
+         id(x.container), x.index, x.replicated, x.sharding)
+        for x in leaves
+    ]  # fmt: skip
+
+
+def _walks(state: dict[str, Any], memo: WalkMemo) -> list[packing.Leaf]:
+    """A save's walk with the memo, checked against a walk without it."""
+    got = packing.leaves(state, [], memo)
+    assert _view(got) == _view(packing.leaves(state, []))
+    return got
+
+
+def test_unchanged_mappings_come_from_the_memo_with_the_same_leaves() -> None:
+    state, memo = _state(), WalkMemo()
+    _walks(state, memo)
+    seen: list[tuple[str, bool | None]] = []
+    replay = memo.replay
+
+    def recorded(obj: Any, prefix: str, rep: bool, out: list[packing.Leaf]) -> bool | None:
+        seen.append((prefix, replay(obj, prefix, rep, out)))
+        return seen[-1][1]
+
+    memo.replay = recorded  # type: ignore[method-assign]
+    _walks(state, memo)
+    hits = {prefix for prefix, hit in seen if hit}
+    # The model's 10 tensors and the optimizer state's 10 x 2 come from the memo; the mapping
+    # with a scalar in it is walked.
+    assert hits == {"model", "optim/state"}, seen
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["replace a tensor", "add a key", "remove a key", "replace a nested mapping", "scalar"],
+)
+def test_every_change_of_a_remembered_mapping_is_seen(change: str) -> None:
+    state, memo = _state(), WalkMemo()
+    _walks(state, memo)
+    _walks(state, memo)
+    if change == "replace a tensor":
+        state["model"]["layer3.weight"] = torch.ones(4)
+    elif change == "add a key":
+        state["optim"]["state"]["layer3.weight"]["v"] = torch.ones(2, 3)
+    elif change == "remove a key":
+        del state["model"]["layer0.weight"]
+    elif change == "replace a nested mapping":
+        state["optim"]["state"]["layer5.weight"] = {"step": torch.tensor(2.0)}
+    else:
+        state["model"]["layer3.weight"] = 3.5  # a tensor became a scalar
+    got = _walks(state, memo)  # the same leaves as a walk without the memo
+    _walks(state, memo)  # and again, from the memo rebuilt after the change
+    assert len(got) == len(packing.leaves(state, []))
+
+
+def test_the_memo_keeps_no_tensor_alive() -> None:
+    state, memo = _state(), WalkMemo()
+    _walks(state, memo)
+    _walks(state, memo)
+    ref = weakref.ref(state["model"]["layer1.weight"])
+    del state
+    gc.collect()
+    assert ref() is None  # the memo holds weak references only
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_leaves_reuse_their_shard_only_while_the_dtensor_holds_it(group: None) -> None:
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    params = {f"w{i}": distribute_tensor(torch.full((4, 2), float(i)), mesh, [Shard(0)])
+              for i in range(3)}  # fmt: skip
+    state, memo = {"model": params}, WalkMemo()
+    first = _walks(state, memo)
+    assert all(x.sharding is not None for x in first)
+    second = _walks(state, memo)
+    assert all(a.value is b.value for a, b in zip(first, second, strict=True))
+    # The DTensor gets another local tensor (what FSDP's internals or `.data =` could do): the
+    # memo must not hand out the old one.
+    with torch.no_grad():
+        params["w1"]._local_tensor = torch.zeros(4, 2)
+    third = _walks(state, memo)
+    assert third[1].value is params["w1"]._local_tensor
