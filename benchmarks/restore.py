@@ -22,6 +22,7 @@ Prints one JSON document.
     python benchmarks/restore.py               # 1 GiB per rank
     python benchmarks/restore.py --quick       # 64 MiB per rank
     python benchmarks/restore.py --size-mib 256 --local-dir /dev/shm
+    python benchmarks/restore.py --sharded     # the same bytes as DTensor shards (FSDP2)
 """
 
 from __future__ import annotations
@@ -55,22 +56,41 @@ def _best(fn: Any, repeat: int, *, sync: Any = None) -> float:
     return min(times)
 
 
-def _state(nbytes: int, seed: int) -> dict[str, Any]:
+def _state(nbytes: int, seed: int, sharded: bool = False) -> dict[str, Any]:
+    """`nbytes` of tensors per rank; `sharded`: each one the rank's Shard(0) of a DTensor on
+    the 2-rank mesh (as FSDP2 holds parameters), the same local bytes."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     small = {f"s{i}": torch.randn(1024, generator=g) for i in range(SMALL)}
     rest = max(0, nbytes - SMALL * 4096) // 4 // LARGE
     large = {f"l{i}": torch.randn(rest, generator=g) for i in range(LARGE)}
-    return {"model": {**large, **small}, "step": 0}
+    model: dict[str, Any] = {**large, **small}
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        model = {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+                 for k, t in model.items()}  # fmt: skip
+    return {"model": model, "step": 0}
+
+
+def _locals(state: dict[str, Any]) -> list[Any]:
+    """The tensors this rank holds: a DTensor's local shard (its storage, not a copy)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return [t.to_local() if isinstance(t, DTensor) else t for t in state["model"].values()]
 
 
 def _nbytes(state: dict[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in state["model"].values())
+    return sum(t.numel() * t.element_size() for t in _locals(state))
 
 
 def _zero(state: dict[str, Any]) -> None:
-    for t in state["model"].values():
+    for t in _locals(state):
         t.zero_()
 
 
@@ -99,7 +119,7 @@ def _floors(state: dict[str, Any], repeat: int) -> dict[str, float]:
 def _copy_state(state: dict[str, Any], dst: Any) -> None:
     """The copy floor of a save: the state's tensors copied into a faulted-in flat buffer."""
     off = 0
-    for t in state["model"].values():
+    for t in _locals(state):
         k = t.numel() * t.element_size()
         dst[off : off + k].view(t.dtype).copy_(t.reshape(-1))
         off += k
@@ -263,7 +283,7 @@ def _rank_main(rank: int, cfg: dict[str, Any]) -> None:
     sys.path.insert(0, str(ROOT))
     os.environ.update({"RANK": str(rank), "LOCAL_WORLD_SIZE": "1"})  # two simulated nodes
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    state = _state(cfg["nbytes"], seed=rank)
+    state = _state(cfg["nbytes"], seed=rank, sharded=cfg["sharded"])
     result: dict[str, Any] = {"nbytes": _nbytes(state)}
     result.update(_floors(state, cfg["repeat"]))
     local_dir = Path(cfg["local_dir"]) / f"node{rank}"
@@ -290,6 +310,7 @@ def _summary(ranks: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]
         "bytes_per_rank": n,
         "ranks": 2,
         "tensors_per_rank": SMALL + LARGE,
+        "state": "DTensor shards (2-rank mesh, Shard(0))" if cfg["sharded"] else "tensors",
         "local_dir": cfg["local_dir"],
         "floors": {
             "memcpy_gib_s": [r["memcpy_gib_s"] for r in ranks],
@@ -338,6 +359,11 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3, help="best of N for floors and memory restore")
     p.add_argument("--no-writers", action="store_true", help="skip plain vs tensorstore")
     p.add_argument("--quick", action="store_true", help="64 MiB per rank, best of 2")
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="each tensor a DTensor's Shard(0) on the 2-rank mesh (FSDP2's layout), same bytes",
+    )
     args = p.parse_args()
     if args.quick:
         args.size_mib, args.repeat = 64, 2
@@ -358,6 +384,7 @@ def main() -> int:
             "persistent_root": str(Path(tmp) / "persistent"),
             "out": str(Path(tmp) / "result.json"),
             "writers": not args.no_writers,
+            "sharded": args.sharded,
         }
         mp.start_processes(_rank_main, args=(cfg,), nprocs=2, start_method="spawn")
         ranks = json.loads(Path(cfg["out"]).read_text())

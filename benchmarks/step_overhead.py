@@ -20,6 +20,7 @@ per-step local save can cost), and ``copy_floor_ratio`` the step ratio that copy
     python benchmarks/step_overhead.py                 # 3 rounds x 9 configurations, ~5 min
     python benchmarks/step_overhead.py --quick         # 1 round, fewer steps
     python benchmarks/step_overhead.py --layers 0 1 2  # some configurations only
+    python benchmarks/step_overhead.py --parallel fsdp # the same GPT sharded with FSDP2
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def command(config: str, args: argparse.Namespace, out: Path) -> list[str]:
         str(args.warmup),
         "--persistent-every",
         str(args.persistent_every),
+        "--parallel",
+        args.parallel,
         "--out",
         str(out),
     ]
@@ -174,6 +177,12 @@ def main() -> int:
     p.add_argument("--no-torchrun", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 round of 150 steps")
+    p.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="the model replicated (DDP) or sharded with FSDP2 (examples/parallel.py)",
+    )
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 150, 30
@@ -199,6 +208,7 @@ def main() -> int:
         json.dumps(
             {
                 "active_ranks": args.active,
+                "parallel": args.parallel,
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "rounds": args.rounds,

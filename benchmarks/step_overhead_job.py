@@ -129,6 +129,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--persistent-every", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--parallel", choices=("ddp", "fsdp"), default="ddp", help="examples/parallel.py's shard"
+    )
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args()
 
@@ -141,8 +144,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
     from gpt import GPTConfig, batch, build_model, corpus
+    from parallel import shard
     from state import TrainState
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from checkpoint import CheckpointManager
     from inprocess import restartable
@@ -176,7 +179,7 @@ def main() -> int:
                 hardware_id=f"cpu-rank{rank}",
             )
         model = build_model(cfg, args.seed)
-        ddp = DDP(model)
+        ddp = shard(model, args.parallel, world=dist.get_world_size(), device=torch.device("cpu"))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         state = TrainState(model, opt, rsm, rank) if rsm is not None else None
         ckpt = {"train": state}
