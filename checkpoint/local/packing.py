@@ -197,7 +197,7 @@ def leaves(
 
     Stateful objects are expanded through their state_dict(); each (object, that dict) pair is
     appended to `statefuls` so a load can hand the filled dict back via load_state_dict().
-    `memo` (the local tier's saves): flat tensor mappings unchanged since the last walk with
+    `memo` (the local tier's saves): mappings of tensors unchanged since the last walk with
     this memo give their leaves without a walk (checkpoint.local.memo).
     """
     out: list[Leaf] = []

@@ -118,7 +118,7 @@ class LocalTier:
         self._hold = Holdings(keep)
         self._saver = BackgroundSaver(self._hold, self._dir, replication_factor)
         self._cache: _Cache | None = None
-        self._memo = WalkMemo()  # the save's walk: flat tensor mappings seen unchanged
+        self._memo = WalkMemo()  # the save's walk: tensor mappings seen unchanged
         self._capacity_checked = 0
         self._worker = BackgroundWorker("local-ckpt")
         self._future: Future[None] | None = None

@@ -90,7 +90,12 @@ def test_slow_rank_is_replaced_by_the_reserve_and_throughput_recovers() -> None:
     assert res[0]["restarts"] == ["straggler on rank 1"], describe(outs)
     assert {(it, rank) for it, rank, _, _ in res[2]["steps"]} == {(1, 1)}
     assert {it for it, _, _, _ in res[1]["steps"]} == {0}  # the slow rank trains no more
-    reports = res[0]["reports"]
+    # Iteration 0's reports: every rank acts on the same published sequence, but the first rank
+    # to act on the demotion restarts the job, so another rank may not have reached that last
+    # report (seen under load): each rank's list is a prefix of the longest.
+    seen0 = [res[r]["reports_by_iteration"][0] for r in (0, 1)]
+    reports = max(seen0, key=len)
+    assert all(s == reports[: len(s)] for s in seen0), seen0
     flagged = [i for i, r in enumerate(reports) if r["stragglers"] == [1]]
     demoted = [i for i, r in enumerate(reports) if r["demote"] == 1]
     assert len(flagged) >= 2 and demoted, reports

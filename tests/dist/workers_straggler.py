@@ -49,7 +49,7 @@ def ddp_job(
     after ``step`` (reports are time-based: the test must not depend on the machine's speed;
     every rank sees the same reports, so all stop at the same step); ``steps`` is only a cap.
     Returns this process's step records ``[iteration, ctx.rank, step, wall seconds]``, its
-    reports and the restarts it saw."""
+    reports (also per iteration: ``reports_by_iteration``) and the restarts it saw."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -108,6 +108,7 @@ def ddp_job(
         return steps
 
     train()
+    seen["reports_by_iteration"] = seen["reports"]
     seen["reports"] = [r for per_iteration in seen["reports"] for r in per_iteration]
     return {k: v for k, v in seen.items() if k != "next"}
 
