@@ -24,14 +24,12 @@ import operator
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from checkpoint import _torch_private
-
-if TYPE_CHECKING:
-    from checkpoint.local.packing import Leaf
+from checkpoint.local.packing import Leaf, ReplicatedState
 
 _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a ReplicatedState)
 # A mapping with fewer plain tensors in it (one parameter's optimizer state: step, exp_avg,
@@ -60,18 +58,10 @@ class _Node:
     values: tuple[_Tensor | _Node, ...]  # its values, same order
     walk: tuple[tuple[Any, int], ...]  # (key, position in `order`) in the walk's sorted order
     plain: bool  # every value a plain tensor: one C-level identity check
+    paths: tuple[str, ...]  # each value's leaf path ("" for a mapping), same order
 
     def refs(self) -> list[torch.Tensor | None]:
         return [v.ref() if isinstance(v, _Tensor) else None for v in self.values]
-
-
-def _leaf(*args: Any) -> Leaf:
-    """packing.Leaf, imported on first use (packing imports this module)."""
-    global _leaf
-    from checkpoint.local.packing import Leaf
-
-    _leaf = Leaf
-    return Leaf(*args)
 
 
 def _replay(obj: Mapping[Any, Any], node: _Node, rep: bool, out: list[Leaf]) -> bool:
@@ -83,8 +73,8 @@ def _replay(obj: Mapping[Any, Any], node: _Node, rep: bool, out: list[Leaf]) -> 
     if node.plain:
         if not all(map(operator.is_, values, node.refs())):
             return False
-        out.extend([_leaf(node.values[i].path, values[i], obj, k, rep, None)  # type: ignore[union-attr]
-                    for k, i in node.walk])  # fmt: skip
+        paths = node.paths
+        out.extend([Leaf(paths[i], values[i], obj, k, rep, None) for k, i in node.walk])
         return True
     for k, i in node.walk:
         v, seen = values[i], node.values[i]
@@ -99,15 +89,13 @@ def _replay(obj: Mapping[Any, Any], node: _Node, rep: bool, out: list[Leaf]) -> 
             if local is not seen.local() or spec is not seen.spec():
                 return False
             v = local
-        out.append(_leaf(seen.path, v, obj, k, rep, seen.sharding))
+        out.append(Leaf(seen.path, v, obj, k, rep, seen.sharding))
     return True
 
 
 def _node(obj: Mapping[Any, Any], by_place: dict[tuple[int, Any], Leaf]) -> _Node | None:
     """The node of `obj` from the leaves its walk gave (by container and index), or None when
     something in it is not a tensor or a plain mapping of them."""
-    from checkpoint.local.packing import ReplicatedState
-
     order = tuple(obj)
     values: list[_Tensor | _Node] = []
     for k in order:
@@ -133,7 +121,8 @@ def _node(obj: Mapping[Any, Any], by_place: dict[tuple[int, Any], Leaf]) -> _Nod
     else:
         walk = sorted(((k, i) for i, k in enumerate(order)), key=lambda e: str(e[0]))
     plain = all(isinstance(v, _Tensor) and v.local is None for v in values)
-    return _Node(order, tuple(values), tuple(walk), plain)
+    paths = tuple(v.path if isinstance(v, _Tensor) else "" for v in values)
+    return _Node(order, tuple(values), tuple(walk), plain, paths)
 
 
 class WalkMemo:
