@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from checkpoint import _torch_private
-from checkpoint.local.packing import Leaf, ReplicatedState
+from checkpoint.local.packing import Leaf, ReplicatedState, walk_order
 
 _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a ReplicatedState)
 # A mapping with fewer plain tensors in it (one parameter's optimizer state: step, exp_avg,
@@ -116,10 +116,8 @@ def _node(obj: Mapping[Any, Any], by_place: dict[tuple[int, Any], Leaf]) -> _Nod
                 return None
             t.local, t.spec = weakref.ref(local), weakref.ref(spec)
         values.append(t)
-    if all(type(k) is str for k in order):
-        walk = sorted((k, i) for i, k in enumerate(order))
-    else:
-        walk = sorted(((k, i) for i, k in enumerate(order)), key=lambda e: str(e[0]))
+    position = {k: i for i, k in enumerate(order)}
+    walk = [(k, position[k]) for k in walk_order(obj)]
     plain = all(isinstance(v, _Tensor) and v.local is None for v in values)
     paths = tuple(v.path if isinstance(v, _Tensor) else "" for v in values)
     return _Node(order, tuple(values), tuple(walk), plain, paths)

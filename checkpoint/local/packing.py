@@ -214,6 +214,16 @@ def leaves(
     return out
 
 
+def walk_order(mapping: Mapping[Any, Any]) -> list[Any]:
+    """The keys of `mapping` in the order the walk visits them (and the memo replays them)."""
+    keys = list(mapping)
+    if all(type(k) is str for k in keys):
+        keys.sort()  # the same order as key=str, without a call per key
+    else:
+        keys.sort(key=str)
+    return keys
+
+
 # Runs at every local save (a small model's state has a few hundred nodes): the common cases
 # are tested first.
 def _walk(
@@ -242,12 +252,7 @@ def _walk(
         if fresh:
             return
         start = len(out)
-        keys = list(obj)
-        if all(type(k) is str for k in keys):
-            keys.sort()  # the same order as key=str, without a call per key
-        else:
-            keys.sort(key=str)
-        for k in keys:
+        for k in walk_order(obj):
             path = f"{prefix}/{k}" if prefix else str(k)
             _walk(obj[k], path, obj, k, rep, out, statefuls, memo)
         if fresh is False:
