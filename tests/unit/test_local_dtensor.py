@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -16,15 +14,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from checkpoint.errors import ShardingMismatchError
 from checkpoint.local import packing
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _pack(state: dict[str, Any]) -> torch.Tensor:

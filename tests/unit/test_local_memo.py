@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -89,15 +87,6 @@ def test_the_memo_keeps_no_tensor_alive() -> None:
     del state
     gc.collect()
     assert ref() is None  # the memo holds weak references only
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_dtensor_leaves_reuse_their_shard_only_while_the_dtensor_holds_it(group: None) -> None:

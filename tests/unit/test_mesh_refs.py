@@ -7,7 +7,6 @@ and inprocess/restart/mesh_refs.py must be updated (its docstring lists them).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,16 +29,6 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from inprocess.restart import mesh_refs
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _train(parallel: str) -> dict[str, weakref.ref[Any]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -109,15 +110,23 @@ def test_split_write_items_and_storage_info_match_dcp_filesystem_writer() -> Non
     assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 8, 16)
 
 
+def _row_sharded(store: dist.TCPStore, prefix: str, shape: tuple[int, int]) -> Any:
+    """A DTensor of `shape` (values 0, 1, ...) sharded by rows on a one-rank CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _init(store, prefix)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    return distribute_tensor(torch.arange(float(shape[0] * shape[1])).reshape(shape), mesh,
+                             [Shard(0)])  # fmt: skip
+
+
 def test_dtensor_with_local_keeps_the_given_local_tensor_and_the_sharding(
     store: dist.TCPStore,
 ) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
-    _init(store, "d")
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    live = distribute_tensor(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)])
+    live = _row_sharded(store, "d", (3, 4))
     host = torch.full((3, 4), 7.0)
     d = ckpt_private.dtensor_with_local(host, live)
     assert isinstance(d, DTensor)
@@ -135,12 +144,7 @@ def test_dtensor_with_local_keeps_the_given_local_tensor_and_the_sharding(
 def test_dtensor_local_and_spec_are_what_to_local_and_the_placements_say(
     store: dist.TCPStore,
 ) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    _init(store, "e")
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    d = distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    d = _row_sharded(store, "e", (3, 2))
     local, spec = ckpt_private.dtensor_local_and_spec(d)
     with torch.no_grad():
         assert local is d.to_local()
