@@ -19,7 +19,6 @@ have kept the newest step complete everywhere.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
@@ -64,8 +63,8 @@ class BackgroundSaver:
         self._factor = factor
         self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._warned_factor = False
-        self._written: dict[int, set[int]] = {}  # step -> owners whose file this process wrote
-        self._spares: dict[int, Path] = {}  # owner -> a pruned file of it, to overwrite
+        self._files = directory.ShardFiles(local_dir) if local_dir is not None else None
+        self._prunes = 0  # directory prunes so far: every AGREE_EVERY-th also sweeps
 
     def inline(self, job: SaveJob) -> bool:
         """Whether `job` is so small that the training thread runs it itself: no file, no
@@ -142,12 +141,10 @@ class BackgroundSaver:
 
     def _write(self, shard: Shard, what: str) -> bool:
         """Write a shard to the node-local directory, if any; False (logged) when it failed."""
-        if self._dir is None:
+        if self._files is None:
             return True
         try:
-            spare = self._spares.pop(shard.owner, None)
-            directory.write(self._dir, shard.meta(), shard.buf, spare=spare)
-            self._written.setdefault(shard.step, set()).add(shard.owner)
+            self._files.write(shard.meta(), shard.buf)
         except Exception as e:  # never skip the agreement: peers would wait on us
             log.warning(
                 "local save of step %d: writing %sshard of rank %d to %s failed: %s",
@@ -157,25 +154,33 @@ class BackgroundSaver:
         return True
 
     def _prune_directory(self, step: int) -> None:
-        if self._dir is None:
+        """Free this process's files of the steps no longer kept; every AGREE_EVERY-th time
+        (the first included) also remove such files that processes now gone left behind."""
+        if self._files is None:
             return
         confirmed, first_recent = self._hold.disk_kept()
         below = min(first_recent, step)
-        for old in [s for s in self._written if s < below and s not in confirmed]:
-            for owner in self._written.pop(old):
-                if owner not in self._spares:
-                    spare = directory.keep_spare(self._dir, old, owner, into=step)
-                    if spare is not None:
-                        self._spares[owner] = spare
-        # Only older steps: a co-located rank may already be writing a newer one.
-        directory.remove_steps_except(self._dir, keep=confirmed, below=below)
+
+        def kept(s: int) -> bool:
+            return s >= below or s in confirmed
+
+        self._files.release(kept)
+        if self._prunes % AGREE_EVERY == 0:
+            try:
+                removed = self._files.sweep(kept)
+            except OSError as e:
+                log.warning("local_dir %s: removing files of ended processes failed: %s",
+                            self._dir, e)  # fmt: skip
+            else:
+                if removed:
+                    log.info("local_dir %s: removed %d files of ended processes", self._dir,
+                             removed)  # fmt: skip
+        self._prunes += 1
 
     def close(self) -> None:
-        """Remove the spare files (after the worker stopped: nothing writes any more)."""
-        for spare in self._spares.values():
-            with contextlib.suppress(OSError):
-                spare.unlink()
-        self._spares.clear()
+        """Close the directory's files (after the worker stopped: nothing writes any more)."""
+        if self._files is not None:
+            self._files.close()
 
     def _replicate(
         self, shard: Shard, pg_ref: weakref.ref[dist.ProcessGroup], nodes: list[int]

@@ -1,16 +1,29 @@
-"""Node-local directory of the local tier: one plain file per shard, with a checksum.
+"""Node-local directory of the local tier: one file per shard copy, rewritten in place.
 
-Files: ``<local_dir>/step_<9-digit step>/owner_<owner rank>.bin`` (the packed buffer) and
-``owner_<owner>.json`` (step, owner, world size, bytes, checksum and its algorithm), renamed into
-place after the data, so a shard without its .json is incomplete and ignored. Plain files won over
-tensorstore by measurement (README, "Local tier"): a shard is one contiguous buffer, so one write
-is all it takes.
+Layout. Each process writes files of its own, ``<local_dir>/shard-<pid>-<tag>-<n>.bin``, and no
+other process writes them, so co-located ranks share the directory without coordinating. A file
+holds one shard at a time: a 64-byte record at offset 0 (magic, checksum algorithm, step, owner,
+world size, bytes, the shard's checksum, and the record's own checksum, so that a torn record is
+no record), then the packed shard from DATA_OFFSET (page-aligned). A file is reused for a later
+step once its step is pruned: pruning clears its record, and a save writes the data first and
+the record last. A process killed between the two leaves a file without a record, which is
+ignored; a reader racing a rewrite finds a checksum that does not match and takes the next copy.
+So no reader ever takes a half-written shard, and a save costs two ``pwrite`` calls into pages
+already in the page cache, plus one more to clear the pruned step's record. The previous layout
+(a directory per step, data and a .json renamed into place, the pruned directory removed) cost
+about 1.5 ms of CPU per save of the example's state, half of it file-system metadata
+(docs/performance.md, issue 34).
+
+Files of processes that are gone. A writer holds an exclusive ``flock`` on each of its files for
+as long as it has them open, which ends with the process however it ends. ``sweep`` removes the
+files no live process holds whose step is no longer kept; until then a dead process's files are
+there for its replacement to restore from.
 
 No fsync. This copy exists for the loss of a *process* (killed, crashed, replaced by a reserve on
 the same node): what it wrote is in the kernel's page cache, which outlives the process and is
 what any other process reads. The loss of the *node* is the persistent tier's (fsynced) and the
-peers' replicas' job. After a power loss a file renamed here may be short or stale; its checksum
-then fails and the restore moves on to the next copy. An fsync per step cost more than the step
+peers' replicas' job. After a power loss a file here may be short or stale; its checksum then
+fails and the restore moves on to the next copy. An fsync per step cost more than the step
 itself on this project's machine (7-15 ms median per save of the example's 1.6 MB state, against
 1.5-3 ms without: the training thread waited for the previous step's fsync).
 """
@@ -18,34 +31,42 @@ itself on this project's machine (7-15 ms median per save of the example's 1.6 M
 from __future__ import annotations
 
 import contextlib
-import json
+import fcntl
 import os
 import re
+import secrets
 import shutil
-from dataclasses import dataclass
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointStorageError
 from checkpoint.local import integrity, packing
 
-_STEP_DIR = re.compile(r"^step_(\d{9,19})$")  # 9 digits, more from step 10**9 on
-_META = re.compile(r"^owner_(\d+)\.json$")
+_FILE = re.compile(r"^shard-\d+-[0-9a-f]{8}-\d+\.bin$")
 _PROBE = ".restartable-probe"
 _MIN_FREE = 16 << 20  # a directory with less free space than this cannot hold any useful shard
+_MAGIC = b"RSTSHARD"
+# magic, checksum algorithm (NUL-padded), step, owner, world, nbytes, shard checksum; then the
+# record's own checksum (8 bytes).
+_RECORD = struct.Struct("<8s8sqqqqq")
+RECORD_SIZE = _RECORD.size + 8
+DATA_OFFSET = 4096  # the shard starts on a page boundary
 
 
 @dataclass(frozen=True)
 class ShardMeta:
-    """What is known about a shard before reading it."""
+    """What is known about a shard before reading it; `path`: the file holding it (scan)."""
 
     step: int
     owner: int
     world: int
     nbytes: int
     checksum: int  # checkpoint.local.integrity of the packed bytes
+    path: str = field(default="", compare=False)
 
 
 def validate(local_dir: str | os.PathLike[str]) -> Path:
@@ -96,108 +117,188 @@ def check_capacity(path: Path, needed: int, used: int) -> None:
         )
 
 
-def write(root: Path, meta: ShardMeta, buf: torch.Tensor, *, spare: Path | None = None) -> Path:
-    """Write one shard: data, rename; then its .json the same way (no fsync: module docstring).
-    Returns the data file's path.
-
-    spare: a file of this process's that an evicted step left (see `keep_spare`), overwritten in
-    place instead of a new file: its pages are already in the page cache, so the write is a
-    copy into them. Measured on this project's machine, one 1.6 MB shard: 0.33-0.5 ms of CPU
-    instead of 1.1-1.6 ms for a new file and the removal of the old one (tmpfs and ext4).
-    """
-    step_dir = root / f"step_{meta.step:09d}"
-    step_dir.mkdir(mode=0o700, exist_ok=True)  # private: the state is the user's data
-    tag = f".{os.getpid()}.tmp"
-    data = step_dir / f"owner_{meta.owner}.bin"
-    _write_data(str(data) + tag, buf[: meta.nbytes], spare)
-    os.replace(str(data) + tag, data)
-    doc = json.dumps({**meta.__dict__, "checksum_algo": integrity.ALGORITHM}).encode()
-    js = step_dir / f"owner_{meta.owner}.json"
-    with _private(str(js) + tag) as f:
-        f.write(doc)
-    os.replace(str(js) + tag, js)
-    return data
+def encode_record(meta: ShardMeta, algo: str = integrity.ALGORITHM) -> bytes:
+    """The RECORD_SIZE bytes that mark a file as holding `meta`'s shard."""
+    body = _RECORD.pack(
+        _MAGIC, algo.encode(), meta.step, meta.owner, meta.world, meta.nbytes, meta.checksum
+    )
+    return body + integrity.of_bytes(body).to_bytes(8, "little", signed=True)
 
 
-def _write_data(path: str, data: torch.Tensor, spare: Path | None) -> None:
-    if spare is not None:
-        try:
-            os.replace(spare, path)
-        except OSError:  # gone (a co-located rank pruned its step first): a new file
-            spare = None
-    if spare is None:
-        with _private(path) as f:
-            f.write(data.numpy().data)
-        return
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        view = data.numpy().data
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], done)
-        os.ftruncate(fd, len(view))
-    finally:
-        os.close(fd)
-
-
-def keep_spare(root: Path, step: int, owner: int, *, into: int) -> Path | None:
-    """Before `step` is pruned: move this process's data file of (step, owner) aside for reuse,
-    into the directory of step `into` (kept longer; a spare is never a shard: the scan reads
-    .json files only, and it goes with its directory), its .json (which marked it complete)
-    removed first. None when there is none (a co-located rank pruned that step already)."""
-    step_dir = root / f"step_{step:09d}"
-    with contextlib.suppress(FileNotFoundError):
-        (step_dir / f"owner_{owner}.json").unlink()
-    spare = root / f"step_{into:09d}" / f".spare_owner_{owner}.{os.getpid()}"
-    try:
-        os.replace(step_dir / f"owner_{owner}.bin", spare)
-    except OSError:
+def decode_record(raw: bytes, path: str = "") -> ShardMeta | None:
+    """The shard a record describes; None for no record (cleared, torn, foreign) or one whose
+    checksum algorithm is not this version's (its shard cannot be verified)."""
+    if len(raw) < RECORD_SIZE:
         return None
-    return spare
+    body = raw[: _RECORD.size]
+    if integrity.of_bytes(body).to_bytes(8, "little", signed=True) != raw[_RECORD.size :]:
+        return None
+    magic, algo, step, owner, world, nbytes, checksum = _RECORD.unpack(body)
+    if magic != _MAGIC or algo.rstrip(b"\0") != integrity.ALGORITHM.encode():
+        return None
+    return ShardMeta(step, owner, world, nbytes, checksum, path)
 
 
-def _private(path: str) -> BinaryIO:
-    """A new file readable by this user only (0600), open for writing."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+class _File:
+    """One file of this process: open read-write, under its exclusive flock, for its life."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        # Created under a name the scan and the sweep ignore, locked, then renamed: a sweep
+        # never sees it unlocked.
+        tmp = root / f".{name}.new"
+        self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # the user's data
+        try:
+            # Without flock support (rare for a node-local file system) a sweep cannot lock the
+            # file either, and leaves it alone.
+            with contextlib.suppress(OSError):
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.path = root / name
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(self.fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    def write(self, meta: ShardMeta, buf: torch.Tensor) -> None:
+        """Data, then the record (the record is clear: a new file or one cleared by release)."""
+        _pwrite_all(self.fd, buf[: meta.nbytes].numpy().data, DATA_OFFSET)
+        _pwrite_all(self.fd, encode_record(meta), 0)
+
+    def clear(self) -> None:
+        _pwrite_all(self.fd, bytes(RECORD_SIZE), 0)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+class ShardFiles:
+    """This process's files in one node-local directory, each holding one shard or none.
+
+    Called from the local tier's background thread (write, release, sweep), then close() once
+    that thread stopped. Nothing blocks but the file system.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._prefix = f"shard-{os.getpid()}-{secrets.token_hex(4)}-"
+        self._created = 0
+        self._held: dict[tuple[int, int], _File] = {}  # (step, owner) -> the file holding it
+        self._free: list[_File] = []  # files without a record, to reuse
+
+    def write(self, meta: ShardMeta, buf: torch.Tensor) -> None:
+        """Write `meta`'s shard (buf[:meta.nbytes]) into a free file, else a new one. The same
+        (step, owner) saved again (training went back) replaces its copy; it is cleared first."""
+        f = self._held.pop((meta.step, meta.owner), None)
+        if f is not None:
+            f.clear()
+        elif self._free:
+            f = self._free.pop()
+        else:
+            f = _File(self._root, f"{self._prefix}{self._created}.bin")
+            self._created += 1
+        try:
+            f.write(meta, buf)
+        except BaseException:
+            self._free.append(f)  # record not written: the file holds nothing
+            raise
+        self._held[(meta.step, meta.owner)] = f
+
+    def release(self, kept: Callable[[int], bool]) -> None:
+        """Clear the files of the steps not `kept` and keep them for reuse (a file that cannot
+        be cleared is removed instead)."""
+        for key in [k for k in self._held if not kept(k[0])]:
+            f = self._held.pop(key)
+            try:
+                f.clear()
+            except OSError:
+                _remove(f)
+                continue
+            self._free.append(f)
+
+    def sweep(self, kept: Callable[[int], bool]) -> int:
+        """Remove the files of processes that are gone (nobody holds their lock) whose step is
+        not `kept` or that hold no shard; the number removed. Never another live process's."""
+        removed = 0
+        for entry in os.scandir(self._root):
+            if not _FILE.match(entry.name) or entry.name.startswith(self._prefix):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its writer is alive
+                meta = decode_record(os.pread(fd, RECORD_SIZE, 0))
+                if meta is None or not kept(meta.step):
+                    os.unlink(entry.path)
+                    removed += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return removed
+
+    def close(self) -> None:
+        """Close every file: the shards stay for a later process, the empty files go."""
+        for f in self._free:
+            _remove(f)
+        for f in self._held.values():
+            os.close(f.fd)
+        self._free.clear()
+        self._held.clear()
+
+
+def _remove(f: _File) -> None:
+    with contextlib.suppress(OSError):
+        f.path.unlink()
+    os.close(f.fd)
 
 
 def scan(root: Path) -> list[ShardMeta]:
-    """Every complete shard in the directory (unverified: read() checks the checksum)."""
+    """Every shard with a record in the directory (unverified: read() checks the checksum)."""
     out = []
-    for step_dir in root.iterdir() if root.is_dir() else ():
-        m = _STEP_DIR.match(step_dir.name)
-        if not m or not step_dir.is_dir():
+    for entry in os.scandir(root) if root.is_dir() else ():
+        if not _FILE.match(entry.name):
             continue
-        for js in step_dir.iterdir():
-            if not _META.match(js.name):
-                continue
-            try:
-                doc = json.loads(js.read_text())
-                if doc.pop("checksum_algo", None) != integrity.ALGORITHM:
-                    continue  # written with another checksum: it cannot be verified
-                out.append(ShardMeta(**doc))
-            except (OSError, ValueError, TypeError):
-                continue  # torn or foreign file: not a shard we can use
+        try:
+            fd = os.open(entry.path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            meta = decode_record(os.pread(fd, RECORD_SIZE, 0), entry.path)
+        except OSError:
+            meta = None
+        finally:
+            os.close(fd)
+        if meta is not None:
+            out.append(meta)
     return out
 
 
 def read(
-    root: Path, meta: ShardMeta, place: packing.Place | None = None
+    meta: ShardMeta, place: packing.Place | None = None
 ) -> tuple[torch.Tensor, packing.Parsed] | None:
-    """Read a shard into a new uint8 tensor, with its decoded header; None when it is missing,
-    truncated, not a shard or fails its checksum.
+    """Read the shard a scan found into a new uint8 tensor, with its decoded header; None when
+    the file no longer holds it, or it is truncated, not a shard or fails its checksum.
 
     Reads the header first, then the rest in parts (packing.part_bounds), checksumming each as
     it arrives (the checksum costs about a tenth of the read: see checkpoint.local.integrity).
     `place`: the parts it maps are read straight into the tensors it gives instead of the
     returned buffer.
     """
-    data = root / f"step_{meta.step:09d}" / f"owner_{meta.owner}.bin"
     n = meta.nbytes
     buf = torch.empty(n, dtype=torch.uint8)
     check = integrity.Checksum()
     try:
-        with open(data, "rb", buffering=0) as f:
+        with open(meta.path, "rb", buffering=0) as f:
+            if decode_record(f.read(RECORD_SIZE)) != meta:
+                return None  # rewritten since the scan
+            f.seek(DATA_OFFSET)
 
             def read_into(part: torch.Tensor) -> bool:
                 return f.readinto(part.numpy().data) == part.numel()
@@ -217,18 +318,6 @@ def read(
                 if not read_into(part):
                     return None  # truncated
                 check.update(part)
-            if f.read(1):
-                return None  # longer than recorded
     except (OSError, CheckpointError):
         return None
     return (buf, parsed) if check.value == meta.checksum else None
-
-
-def remove_steps_except(root: Path, *, keep: set[int], below: int) -> None:
-    """Delete this tier's step directories older than `below` that are not in `keep` (never
-    other files, never a step from `below` on: a co-located rank may be writing it)."""
-    for step_dir in root.iterdir() if root.is_dir() else ():
-        m = _STEP_DIR.match(step_dir.name)
-        if m and int(m.group(1)) < below and int(m.group(1)) not in keep:
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(step_dir)

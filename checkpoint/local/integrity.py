@@ -42,3 +42,8 @@ def of(buf: torch.Tensor, nbytes: int) -> int:
     c = Checksum()
     c.update(buf[:nbytes])
     return c.value
+
+
+def of_bytes(data: bytes) -> int:
+    """Checksum of a small bytes object (a file's record), as `of` gives it."""
+    return int.from_bytes(xxhash.xxh3_64_digest(data), "big", signed=True)

@@ -70,7 +70,7 @@ def restore_resharded(
     if _has_dtensor(leaves):  # the same on every rank: the same structure everywhere
         log.info("local tier: a DTensor state is not resharded here; the persistent tier is")
         return None
-    copies, tiers = _read_copies(step, old_world, memory, on_disk, local_dir)
+    copies, tiers = _read_copies(step, old_world, memory, on_disk)
     plan = _plan(leaves, copies, rank) if len(copies) == old_world else None
     if _any_rank(pg, plan is None):
         log.warning(
@@ -100,7 +100,6 @@ def _read_copies(
     old_world: int,
     memory: dict[tuple[int, int, int], Shard],
     on_disk: dict[tuple[int, int, int], directory.ShardMeta],
-    local_dir: Path | None,
 ) -> tuple[dict[int, tuple[torch.Tensor, packing.Parsed]], set[str]]:
     """This rank's copy of every old shard of ``step`` (memory first, then the directory,
     verified), stopping at the first one missing or bad; and the tiers they came from."""
@@ -117,8 +116,8 @@ def _read_copies(
                 break
             copies[owner] = (buf, parsed)
             tiers.add("memory")
-        elif key in on_disk and local_dir is not None:
-            got = directory.read(local_dir, on_disk[key])
+        elif key in on_disk:
+            got = directory.read(on_disk[key])
             if got is None:
                 break
             copies[owner] = got

@@ -204,7 +204,7 @@ def restore(
         if target is None:
             target = _Target(state, rank, world, replicated_owner, in_place=min_step is not None)
         into = target.into_state
-        fetched, newly_bad = _fetch(plan, pg, rank, world, held, local_dir, on_disk, into)
+        fetched, newly_bad = _fetch(plan, pg, rank, world, held, on_disk, into)
         if not _any_rank(pg, bool(newly_bad)):
             break
         all_bad = _gather(pg, newly_bad, world)
@@ -274,7 +274,6 @@ def _fetch(
     rank: int,
     world: int,
     held: dict[tuple[int, int], Shard],
-    local_dir: Path | None,
     on_disk: dict[tuple[int, int], directory.ShardMeta],
     into_state: _IntoState | None,
 ) -> tuple[_Copy | None, list[tuple[int, int, int]]]:
@@ -282,7 +281,7 @@ def _fetch(
     step = plan.step
     if into_state is not None:
         into_state.clear()  # only this round's copy may have landed in place
-    source = _Sources(step, held, on_disk, local_dir)
+    source = _Sources(step, held, on_disk)
     bad: list[tuple[int, int, int]] = []
     sends = []
     for r in range(world):
@@ -320,9 +319,8 @@ class _Sources:
         step: int,
         held: dict[tuple[int, int], Shard],
         on_disk: dict[tuple[int, int], directory.ShardMeta],
-        local_dir: Path | None,
     ) -> None:
-        self._step, self._held, self._on_disk, self._dir = step, held, on_disk, local_dir
+        self._step, self._held, self._on_disk = step, held, on_disk
 
     def obtain(
         self, owner: int, place: _IntoState | None = None, *, own: bool = False
@@ -338,8 +336,8 @@ class _Sources:
                 check = 0 if own else sh.meta().checksum
             return _Copy(sh.buf, sh.nbytes, check, "memory", sh.parsed)
         m = self._on_disk.get((self._step, owner))
-        if m is not None and self._dir is not None:
-            got = directory.read(self._dir, m, place)
+        if m is not None:
+            got = directory.read(m, place)
             if got is not None:
                 return _Copy(got[0], m.nbytes, m.checksum, "local_dir", got[1])
         return None

@@ -192,10 +192,17 @@ def restore_fresh(
     return out
 
 
-def _flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF  # inside the last tensor: only the checksum can notice
-    path.write_bytes(bytes(data))
+def _flip_last_byte(node_dir: Path, step: int, owner: int) -> None:
+    """Corrupt the copy of (step, owner) in a node directory inside its last tensor: only the
+    checksum can notice."""
+    from checkpoint.local import directory
+
+    (meta,) = [m for m in directory.scan(node_dir) if (m.step, m.owner) == (step, owner)]
+    with open(meta.path, "r+b") as f:
+        f.seek(directory.DATA_OFFSET + meta.nbytes - 1)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last ^ 0xFF]))
 
 
 def restore_corrupt(base: str) -> dict[str, Any]:
@@ -207,15 +214,15 @@ def restore_corrupt(base: str) -> dict[str, Any]:
     _init(0)
     tier, group = _tier(_node_dir(base), "atomic")
     results = []
-    corrupt_before = [
-        [f"node0/step_{2:09d}/owner_0.bin"],  # own copy bad -> the peer's replica
-        [f"node1/step_{2:09d}/owner_0.bin"],  # both copies of step 2 bad -> step 1
-        [f"node0/step_{1:09d}/owner_0.bin", f"node1/step_{1:09d}/owner_0.bin"],  # -> None
+    corrupt_before = [  # (node directory, step) of rank 0's shard
+        [("node0", 2)],  # own copy bad -> the peer's replica
+        [("node1", 2)],  # both copies of step 2 bad -> step 1
+        [("node0", 1), ("node1", 1)],  # -> None
     ]
-    for paths in corrupt_before:
+    for copies in corrupt_before:
         if rank == 0:
-            for p in paths:
-                _flip_byte(Path(base) / p)
+            for node, step in copies:
+                _flip_last_byte(Path(base) / node, step, owner=0)
         dist.barrier()
         state = _state(rank, world, 0)
         _zero(state)

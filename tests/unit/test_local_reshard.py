@@ -52,9 +52,11 @@ def _target() -> dict[str, Any]:
 
 
 def test_a_shrunk_world_restores_the_newest_step_from_the_node_directory(tmp_path: Path) -> None:
+    files = directory.ShardFiles(tmp_path)
     for step in (99, 100):
         for sh in _old_world(step):
-            directory.write(tmp_path, sh.meta(), sh.buf)
+            files.write(sh.meta(), sh.buf)
+    files.close()
     state = _target()
     got = restore_resharded(
         state, pg=None, rank=0, world=1, held=[], local_dir=tmp_path, min_step=50
@@ -75,12 +77,16 @@ def test_memory_copies_serve_and_a_missing_or_corrupt_shard_means_none(tmp_path:
     assert restore_resharded(_target(), pg=None, rank=0, world=1, held=held[:1],
                              local_dir=None, min_step=None) is None  # fmt: skip
     # A corrupt file is not loaded; a step older than the persistent tier's is not wanted.
+    files = directory.ShardFiles(tmp_path)
     for sh in held:
-        directory.write(tmp_path, sh.meta(), sh.buf)
-    data = tmp_path / "step_000000100" / "owner_1.bin"
-    raw = bytearray(data.read_bytes())
-    raw[-1] ^= 0xFF
-    data.write_bytes(bytes(raw))
+        files.write(sh.meta(), sh.buf)
+    files.close()
+    (meta,) = [m for m in directory.scan(tmp_path) if m.owner == 1]
+    with open(meta.path, "r+b") as f:
+        f.seek(directory.DATA_OFFSET + meta.nbytes - 1)
+        last = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([last ^ 0xFF]))
     assert restore_resharded(_target(), pg=None, rank=0, world=1, held=[], local_dir=tmp_path,
                              min_step=None) is None  # fmt: skip
     assert restore_resharded(_target(), pg=None, rank=0, world=1, held=held, local_dir=None,

@@ -4,13 +4,14 @@ and the training thread's cheap forms (bytes leaves without torch.save)."""
 from __future__ import annotations
 
 import base64
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from checkpoint.local import LocalTier, packing
+from checkpoint.local import LocalTier, directory, packing
 from checkpoint.local import tier as tier_mod
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.restore import Shard
@@ -133,9 +134,10 @@ def test_directory_files_of_pruned_steps_are_overwritten_not_recreated(tmp_path:
         for step in range(1, 7):
             tier.save(step, {"w": torch.full((4096,), float(step)), "step": step})
             tier.wait()
-            inodes.append((tmp_path / f"step_{step:09d}" / "owner_0.bin").stat().st_ino)
-        assert len(set(inodes)) < len(inodes)  # files were reused
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000006"]
+            (meta,) = [m for m in directory.scan(tmp_path) if m.step == step]
+            inodes.append(os.stat(meta.path).st_ino)
+        assert len(set(inodes)) <= 3  # files were reused: keep + the two newest at most
+        assert [m.step for m in directory.scan(tmp_path)] == [6]
     with LocalTier(
         local_dir=str(tmp_path), replication_factor=1, algo="atomic", keep=1, group=group
     ) as fresh:

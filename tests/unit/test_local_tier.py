@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint.errors import CheckpointConfigError, CheckpointStorageError
-from checkpoint.local import LocalTier
+from checkpoint.local import LocalTier, directory
 from tests import peak_memory
 
 
@@ -38,6 +37,26 @@ def _tier(local_dir: Path | None, keep: int = 2, algo: str = "atomic") -> LocalT
 
 def _state(v: float) -> dict[str, Any]:
     return {"w": torch.full((256,), v), "step": int(v)}
+
+
+def _meta(local_dir: Path, step: int) -> directory.ShardMeta:
+    """The record of rank 0's shard of `step` in the directory."""
+    (meta,) = [m for m in directory.scan(local_dir) if (m.step, m.owner) == (step, 0)]
+    return meta
+
+
+def _flip_last_byte(local_dir: Path, step: int) -> None:
+    meta = _meta(local_dir, step)
+    with open(meta.path, "r+b") as f:
+        f.seek(directory.DATA_OFFSET + meta.nbytes - 1)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last ^ 0x01]))
+
+
+def _rewrite_record(meta: directory.ShardMeta, record: bytes) -> None:
+    with open(meta.path, "r+b") as f:
+        f.write(record)
 
 
 @pytest.mark.parametrize(
@@ -83,8 +102,6 @@ def test_bad_local_dir(tmp_path: Path) -> None:
 def test_too_small_local_dir_fails_at_first_save(tmp_path: Path, monkeypatch: Any) -> None:
     import shutil
 
-    from checkpoint.local import directory
-
     tier = _tier(tmp_path)
     real = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(directory.shutil, "disk_usage", lambda p: real._replace(free=1000))
@@ -103,7 +120,7 @@ def test_memory_restore_then_directory_restore(tmp_path: Path) -> None:
         assert res is not None and (res.step, res.tier) == (3, "memory")
         assert torch.equal(state["w"], torch.full((256,), 3.0)) and state["step"] == 3
         # Retention: two steps kept in the directory (memory likewise).
-        assert sorted(os.listdir(tmp_path)) == ["step_000000002", "step_000000003"]
+        assert sorted(m.step for m in directory.scan(tmp_path)) == [2, 3]
         assert sorted({s for s, _ in tier._held}) == [2, 3]
     with _tier(tmp_path) as fresh:  # a new process: only the directory is left
         state = _state(0.0)
@@ -137,10 +154,7 @@ def test_corrupt_directory_copy_is_not_loaded(tmp_path: Path) -> None:
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
         tier.save(2, _state(2.0))
-    shard = tmp_path / "step_000000002" / "owner_0.bin"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x01
-    shard.write_bytes(bytes(data))
+    _flip_last_byte(tmp_path, step=2)
     with _tier(tmp_path) as fresh:
         state = _state(0.0)
         res = fresh.load(state, min_step=None)
@@ -160,10 +174,7 @@ def test_corrupt_directory_copy_read_in_place_is_overwritten(
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
         tier.save(2, _state(2.0))
-    shard = tmp_path / "step_000000002" / "owner_0.bin"
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0x01  # inside "w", the last tensor
-    shard.write_bytes(bytes(data))
+    _flip_last_byte(tmp_path, step=2)  # inside "w", the last tensor
     with _tier(tmp_path) as fresh:
         state = _state(0.0)
         res = fresh.load(state, min_step=1)
@@ -173,12 +184,17 @@ def test_corrupt_directory_copy_read_in_place_is_overwritten(
 
 @pytest.mark.parametrize("size", [0, 10, 200], ids=["empty", "shorter_than_prefix", "garbage"])
 def test_directory_copy_that_is_not_a_shard_is_skipped(tmp_path: Path, size: int) -> None:
-    """A .bin replaced by something else (truncated to nothing, a few bytes, garbage) with a
-    persistent checkpoint present (the in-place path reads the header first): older step."""
+    """A shard's bytes replaced by something else (truncated to nothing, a few bytes, garbage)
+    under its record, with a persistent checkpoint present (the in-place path reads the header
+    first): older step."""
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
         tier.save(2, _state(2.0))
-    (tmp_path / "step_000000002" / "owner_0.bin").write_bytes(b"\x07" * size)
+    path = _meta(tmp_path, step=2).path
+    with open(path, "r+b") as f:
+        f.truncate(directory.DATA_OFFSET)
+        f.seek(directory.DATA_OFFSET)
+        f.write(b"\x07" * size)
     with _tier(tmp_path) as fresh:
         state = _state(0.0)
         res = fresh.load(state, min_step=1)
@@ -213,9 +229,8 @@ def test_shard_with_another_checksum_algorithm_is_ignored(tmp_path: Path) -> Non
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
         tier.save(2, _state(2.0))
-    meta = tmp_path / "step_000000002" / "owner_0.json"
-    doc = json.loads(meta.read_text())
-    meta.write_text(json.dumps({**doc, "checksum_algo": "crc32"}))
+    meta = _meta(tmp_path, step=2)
+    _rewrite_record(meta, directory.encode_record(meta, algo="crc32"))
     with _tier(tmp_path) as fresh:
         state = _state(0.0)
         res = fresh.load(state, min_step=None)
@@ -241,13 +256,13 @@ def test_close_is_idempotent_and_final() -> None:
 
 
 def test_other_world_size_is_not_served(tmp_path: Path) -> None:
-    import json
+    import dataclasses
 
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
-    meta = tmp_path / "step_000000001" / "owner_0.json"
-    doc = json.loads(meta.read_text())
-    meta.write_text(json.dumps({**doc, "world": 2}))  # as if saved by a 2-rank job
+    meta = _meta(tmp_path, step=1)
+    # As if saved by a 2-rank job.
+    _rewrite_record(meta, directory.encode_record(dataclasses.replace(meta, world=2)))
     with _tier(tmp_path) as fresh:
         assert fresh.load(_state(0.0), min_step=None) is None  # the persistent tier reshards
 
