@@ -14,8 +14,9 @@ Started by the driver under ``python -m inprocess.launch`` (or ``torchrun`` for 
 
 Active rank 0 times every step after ``--warmup`` and writes ``steps.json`` to ``--out``. Every
 process (active ranks and reserves) runs a sampler thread that snapshots the CPU time of each of
-its threads and child processes (the watchdog) when rank 0 starts and ends the timed window
-(marker files in ``--out``): ``cpu-<rank>.json`` says who spent what while the steps were timed.
+its threads and child processes (the watchdog) when rank 0 starts the timed window (a marker
+file in ``--out``) and when the rank's own timed steps end (a reserve: at rank 0's end marker),
+before any group is torn down: ``cpu-<rank>.json`` says who spent what while the steps were timed.
 The sampler's own cost is reported too (thread ``bench-sampler``).
 """
 
@@ -27,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,24 +102,42 @@ def cpu_snapshot() -> dict[str, float]:
     return snap
 
 
-def start_sampler(out: Path, rank: int) -> None:
-    """A daemon thread that snapshots at rank 0's window markers and writes cpu-<rank>.json."""
+def start_sampler(out: Path, rank: int) -> Callable[[], None]:
+    """A daemon thread that snapshots at rank 0's window markers and writes cpu-<rank>.json.
 
-    def run() -> None:
-        start_marker, end_marker = out / "window.start", out / "window.end"
-        while not start_marker.exists():
-            time.sleep(_SAMPLE_S)
-        t0, s0 = time.monotonic(), cpu_snapshot()
-        while not end_marker.exists():
-            time.sleep(_SAMPLE_S)
-        t1, s1 = time.monotonic(), cpu_snapshot()
+    Returns ``end``: an active rank's training thread calls it right after its timed steps, so
+    that the closing snapshot is taken before the process group is destroyed. Taken later (the
+    end marker is polled), the threads of a group destroyed meanwhile are lost with their CPU:
+    plain DDP destroys its group at once, and its gloo threads were missing from its table.
+    """
+    lock = threading.Lock()
+    window: dict[str, Any] = {}
+
+    def end() -> None:
+        with lock:
+            if "t0" not in window or window.get("done"):
+                return
+            window["done"] = True
+            t1, s1 = time.monotonic(), cpu_snapshot()
+        t0, s0 = window["t0"], window["s0"]
         wall = t1 - t0
         # Share of one core while the steps were timed; a thread born in the window counts
         # from 0, one that ended in it is lost (none of the framework's do without a fault).
         used = {k: (s1.get(k, 0.0) - s0.get(k, 0.0)) / wall for k in s1}
         (out / f"cpu-{rank}.json").write_text(json.dumps({"wall_s": wall, "core_share": used}))
 
+    def run() -> None:
+        start_marker, end_marker = out / "window.start", out / "window.end"
+        while not start_marker.exists():
+            time.sleep(_SAMPLE_S)
+        with lock:
+            window["t0"], window["s0"] = time.monotonic(), cpu_snapshot()
+        while not end_marker.exists() and not window.get("done"):
+            time.sleep(_SAMPLE_S)
+        end()  # a reserve (no steps of its own), or a rank that did not call it
+
     threading.Thread(target=run, name="bench-sampler", daemon=True).start()
+    return end
 
 
 def parse_args() -> argparse.Namespace:
@@ -139,7 +159,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     rank = int(os.environ["RANK"])
-    start_sampler(args.out, rank)
+    end_window = start_sampler(args.out, rank)
 
     import torch
     import torch.distributed as dist
@@ -210,6 +230,7 @@ def main() -> int:
             if step >= args.warmup:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.thread_time() - c0)
+        end_window()  # this rank's closing snapshot, while its group's threads still live
         if rank == 0:
             (args.out / "window.end").touch()
         if mgr is not None:

@@ -8,9 +8,9 @@ Call order per step, on every rank (the loop of ``README.md``)::
     checkpoint, exit, code = rsm.should_checkpoint_and_exit()
 
 Costs in ``validate_results`` mode without faults: one RNG snapshot (host only), one MAX
-all-reduce of a 6-element int32 tensor on the default group (only when torch.distributed is
-initialised with more than one rank) and one device-to-host read per step; the checks themselves
-stay on the device until that read.
+all-reduce of a one-element int32 tensor (the REJECTED flag; a re-run pass reduces all six flags)
+on the default group (only when torch.distributed is initialised with more than one rank) and one
+device-to-host read per step; the checks themselves stay on the device until that read.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 
 from rerun import agree, tracker
 from rerun.checks import Rejection, Value, as_float
-from rerun.state_machine import NUM_FLAGS, Flag
+from rerun.state_machine import Flag
 
 
 @dataclass
@@ -92,9 +92,12 @@ class StepRecord:
         if not self.tensor_flags and not agree.is_distributed():
             # Every flag is already on the host and nobody to agree with: no tensor work at all.
             return self._note_rejected(self.host_rejected, frozenset())
-        local = torch.zeros(NUM_FLAGS, dtype=torch.int32, device=device)
+        # After an initial run only REJECTED can be set: the ranks agree on that one element,
+        # not on the whole flag vector. On gloo a MAX all-reduce of the 6-flag vector is cut into
+        # segments sent in several messages; one element costs the fewest wake-ups per step.
+        local = torch.zeros(1, dtype=torch.int32, device=device)
         if self.host_rejected:
-            local[Flag.REJECTED] = 1
+            local.fill_(1)
         flags = None
         if self.tensor_flags:
             # Stack where the flags live, then move once: one copy (one sync) at most.
@@ -102,16 +105,14 @@ class StepRecord:
             flags = torch.stack(
                 [f.reshape(()).to(first, torch.int32) for _, f in self.tensor_flags]
             ).to(local.device)
-            local[Flag.REJECTED] = torch.maximum(local[Flag.REJECTED], flags.max())
+            local[0] = torch.maximum(local[0], flags.max())
         agree.reduce_max_(local)
         host = (torch.cat([local, flags]) if flags is not None else local).tolist()
-        per_call = host[NUM_FLAGS:]
         rejected = sorted(
             self.host_rejected
-            + [idx for (idx, _), v in zip(self.tensor_flags, per_call, strict=True) if v]
+            + [idx for (idx, _), v in zip(self.tensor_flags, host[1:], strict=True) if v]
         )
-        agreed = frozenset(f for f, v in zip(Flag, host[:NUM_FLAGS], strict=True) if v)
-        return self._note_rejected(rejected, agreed)
+        return self._note_rejected(rejected, frozenset({Flag.REJECTED}) if host[0] else frozenset())
 
     def _note_rejected(self, rejected: list[int], agreed: frozenset[Flag]) -> frozenset[Flag]:
         if not rejected:
