@@ -39,8 +39,13 @@ def test_every_call_agrees_with_torchs_client(server: TCPStore, ours: TCPStoreCl
     server.set("b", b"\x00bin\xff")
     assert ours.get("b") == b"\x00bin\xff"
     assert ours.add("n", 3) == 3 and server.add("n", 2) == 5 and ours.add("n", 0) == 5
+    # APPEND has no reply in the protocol (torch's client does not wait either), so appends on
+    # two connections may land in any order: a round trip on the same connection (check) makes
+    # sure each was applied before the other connection appends.
     ours.append("l", "x,")
+    assert ours.check(["l"])
     server.append("l", "y,")
+    assert server.check(["l"])
     ours.append("l", b"z,")
     assert server.get("l") == b"x,y,z," == ours.get("l")
     # compare_set: an absent key with expected "" is set; a mismatch returns the current value.
