@@ -37,7 +37,7 @@ import re
 import secrets
 import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,13 +224,7 @@ class ShardFiles:
         """Remove the files of processes that are gone (nobody holds their lock) whose step is
         not `kept` or that hold no shard; the number removed. Never another live process's."""
         removed = 0
-        for entry in os.scandir(self._root):
-            if not _FILE.match(entry.name) or entry.name.startswith(self._prefix):
-                continue
-            try:
-                fd = os.open(entry.path, os.O_RDONLY)
-            except OSError:
-                continue
+        for entry, fd in _opened(self._root, skip=self._prefix):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its writer is alive
                 meta = decode_record(os.pread(fd, RECORD_SIZE, 0))
@@ -239,8 +233,6 @@ class ShardFiles:
                     removed += 1
             except OSError:
                 pass
-            finally:
-                os.close(fd)
         return removed
 
     def close(self) -> None:
@@ -259,22 +251,30 @@ def _remove(f: _File) -> None:
     os.close(f.fd)
 
 
-def scan(root: Path) -> list[ShardMeta]:
-    """Every shard with a record in the directory (unverified: read() checks the checksum)."""
-    out = []
-    for entry in os.scandir(root) if root.is_dir() else ():
-        if not _FILE.match(entry.name):
+def _opened(root: Path, skip: str = "") -> Iterator[tuple[os.DirEntry[str], int]]:
+    """Each file of `root` named as a shard file (not starting with `skip`), open read-only
+    until the caller moves on; one that vanished or cannot be opened is left out."""
+    for entry in os.scandir(root):
+        if not _FILE.match(entry.name) or (skip and entry.name.startswith(skip)):
             continue
         try:
             fd = os.open(entry.path, os.O_RDONLY)
         except OSError:
             continue
         try:
-            meta = decode_record(os.pread(fd, RECORD_SIZE, 0), entry.path)
-        except OSError:
-            meta = None
+            yield entry, fd
         finally:
             os.close(fd)
+
+
+def scan(root: Path) -> list[ShardMeta]:
+    """Every shard with a record in the directory (unverified: read() checks the checksum)."""
+    out = []
+    for entry, fd in _opened(root) if root.is_dir() else ():
+        try:
+            meta = decode_record(os.pread(fd, RECORD_SIZE, 0), entry.path)
+        except OSError:
+            continue
         if meta is not None:
             out.append(meta)
     return out
