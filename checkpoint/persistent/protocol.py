@@ -28,6 +28,7 @@ from checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRa
 from checkpoint.exchange import StoreExchange
 from checkpoint.persistent.integrity import file_checksum
 from checkpoint.persistent.layout import CheckpointDirs, dir_name
+from checkpoint.persistent.object_bytes import ObjectArchives
 from checkpoint.persistent.plan_memo import PlanMemo, structure
 from checkpoint.persistent.save_job import Failed, SaveJob, SaveStats
 from checkpoint.persistent.storage import make_writer, write_files
@@ -50,6 +51,7 @@ class SaveProtocol:
         self._hooks = hooks
         self._memo = PlanMemo()  # the worker thread's only
         self._templates = ArchiveTemplates()
+        self._objects = ObjectArchives()
 
     def clear(self) -> None:
         """Forget the reused plans (``PersistentSaver.close``, once the worker stopped)."""
@@ -94,8 +96,8 @@ class SaveProtocol:
             self._dirs, dirpath, sums, thread_count=self._cfg.thread_count, cancel=ex.cancel
         )
         planner = DefaultSavePlanner()
-        my_plan, metadata = self._plan(job, planner, writer, start_error)
-        outcomes = self._write(job, planner, writer, my_plan, sums, metadata, dirpath)
+        my_blob, metadata = self._plan(job, planner, writer, start_error)
+        outcomes = self._write(job, planner, writer, my_blob, sums, metadata, dirpath)
         stats.write_s = time.perf_counter() - t0
         stats.bytes_written = sum(f["size"] for f in sums.values())
         if _journal.handlers:
@@ -131,10 +133,10 @@ class SaveProtocol:
 
     def _plan(
         self, job: SaveJob, planner: SavePlanner, writer: StorageWriter, start_error: str | None
-    ) -> tuple[Any, Any]:
+    ) -> tuple[bytes, Any]:
         """``plan``: every rank's local plan (or error) to rank 0, which hands each rank its
-        part of the global plan. Returns this rank's part and (rank 0) the metadata; raises
-        ``CheckpointRankError`` on every rank when any rank failed to stage or plan."""
+        part of the global plan. Returns this rank's part, encoded, and (rank 0) the metadata;
+        raises ``CheckpointRankError`` on every rank when any rank failed to stage or plan."""
         ex, rank, world = job.exchange, job.exchange.rank, job.exchange.world
         error = job.stage_error or (start_error if rank == 0 else None)
         # Plans and results travel as plain data (checkpoint.plain, never pickle: they are read
@@ -153,7 +155,7 @@ class SaveProtocol:
         failures, my_blob = ex.receive("global", mine=True)
         if failures:
             raise CheckpointRankError(f"save of step {job.step}", failures)
-        return self._memo.load("central", my_blob), metadata
+        return my_blob, metadata
 
     def _global(
         self, job: SaveJob, planner: SavePlanner, writer: StorageWriter, plans: list[Any]
@@ -184,9 +186,9 @@ class SaveProtocol:
     def _write(
         self,
         job: SaveJob,
-        planner: SavePlanner,
+        planner: DefaultSavePlanner,
         writer: StorageWriter,
-        my_plan: Any,
+        my_blob: bytes,
         sums: dict[str, dict[str, int]],
         metadata: Any,
         dirpath: str,
@@ -196,14 +198,18 @@ class SaveProtocol:
         ``CheckpointRankError`` on every rank when a write or the commit failed."""
         ex, step, rank, world = job.exchange, job.step, job.exchange.rank, job.exchange.world
         self._crash("write", rank)
-        error, results = None, None
+        error, results_blob = None, None
         try:
-            results = write_files(writer, planner.finish_plan(my_plan), planner, self._templates)
+            plan = planner.finish_plan(self._memo.load("central", my_blob))
+            results = write_files(writer, plan, planner, self._templates, self._objects)
+            # Write results are a function of the plan and each item's length (write_files):
+            # while both are unchanged, so is their encoding (~3 ms of the writer's CPU).
+            key = (my_blob, tuple(r.size_in_bytes for r in results))
+            results_blob = self._memo.derive("results", key, lambda: plain.dumps(results))
         except BaseException as e:
             error = _describe(e)
         job.staged = None  # the pool's views; nothing else may keep them alive
         self._crash("before_commit", rank)
-        results_blob = None if results is None else plain.dumps(results)
         outcomes = ex.gather("write", (error, sums, results_blob))
         if outcomes is not None:  # rank 0
             what = f"save of step {step}"

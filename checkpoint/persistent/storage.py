@@ -11,19 +11,20 @@ files themselves are written by ``write_files``: the same files DCP writes, but 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import threading
 from collections.abc import Generator
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from checkpoint import _torch_private
 from checkpoint.persistent.integrity import CrcStream
 from checkpoint.persistent.layout import CheckpointDirs
+from checkpoint.persistent.object_bytes import ObjectArchives
 from checkpoint.persistent.tensor_bytes import ArchiveTemplates
 
 DATA_SUFFIX = ".distcp"
@@ -94,11 +95,16 @@ def make_writer(
 
 
 def write_files(
-    writer: Any, plan: SavePlan, planner: SavePlanner, templates: ArchiveTemplates
+    writer: Any,
+    plan: SavePlan,
+    planner: DefaultSavePlanner,
+    templates: ArchiveTemplates,
+    objects: ObjectArchives,
 ) -> list[WriteResult]:
     """This rank's data files for its final ``plan``: what ``writer.write_data`` writes, file for
     file (same names, same split into ``thread_count`` files, byte items first), fsynced when the
-    writer syncs files. Called by the background worker; blocks until every file is closed."""
+    writer syncs files. Tensors are framed by ``templates``, other values archived by
+    ``objects``. Called by the background worker; blocks until every file is closed."""
     buckets = (
         _torch_private.split_write_items(writer.thread_count, plan.items)
         if writer.single_file_per_rank
@@ -108,23 +114,30 @@ def write_files(
     results = []
     for i, items in enumerate(buckets):
         name = f"{plan.storage_data.prefix}{i}{DATA_SUFFIX}"
-        results += _write_file(writer, name, items, planner, templates)
+        results += _write_file(writer, name, items, planner, templates, objects)
+    objects.end_save()
     return results
 
 
 def _write_file(
-    writer: Any, name: str, items: list[Any], planner: SavePlanner, templates: ArchiveTemplates
+    writer: Any,
+    name: str,
+    items: list[Any],
+    planner: DefaultSavePlanner,
+    templates: ArchiveTemplates,
+    objects: ObjectArchives,
 ) -> list[WriteResult]:
     results = []
     ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
     ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
     with writer.fs.create_stream(writer.fs.concat_path(writer.path, name), "wb") as stream:
         for item in ordered:
-            data = planner.resolve_data(item)
+            # DefaultSavePlanner.resolve_data, with the byte items' archives reused
+            data = planner.lookup_object(item.index)
             offset = stream.tell()
-            if isinstance(data, io.BytesIO):
-                stream.write(data.getbuffer())
-            elif data.device.type == "cpu":
+            if item.type == WriteItemType.BYTE_IO:
+                stream.write(objects.archive(data))
+            elif isinstance(data, torch.Tensor) and data.device.type == "cpu":
                 templates.write(data, stream)
             else:
                 raise TypeError(f"{item.index.fqn}: expected a staged CPU tensor")

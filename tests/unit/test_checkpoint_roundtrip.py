@@ -288,6 +288,23 @@ def test_every_save_loads_with_dcp_when_the_layout_changes_between_saves(tmp_pat
                 assert target[k] == v
 
 
+def test_every_save_holds_its_own_values_when_archives_are_reused(tmp_path: Path) -> None:
+    # A value exactly equal to the last save's reuses its archive (object_bytes): each save must
+    # still load back its own values and types, including the ones == cannot tell apart.
+    values: list[Any] = [0.1, 0.1, 0.05, -0.0, 0.0, float("nan"), True, 1, (1, 2), [1, 2], [1, 3]]
+    with CheckpointManager(str(tmp_path), persistent_every=1, keep=len(values)) as mgr:
+        paths = []
+        for i, v in enumerate(values, start=1):
+            mgr.save(i, {"w": torch.zeros(2), "v": v, "names": ["a", "b"] if i % 2 else ["a"]})
+            mgr.wait()
+            paths.append(mgr.committed()[-1].path)
+    for i, (v, path) in enumerate(zip(values, paths, strict=True), start=1):
+        target: dict[str, Any] = {"w": torch.ones(2), "v": None, "names": None}
+        dcp.load(target, checkpoint_id=path)
+        assert type(target["v"]) is type(v) and repr(target["v"]) == repr(v), (i, target["v"])
+        assert target["names"] == (["a", "b"] if i % 2 else ["a"])
+
+
 @pytest.mark.parametrize("tier", ["persistent", "memory"])
 def test_a_fresh_optimizer_gets_its_saved_state(tmp_path: Path, tier: str) -> None:
     # A restart builds its optimizer anew: it has no state until its first step, and the load
