@@ -21,6 +21,14 @@ per-step local save can cost), and ``copy_floor_ratio`` the step ratio that copy
     python benchmarks/step_overhead.py --quick         # 1 round, fewer steps
     python benchmarks/step_overhead.py --layers 0 1 2  # some configurations only
     python benchmarks/step_overhead.py --parallel fsdp # the same GPT sharded with FSDP2
+    python benchmarks/step_overhead.py --paired 10 --layers 0 4 5 6 7
+
+``--paired K``: in the configurations that checkpoint (layers 4+), the job saves in blocks of K
+steps alternating with blocks of K steps that do not, and ``paired`` reports the median step
+with and without saves *in the same job* and their difference (``cost_ms``, and ``cost_ratio``
+= 1 + cost / plain step). On a machine whose speed drifts between runs (this project's 2-core
+VM: one configuration's rounds spread over 20-40 %), that difference is the saves' cost free of
+the drift; ``median_step_ms`` is then over the steps that saved.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ def command(config: str, args: argparse.Namespace, out: Path) -> list[str]:
         str(args.warmup),
         "--persistent-every",
         str(args.persistent_every),
+        "--paired-every",
+        str(args.paired),
         "--parallel",
         args.parallel,
         "--out",
@@ -116,11 +126,23 @@ def run_once(config: str, args: argparse.Namespace) -> dict[str, Any]:
         cpu = {}
         for f in sorted(out.glob("cpu-*.json")):
             cpu[f"rank{f.stem.split('-')[1]}"] = json.loads(f.read_text())["core_share"]
-    return {
-        "median_ms": statistics.median(steps["times"]) * 1e3,
-        "main_cpu_ms": statistics.median(steps["cpu"]) * 1e3,
-        "cpu": cpu,
-    }
+    marks = steps["saved"]
+    with_ = [i for i, saved in enumerate(marks) if saved]
+    without = [i for i, saved in enumerate(marks) if not saved]
+
+    def med(key: str, idx: list[int]) -> float:
+        return statistics.median(steps[key][i] for i in idx) * 1e3
+
+    timed = with_ or without  # every step when none saved (layers 0-3)
+    run = {"median_ms": med("times", timed), "main_cpu_ms": med("cpu", timed), "cpu": cpu}
+    if with_ and without:
+        run["paired"] = {
+            "with_ms": med("times", with_),
+            "without_ms": med("times", without),
+            "main_cpu_with_ms": med("cpu", with_),
+            "main_cpu_without_ms": med("cpu", without),
+        }
+    return run
 
 
 def copy_floor_ms() -> float:
@@ -158,12 +180,27 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         }
         # Only what costs something: an idle thread clutters the table.
         cpu[proc] = {n: v for n, v in cpu[proc].items() if v >= 0.001 or n == "process total"}
-    return {
+    out = {
         "median_step_ms": round(statistics.median(r["median_ms"] for r in runs), 3),
         "per_round_ms": [round(r["median_ms"], 3) for r in runs],
         "main_thread_cpu_ms": round(statistics.median(r["main_cpu_ms"] for r in runs), 3),
         "core_share": cpu,
     }
+    pairs = [r["paired"] for r in runs if "paired" in r]
+    if pairs:
+
+        def med(f: Any) -> float:
+            return round(statistics.median(f(p) for p in pairs), 3)
+
+        out["paired"] = {
+            "with_ms": med(lambda p: p["with_ms"]),
+            "without_ms": med(lambda p: p["without_ms"]),
+            # per round, then the median: each difference is within one job
+            "cost_ms": med(lambda p: p["with_ms"] - p["without_ms"]),
+            "per_round_cost_ms": [round(p["with_ms"] - p["without_ms"], 3) for p in pairs],
+            "main_cpu_cost_ms": med(lambda p: p["main_cpu_with_ms"] - p["main_cpu_without_ms"]),
+        }
+    return out
 
 
 def main() -> int:
@@ -175,6 +212,13 @@ def main() -> int:
     p.add_argument("--persistent-every", type=int, default=50)
     p.add_argument("--layers", type=int, nargs="*", default=list(range(len(LAYERS))))
     p.add_argument("--no-torchrun", action="store_true")
+    p.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="K",
+        help="layers 4+ save in blocks of K steps alternating with K without (see above)",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 round of 150 steps")
     p.add_argument(
@@ -203,6 +247,8 @@ def main() -> int:
         label = "plain DDP under torchrun" if c == "torchrun" else LAYERS[int(c[1:])]
         ratio = None if base is None else round(s["median_step_ms"] / base, 3)
         table[c] = {"what": label, "ratio_to_plain": ratio, **s}
+        if "paired" in s and base is not None:
+            s["paired"]["cost_ratio"] = round(1 + s["paired"]["cost_ms"] / base, 3)
     floor = copy_floor_ms()
     print(
         json.dumps(
@@ -212,6 +258,7 @@ def main() -> int:
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "rounds": args.rounds,
+                "paired": args.paired,
                 "load_avg_after": os.getloadavg()[0],
                 "copy_floor_ms": round(floor, 3),
                 # The least a per-step local save can add, as a ratio: 1 + floor / plain step.

@@ -12,7 +12,10 @@ Started by the driver under ``python -m inprocess.launch`` (or ``torchrun`` for 
     6 + persistent torch_dist checkpoint every --persistent-every steps
     7 + the run journal (the example's full configuration)
 
-Active rank 0 times every step after ``--warmup`` and writes ``steps.json`` to ``--out``. Every
+Active rank 0 times every step after ``--warmup`` and writes ``steps.json`` to ``--out``.
+``--paired-every K`` (layers 4+): the steps save in blocks of K, alternating with blocks of K
+that do not, so that one job measures the step with and without its saves on the same machine
+state (``saved`` in ``steps.json`` says which steps saved). Every
 process (active ranks and reserves) runs a sampler thread that snapshots the CPU time of each of
 its threads and child processes (the watchdog) when rank 0 starts the timed window (a marker
 file in ``--out``) and when the rank's own timed steps end (a reserve: at rank 0's end marker),
@@ -147,6 +150,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--persistent-every", type=int, default=50)
+    p.add_argument("--paired-every", type=int, default=0, help="0: every step saves")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -205,6 +209,7 @@ def main() -> int:
         ckpt = {"train": state}
         times: list[float] = []
         cpu: list[float] = []  # the training thread's own CPU time per step (load-independent)
+        saved: list[bool] = []  # whether the step saved (always, unless --paired-every)
         for step in range(args.steps):
             if rank == 0 and step == args.warmup:
                 (args.out / "window.start").touch()
@@ -224,18 +229,21 @@ def main() -> int:
                     loss.backward()
                     rsm.validate_loss(loss)
             opt.step()
+            saving = args.paired_every == 0 or (step // args.paired_every) % 2 == 0
             if mgr is not None and state is not None:
                 state.step = step + 1
-                mgr.save(state.step, ckpt)
+                if saving:
+                    mgr.save(state.step, ckpt)
             if step >= args.warmup:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.thread_time() - c0)
+                saved.append(mgr is not None and saving)
         end_window()  # this rank's closing snapshot, while its group's threads still live
         if rank == 0:
             (args.out / "window.end").touch()
         if mgr is not None:
             mgr.wait()
-        return {"rank": rank, "times": times, "cpu": cpu}
+        return {"rank": rank, "times": times, "cpu": cpu, "saved": saved}
 
     if layers == 0:
         hosted = os.environ.get("INPROCESS_STORE_HOSTED") == "1"
