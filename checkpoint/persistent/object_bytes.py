@@ -25,8 +25,9 @@ _SCALARS = (type(None), bool, int, str, bytes)
 
 
 def _exact(value: Any) -> Hashable | None:
-    """A key equal for two values only when their ``torch.save`` archives are equal; None for
-    a value this cannot vouch for."""
+    """A key equal for two values only when they are exactly the same value (same types all the
+    way down, floats by their bits), so that one's archive loads back as the other; None for a
+    value this cannot vouch for."""
     kind = type(value)
     if kind in _SCALARS:
         return (kind, value)
