@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.multiproc import free_port
+from tests.multiproc import free_ports
 
 ETCD_BIN = os.environ.get("ETCD_BIN", "/usr/bin/etcd")
 # Raft timings for tests: a lost leader is replaced within ~election timeout (etcd's default is
@@ -59,8 +59,9 @@ class EtcdCluster:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.dir = Path(tempfile.mkdtemp(prefix="etcd-test-", dir=base))
         self.names = [f"m{i}" for i in range(members)]
-        self.client_ports = {n: free_port() for n in self.names}
-        self.peer_ports = {n: free_port() for n in self.names}
+        ports = free_ports(2 * members)
+        self.client_ports = dict(zip(self.names, ports[:members], strict=True))
+        self.peer_ports = dict(zip(self.names, ports[members:], strict=True))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
             for n in self.names:

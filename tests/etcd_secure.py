@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.etcd_cluster import ETCD_BIN
-from tests.multiproc import free_port
+from tests.multiproc import free_ports
 
 USER, PASSWORD = "job", "job-secret-pw"
 ROOT_PASSWORD = "root-secret-pw"
@@ -106,7 +106,7 @@ class SecureEtcd:
     def __init__(self, directory: Path, *, token_ttl: int = 300) -> None:
         self.dir = directory
         self.files = _pem_files(directory)
-        self.port, self.peer_port = free_port(), free_port()
+        self.port, self.peer_port = free_ports(2)
         client = f"https://127.0.0.1:{self.port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         f = self.files

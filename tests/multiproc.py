@@ -66,11 +66,23 @@ class RanksFailed(AssertionError):
     """A multi-process test failed; the message holds every rank's status and output."""
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on localhost that were free a moment ago.
+
+    All ``n`` sockets stay bound until every port is known: the kernel may hand out a port it
+    just released again, so ports taken one at a time can repeat (an etcd cluster once got the
+    same peer port for two members).
+    """
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on localhost that was free a moment ago (one port: see ``free_ports``)."""
+    return free_ports(1)[0]
 
 
 def describe(outputs: Sequence[RankOutput]) -> str:

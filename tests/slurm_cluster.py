@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 from typing import IO
 
+if __package__:
+    from tests.multiproc import free_ports
+else:  # run as a script (python tests/slurm_cluster.py): tests/ is on sys.path
+    from multiproc import free_ports
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sbatch", "/usr/sbin/munged")
 PROCTRACK = ("cgroup", "pgid", "linuxproc")
@@ -127,14 +132,6 @@ def install() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class SlurmCluster:
     """munged + slurmctld + one slurmd per node, configured under a scratch directory.
 
@@ -178,14 +175,15 @@ class SlurmCluster:
         for sub in ("state", "spool"):
             (d / sub).mkdir()
         self.munge_socket = munge / "munge.socket.2"
+        ctld_port, *node_ports = free_ports(1 + len(NODES))
         nodes = "\n".join(
-            f"NodeName={name} NodeHostname=localhost NodeAddr={addr} Port={_free_port()} "
+            f"NodeName={name} NodeHostname=localhost NodeAddr={addr} Port={port} "
             f"CPUs={CPUS_PER_NODE} State=UNKNOWN"
-            for name, addr in NODES.items()
+            for (name, addr), port in zip(NODES.items(), node_ports, strict=True)
         )
         self.conf.write_text(
             SLURM_CONF.format(
-                ctld_port=_free_port(),
+                ctld_port=ctld_port,
                 munge_socket=self.munge_socket,
                 dir=d,
                 proctrack=self.proctrack,

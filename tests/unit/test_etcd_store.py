@@ -18,7 +18,7 @@ from inprocess.etcd import EtcdStore, EtcdStoreError
 from inprocess.etcd.errors import EtcdTimeoutError
 from inprocess.etcd.url import parse_url
 from tests.etcd_cluster import EtcdCluster, skip_reason
-from tests.multiproc import free_port
+from tests.multiproc import free_ports
 
 needs_etcd = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 needs_client = pytest.mark.skipif(
@@ -183,7 +183,7 @@ def test_a_process_group_and_prefix_store_work_over_it(s: EtcdStore) -> None:
 
 @needs_client
 def test_unreachable_endpoints_fail_naming_them_and_the_timeout() -> None:
-    dead = [free_port(), free_port()]
+    dead = free_ports(2)
     url = "etcd://" + ",".join(f"127.0.0.1:{p}" for p in dead)
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError) as err:

@@ -9,7 +9,6 @@ pyproject.toml. Each test checks what the caller relies on, not only that the na
 from __future__ import annotations
 
 import io
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,17 +19,12 @@ import torch.distributed as dist
 from checkpoint import _torch_private as ckpt_private
 from inprocess import _torch_private as inproc_private
 from straggler import _torch_private as straggler_private
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.multiproc import free_port
 
 
 @pytest.fixture
 def store() -> Iterator[dist.TCPStore]:
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     yield store
     if dist.is_initialized():
         dist.destroy_process_group()
