@@ -3,17 +3,21 @@
 A per-step local save walks the whole state to find its tensors. Most of a training state sits
 in mappings of tensors, or of mappings of tensors, that the caller hands over again, unchanged,
 at every save: torch's ``get_state_dict`` cached as in examples/state.py, a model's state dict,
-an optimizer's per-parameter state. For such a mapping the walk remembers its keys (in
-insertion order) and its tensors, and at the next save takes the leaves from the memo when the
-same mapping holds the same keys and the same tensor objects, compared in C (``tuple(mapping)``,
-``map(operator.is_, ...)``), instead of walking it in Python. A DTensor's local shard and
-sharding are reused only while the DTensor still holds the same local tensor and spec. Shape,
-dtype or device changes of the same tensor object are still caught: the tier compares them with
-its cached layout at every save (LocalTier._plan).
+an optimizer's per-parameter state. For such a mapping the walk remembers, depth by depth,
+the types and keys (in insertion order) of the mappings in it and its tensors, and at the next
+save takes the leaves from the memo when the same mapping holds mappings of the same types with
+the same keys and the same tensor objects. Each depth is compared as a whole in C
+(``map(type, ...)``, ``map(tuple, ...)``, ``map(operator.is_, ...)``): the optimizer's 30
+per-parameter mappings of the example cost one comparison, not 30 Python calls (that cost more
+than walking them). A DTensor's local shard and sharding are reused only while the DTensor
+still holds the same local tensor and spec. Shape, dtype or device changes of the same tensor
+object are still caught: the tier compares them with its cached layout at every save
+(LocalTier._plan).
 
-The memo holds no tensor, mapping or mesh: only weak references to tensors and specs, keys, and
-sharding tuples. A memo that kept a DTensor alive would keep its mesh, and a restart's destroyed
-process group, alive after ``train()`` unwound. Entries not met in a walk are dropped at its end.
+The memo holds no tensor, mapping or mesh: only weak references to tensors and specs, keys,
+types and sharding tuples. A memo that kept a DTensor alive would keep its mesh, and a restart's
+destroyed process group, alive after ``train()`` unwound. Entries not met in a walk are dropped
+at its end.
 
 Used by one thread at a time (the training thread's LocalTier.save).
 """
@@ -22,14 +26,15 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 from typing import Any
 
 import torch
 
 from checkpoint import _torch_private
-from checkpoint.local.packing import Leaf, ReplicatedState, walk_order
+from checkpoint.local.packing import Leaf, ReplicatedState
 
 _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a ReplicatedState)
 # A mapping with fewer plain tensors in it (one parameter's optimizer state: step, exp_avg,
@@ -37,90 +42,135 @@ _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a Replicated
 # worth it: its to_local() and sharding cost microseconds each.
 _MIN_PLAIN = 8
 _UNSEEN: Any = object()
+_values = operator.methodcaller("values")
+
+
+def _picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``operator.itemgetter(*positions)`` that always returns a tuple (itemgetter of one
+    position returns the item itself)."""
+    if len(positions) == 1:
+        (only,) = positions
+        return lambda seq: (seq[only],)
+    return operator.itemgetter(*positions)
 
 
 @dataclass(slots=True)
-class _Tensor:
-    """A tensor value as the last walk saw it: its leaf, and for a DTensor its parts."""
+class _Level:
+    """The mappings at one depth of a remembered mapping, in breadth-first order."""
 
-    ref: weakref.ref[torch.Tensor]
-    path: str
-    sharding: Any
-    local: weakref.ref[torch.Tensor] | None = None  # a DTensor's local tensor (the leaf value)
-    spec: weakref.ref[Any] | None = None  # a DTensor's spec
+    types: tuple[type, ...]  # each mapping's exact type
+    orders: tuple[tuple[Any, ...], ...]  # each mapping's keys, in insertion order
+    # Positions in the concatenation of those mappings' values: the tensors (None: none)
+    # and the mappings of the next level (None: this is the deepest level).
+    tensors: Callable[[Sequence[Any]], tuple[Any, ...]] | None
+    mappings: Callable[[Sequence[Any]], tuple[Any, ...]] | None
 
 
 @dataclass(slots=True)
 class _Node:
-    """A mapping of tensors and such mappings, as the last walk saw it."""
+    """A mapping of tensors and of such mappings (any depth), as the last walk saw it.
 
-    order: tuple[Any, ...]  # its keys, in insertion order
-    values: tuple[_Tensor | _Node, ...]  # its values, same order
-    walk: tuple[tuple[Any, int], ...]  # (key, position in `order`) in the walk's sorted order
-    plain: bool  # every value a plain tensor: one C-level identity check
-    paths: tuple[str, ...]  # each value's leaf path ("" for a mapping), same order
+    Checked level by level with C-level calls over whole levels (types, key tuples, values),
+    instead of one Python call per nested mapping: an optimizer's per-parameter states are one
+    level of small mappings. Tensors are numbered in the order the levels list them ("flat").
+    """
 
-    def refs(self) -> list[torch.Tensor | None]:
-        return [v.ref() if isinstance(v, _Tensor) else None for v in self.values]
+    levels: tuple[_Level, ...]
+    refs: tuple[weakref.ref[torch.Tensor], ...]  # every tensor value, flat order
+    # DTensors: (flat index, its local tensor, its spec) as the last walk saw them.
+    dtensors: tuple[tuple[int, weakref.ref[torch.Tensor], weakref.ref[Any]], ...]
+    # The leaves, in walk order: which flat tensor, which mapping holds it (breadth-first
+    # number), its key there, its path, its sharding.
+    values: Callable[[Sequence[Any]], tuple[Any, ...]]
+    holders: Callable[[Sequence[Any]], tuple[Any, ...]]
+    keys: tuple[Any, ...]
+    paths: tuple[str, ...]
+    shardings: tuple[Any, ...]
 
 
 def _replay(obj: Mapping[Any, Any], node: _Node, rep: bool, out: list[Leaf]) -> bool:
-    """Append the leaves of `obj` if it is what `node` remembers; False (out unchanged beyond
-    what the caller truncates) otherwise."""
-    if len(obj) != len(node.order) or tuple(obj) != node.order:
+    """Append the leaves of `obj` if it is what `node` remembers; False (out unchanged)
+    otherwise."""
+    mappings: Sequence[Any] = (obj,)
+    holders: list[Any] = []
+    flat: list[Any] = []
+    for level in node.levels:
+        if tuple(map(type, mappings)) != level.types:
+            return False
+        if tuple(map(tuple, mappings)) != level.orders:
+            return False
+        holders += mappings
+        values = list(chain.from_iterable(map(_values, mappings)))
+        if level.tensors is not None:
+            flat += level.tensors(values)
+        if level.mappings is not None:
+            mappings = level.mappings(values)
+    if not all(map(operator.is_, flat, [r() for r in node.refs])):
         return False
-    values = list(obj.values())
-    if node.plain:
-        if not all(map(operator.is_, values, node.refs())):
+    for i, local_ref, spec_ref in node.dtensors:  # a DTensor: its parts unchanged
+        local, spec = _torch_private.dtensor_local_and_spec(flat[i])
+        if local is not local_ref() or spec is not spec_ref():
             return False
-        paths = node.paths
-        out.extend([Leaf(paths[i], values[i], obj, k, rep, None) for k, i in node.walk])
-        return True
-    for k, i in node.walk:
-        v, seen = values[i], node.values[i]
-        if isinstance(seen, _Node):
-            if not isinstance(v, Mapping) or not _replay(v, seen, rep, out):
-                return False
-            continue
-        if v is not seen.ref():
-            return False
-        if seen.local is not None and seen.spec is not None:  # a DTensor: its parts unchanged
-            local, spec = _torch_private.dtensor_local_and_spec(v)
-            if local is not seen.local() or spec is not seen.spec():
-                return False
-            v = local
-        out.append(Leaf(seen.path, v, obj, k, rep, seen.sharding))
+        flat[i] = local
+    out.extend(
+        map(Leaf, node.paths, node.values(flat), node.holders(holders), node.keys,
+            repeat(rep), node.shardings)
+    )  # fmt: skip
     return True
 
 
-def _node(obj: Mapping[Any, Any], by_place: dict[tuple[int, Any], Leaf]) -> _Node | None:
-    """The node of `obj` from the leaves its walk gave (by container and index), or None when
-    something in it is not a tensor or a plain mapping of them."""
-    order = tuple(obj)
-    values: list[_Tensor | _Node] = []
-    for k in order:
-        v = obj[k]
-        if isinstance(v, Mapping) and not isinstance(v, ReplicatedState):
-            child = _node(v, by_place)
-            if child is None:
-                return None
-            values.append(child)
-            continue
-        x = by_place.get((id(obj), k))
-        if x is None or not isinstance(v, torch.Tensor) or not isinstance(x.value, torch.Tensor):
-            return None
-        t = _Tensor(weakref.ref(v), x.key, x.sharding)
-        if x.sharding is not None:
-            local, spec = _torch_private.dtensor_local_and_spec(v)
-            if local is not x.value:  # to_local() gave a copy: nothing to reuse safely
-                return None
-            t.local, t.spec = weakref.ref(local), weakref.ref(spec)
-        values.append(t)
-    position = {k: i for i, k in enumerate(order)}
-    walk = [(k, position[k]) for k in walk_order(obj)]
-    plain = all(isinstance(v, _Tensor) and v.local is None for v in values)
-    paths = tuple(v.path if isinstance(v, _Tensor) else "" for v in values)
-    return _Node(order, tuple(values), tuple(walk), plain, paths)
+def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
+    """The node of `obj` from the leaves its walk gave (every one a tensor), or None when
+    something in it is neither a tensor leaf nor a plain mapping of them."""
+    by_place = {(id(x.container), x.index): x for x in leaves}
+    levels: list[_Level] = []
+    holders: list[Mapping[Any, Any]] = []
+    flat: dict[tuple[int, Any], int] = {}  # (id of its holder, key) -> flat index
+    refs: list[weakref.ref[torch.Tensor]] = []
+    dtensors = []
+    mappings: list[Mapping[Any, Any]] = [obj]
+    while mappings:
+        tensors, deeper, following = [], [], []
+        position = 0
+        for m in mappings:
+            for k, v in m.items():
+                if isinstance(v, Mapping):
+                    if isinstance(v, ReplicatedState):  # its own rules: walked every time
+                        return None
+                    deeper.append(position)
+                    following.append(v)
+                else:
+                    x = by_place.get((id(m), k))
+                    if x is None or not isinstance(v, torch.Tensor):
+                        return None
+                    if x.sharding is not None:
+                        local, spec = _torch_private.dtensor_local_and_spec(v)
+                        if local is not x.value:  # to_local() gave a copy: nothing to reuse
+                            return None
+                        dtensors.append((len(refs), weakref.ref(local), weakref.ref(spec)))
+                    tensors.append(position)
+                    flat[(id(m), k)] = len(refs)
+                    refs.append(weakref.ref(v))
+                position += 1
+        levels.append(_Level(
+            tuple(map(type, mappings)), tuple(map(tuple, mappings)),
+            _picker(tensors) if tensors else None, _picker(deeper) if deeper else None,
+        ))  # fmt: skip
+        holders += mappings
+        mappings = following
+    if len(refs) != len(leaves) or not leaves:
+        return None
+    holder_of = {id(m): i for i, m in enumerate(holders)}
+    return _Node(
+        tuple(levels),
+        tuple(refs),
+        tuple(dtensors),
+        _picker([flat[(id(x.container), x.index)] for x in leaves]),
+        _picker([holder_of[id(x.container)] for x in leaves]),
+        tuple(x.index for x in leaves),
+        tuple(x.key for x in leaves),
+        tuple(x.sharding for x in leaves),
+    )
 
 
 class WalkMemo:
@@ -149,11 +199,7 @@ class WalkMemo:
         if node is None:
             self._next[key] = None
             return None
-        if node is _UNSEEN:
-            return False
-        start = len(out)
-        if not _replay(obj, node, rep, out):
-            del out[start:]
+        if node is _UNSEEN or not _replay(obj, node, rep, out):
             return False
         self._next[key] = node
         return True
@@ -166,5 +212,5 @@ class WalkMemo:
         worth = len(leaves) >= _MIN_PLAIN or any(x.sharding is not None for x in leaves)
         # Every leaf a tensor first (cheap): a mapping with scalars in it is not remembered.
         if worth and all(isinstance(x.value, torch.Tensor) for x in leaves):
-            node = _node(obj, {(id(x.container), x.index): x for x in leaves})
+            node = _node(obj, leaves)
         self._next[key] = node

@@ -176,10 +176,14 @@ def is_stateful(obj: Any) -> bool:
 
 # JSON scalars. walk() tests the exact types, so subclasses (enums) take the long path.
 _SCALARS = (bool, int, float, str)
+_EXACT_SCALARS = frozenset((*_SCALARS, type(None)))
 
 
 def _is_json_scalar_tree(obj: Any) -> bool:
     if obj is None or isinstance(obj, _SCALARS):
+        return True
+    # A list of exact scalars (an optimizer's parameter names) in one C-level pass.
+    if type(obj) in (list, tuple) and _EXACT_SCALARS.issuperset(map(type, obj)):
         return True
     if isinstance(obj, (list, tuple)):
         return all(_is_json_scalar_tree(x) for x in obj)

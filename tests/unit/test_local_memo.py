@@ -38,8 +38,16 @@ def _walks(state: dict[str, Any], memo: WalkMemo) -> list[packing.Leaf]:
     return got
 
 
-def test_unchanged_mappings_come_from_the_memo_with_the_same_leaves() -> None:
-    state, memo = _state(), WalkMemo()
+def _deep(state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state one level deeper (per parameter group), for changes three levels
+    down."""
+    state["optim"]["state"] = {"group0": state["optim"]["state"]}
+    return state
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["two levels", "three levels"])
+def test_unchanged_mappings_come_from_the_memo_with_the_same_leaves(deep: bool) -> None:
+    state, memo = _deep(_state()) if deep else _state(), WalkMemo()
     _walks(state, memo)
     seen: list[tuple[str, bool | None]] = []
     replay = memo.replay
@@ -58,22 +66,48 @@ def test_unchanged_mappings_come_from_the_memo_with_the_same_leaves() -> None:
 
 @pytest.mark.parametrize(
     "change",
-    ["replace a tensor", "add a key", "remove a key", "replace a nested mapping", "scalar"],
+    [
+        "replace a tensor",
+        "add a key",
+        "remove a key",
+        "replace a nested mapping",
+        "scalar",
+        "a nested tensor becomes a mapping",
+        "a nested mapping becomes a tensor",
+        "a nested mapping changes type",
+        "the same keys in another order",
+        "three levels down: replace a tensor",
+        "three levels down: add a key",
+    ],
 )
 def test_every_change_of_a_remembered_mapping_is_seen(change: str) -> None:
-    state, memo = _state(), WalkMemo()
+    deep = change.startswith("three levels down")
+    state, memo = _deep(_state()) if deep else _state(), WalkMemo()
     _walks(state, memo)
     _walks(state, memo)
+    per_param = state["optim"]["state"]["group0"] if deep else state["optim"]["state"]
     if change == "replace a tensor":
         state["model"]["layer3.weight"] = torch.ones(4)
     elif change == "add a key":
-        state["optim"]["state"]["layer3.weight"]["v"] = torch.ones(2, 3)
+        per_param["layer3.weight"]["v"] = torch.ones(2, 3)
     elif change == "remove a key":
         del state["model"]["layer0.weight"]
     elif change == "replace a nested mapping":
-        state["optim"]["state"]["layer5.weight"] = {"step": torch.tensor(2.0)}
-    else:
+        per_param["layer5.weight"] = {"step": torch.tensor(2.0)}
+    elif change == "scalar":
         state["model"]["layer3.weight"] = 3.5  # a tensor became a scalar
+    elif change == "a nested tensor becomes a mapping":
+        per_param["layer2.weight"]["m"] = {"x": torch.zeros(1)}
+    elif change == "a nested mapping becomes a tensor":
+        per_param["layer2.weight"] = torch.zeros(1)
+    elif change == "a nested mapping changes type":
+        per_param["layer4.weight"] = packing.ReplicatedState(per_param["layer4.weight"])
+    elif change == "the same keys in another order":
+        per_param["layer1.weight"] = dict(reversed(per_param["layer1.weight"].items()))
+    elif change == "three levels down: replace a tensor":
+        per_param["layer7.weight"]["m"] = torch.ones(2, 3)
+    else:
+        per_param["layer8.weight"]["v"] = torch.ones(3)
     got = _walks(state, memo)  # the same leaves as a walk without the memo
     _walks(state, memo)  # and again, from the memo rebuilt after the change
     assert len(got) == len(packing.leaves(state, []))
