@@ -22,6 +22,7 @@ per-step local save can cost), and ``copy_floor_ratio`` the step ratio that copy
     python benchmarks/step_overhead.py --layers 0 1 2  # some configurations only
     python benchmarks/step_overhead.py --parallel fsdp # the same GPT sharded with FSDP2
     python benchmarks/step_overhead.py --paired 10 --layers 0 4 5 6 7
+    python benchmarks/step_overhead.py --local-dir /dev/shm  # the node-local directory on tmpfs
 
 ``--paired K``: in the configurations that checkpoint (layers 4+), the job saves in blocks of K
 steps alternating with blocks of K steps that do not, and ``paired`` reports the median step
@@ -34,6 +35,7 @@ the drift; ``median_step_ms`` is then over the steps that saved.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -108,8 +110,13 @@ def command(config: str, args: argparse.Namespace, out: Path) -> list[str]:
 
 def run_once(config: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of one configuration: its median step and its CPU accounting."""
-    with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
-        out = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="step-overhead-")))
+        if args.local_dir is not None:  # the node-local directory of layers 5+ goes there
+            local = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="step-overhead-", dir=args.local_dir)
+            )
+            (out / "local").symlink_to(local)
         env = {k: v for k, v in os.environ.items() if k != "RESTARTABLE_JOURNAL_DIR"}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.run(
@@ -219,6 +226,13 @@ def main() -> int:
         metavar="K",
         help="layers 4+ save in blocks of K steps alternating with K without (see above)",
     )
+    p.add_argument(
+        "--local-dir",
+        type=Path,
+        default=None,
+        help="where layers 5+ keep the node-local directory (default: beside the run's files; "
+        "/dev/shm: a tmpfs, whose files are the save buffers themselves)",
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 round of 150 steps")
     p.add_argument(
@@ -259,6 +273,7 @@ def main() -> int:
                 "warmup": args.warmup,
                 "rounds": args.rounds,
                 "paired": args.paired,
+                "local_dir": None if args.local_dir is None else str(args.local_dir),
                 "load_avg_after": os.getloadavg()[0],
                 "copy_floor_ms": round(floor, 3),
                 # The least a per-step local save can add, as a ratio: 1 + floor / plain step.

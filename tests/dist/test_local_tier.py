@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import peak_memory
-from tests.multiproc import describe, run_ranks, slow
+from tests.multiproc import describe, run_ranks, slow, tmpfs_dir
 
 W = "tests.dist.workers_local"
 
@@ -31,6 +32,17 @@ def test_in_process_restart_restores_from_memory_and_algos_agree(tmp_path: Path)
         assert r["fully_parallel_held_bytes"] < 0.6 * r["atomic_held_bytes"], r
 
 
+@pytest.fixture(params=["disk", "tmpfs"])
+def node_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """Where the simulated nodes' directories go: a disk (a write per save) or a tmpfs (the save
+    buffers are the files: checkpoint.local.directory.ShardFiles with mapped)."""
+    if request.param == "disk":
+        yield tmp_path
+    else:
+        with tmpfs_dir() as d:
+            yield d
+
+
 @pytest.mark.parametrize(
     "min_step",
     [
@@ -38,8 +50,8 @@ def test_in_process_restart_restores_from_memory_and_algos_agree(tmp_path: Path)
         pytest.param(1, id="into_state"),
     ],
 )
-def test_lost_node_every_shard_comes_back(tmp_path: Path, min_step: int | None) -> None:
-    base = str(tmp_path)
+def test_lost_node_every_shard_comes_back(node_dirs: Path, min_step: int | None) -> None:
+    base = str(node_dirs)
     kwargs = {"base": base, "algo": "fully_parallel"}
     run_ranks(
         6,
@@ -52,7 +64,7 @@ def test_lost_node_every_shard_comes_back(tmp_path: Path, min_step: int | None) 
     # Node 1 (ranks 2 and 3) is lost with its disk; fresh processes replace every rank.
     import shutil
 
-    shutil.rmtree(tmp_path / "node1")
+    shutil.rmtree(node_dirs / "node1")
     outs = run_ranks(
         6,
         target=f"{W}:restore_fresh",
@@ -73,8 +85,8 @@ def test_lost_node_every_shard_comes_back(tmp_path: Path, min_step: int | None) 
     }
 
 
-def test_corrupt_copy_is_never_loaded(tmp_path: Path) -> None:
-    base = str(tmp_path)
+def test_corrupt_copy_is_never_loaded(node_dirs: Path) -> None:
+    base = str(node_dirs)
     run_ranks(
         4,
         target=f"{W}:save_steps",

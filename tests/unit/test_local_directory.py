@@ -8,12 +8,15 @@ import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from checkpoint.local import directory, integrity, packing
+from tests.multiproc import tmpfs_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,3 +142,138 @@ def test_sweep_removes_unkept_files_of_ended_processes_only(tmp_path: Path) -> N
     assert mine.sweep(lambda s: s >= 5) == 1  # its process ended: now it goes
     assert _steps(tmp_path) == [(3, 0), (7, 5)]
     mine.close()
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    with tmpfs_dir() as d:
+        yield d
+
+
+def test_on_tmpfs_tells_dev_shm_from_a_disk(shm: Path) -> None:
+    assert directory.on_tmpfs(shm) and directory.on_tmpfs(shm / "not" / "yet")
+    assert not directory.on_tmpfs(ROOT)  # the checkout: not on tmpfs on any CI machine
+
+
+def test_a_mapped_buffer_is_its_file_and_a_write_adds_only_the_record(
+    shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = directory.ShardFiles(shm, mapped=True)
+    shard = _buf(4)
+    buf = files.buffer(shard.numel() + 100)
+    assert _steps(shm) == []  # a new file has no record
+    buf[: shard.numel()].copy_(shard)  # the save's copy
+    written: list[int] = []
+    real = directory._pwrite_all
+    monkeypatch.setattr(
+        directory,
+        "_pwrite_all",
+        lambda fd, data, off: (written.append(len(data)), real(fd, data, off)),
+    )
+    files.write(_meta(4, 0, shard), buf)
+    assert written == [directory.RECORD_SIZE]  # the data is already in the file
+    (meta,) = directory.scan(shm)
+    got = directory.read(meta)
+    assert got is not None and torch.equal(got[0], shard)  # what another process would read
+    files.close()
+    assert directory.scan(shm) == [meta]  # a kept shard outlives its process's buffers
+
+
+def test_a_mapped_buffer_loses_its_record_before_it_is_overwritten(shm: Path) -> None:
+    files = directory.ShardFiles(shm, mapped=True)
+    old, new = _buf(1), _buf(2)
+    buf = files.buffer(old.numel())
+    buf.copy_(old)
+    files.write(_meta(1, 0, old), buf)
+    (stale,) = directory.scan(shm)
+    files.reuse(buf)  # the pool hands the buffer out again: the copy of step 1 is no longer kept
+    assert directory.scan(shm) == []
+    buf.copy_(new)
+    assert directory.read(stale) is None  # a reader that scanned before the reuse gets nothing
+    files.write(_meta(2, 0, new), buf)
+    (meta,) = directory.scan(shm)
+    got = directory.read(meta)
+    assert meta.step == 2 and got is not None and torch.equal(got[0], new)
+    files.release(lambda s: s >= 3)  # released: the record goes, the file stays with its buffer
+    assert directory.scan(shm) == [] and len(os.listdir(shm)) == 1
+    files.close()
+    assert os.listdir(shm) == []  # nothing kept: no file left
+
+
+class _NoGroup:
+    """LocalTier's group source for one process without a process group."""
+
+    generation = 0
+    token = None
+
+    def current(self) -> None:
+        return None
+
+    def is_stale(self) -> bool:
+        return False
+
+    def drop(self) -> None:
+        pass
+
+
+def _saved_tier(root: Path, steps: int, keep: int = 1) -> Any:
+    from checkpoint.local.tier import LocalTier
+
+    state = {"w": torch.zeros(5000), "step": 0}
+    tier = LocalTier(
+        local_dir=root, replication_factor=1, algo="atomic", keep=keep, group=_NoGroup()
+    )
+    for step in range(1, steps + 1):
+        state["w"].fill_(float(step))
+        state["step"] = step
+        tier.save(step, state)
+        tier.wait()
+    return tier
+
+
+def test_the_tier_on_tmpfs_saves_into_the_directory_files_themselves(shm: Path) -> None:
+    tier = _saved_tier(shm, 5)
+    newest = max(directory.scan(shm), key=lambda m: m.step)
+    assert newest.step == 5
+    held = tier._held[(5, 0)].buf
+    with open(newest.path, "rb") as f:  # the held buffer's bytes are the file's data part
+        f.seek(directory.DATA_OFFSET)
+        assert f.read(newest.nbytes) == held[: newest.nbytes].numpy().tobytes()
+    tier.close()
+    into = {"w": torch.zeros(5000), "step": -1}
+    got = directory.read(newest)
+    assert got is not None
+    packing.unpack_into(got[0], into)  # a new process restores the newest step from the file
+    assert into["step"] == 5 and bool((into["w"] == 5.0).all())
+
+
+def test_a_memory_copy_that_is_a_file_is_verified_before_a_restore_trusts_it(shm: Path) -> None:
+    tier = _saved_tier(shm, 3, keep=2)
+    assert tier._held[(3, 0)].shared
+    newest = max(directory.scan(shm), key=lambda m: m.step)
+    with open(newest.path, "r+b") as f:  # another process writes into step 3's file
+        f.seek(directory.DATA_OFFSET + newest.nbytes - 8)
+        f.write(b"\xff" * 8)
+    into = {"w": torch.zeros(5000), "step": -1}
+    got = tier.load(into, min_step=None)  # the memory copy is that file: it fails its checksum
+    assert got is not None and got.step == 2 and into["step"] == 2
+    assert bool((into["w"] == 2.0).all())
+    tier.close()
+
+
+def test_a_full_tmpfs_keeps_the_save_in_memory_instead_of_crashing_it(
+    shm: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    # A page a full tmpfs cannot give is a SIGBUS at the first write into a mapping: the
+    # space is taken up front, and its refusal leaves the save in ordinary memory.
+    monkeypatch.setattr(directory.os, "posix_fallocate", full)
+    tier = _saved_tier(shm, 2)
+    assert not tier._held[(2, 0)].shared
+    assert "no room for a" in caplog.text
+    into = {"w": torch.zeros(5000), "step": -1}
+    got = tier.load(into, min_step=None)
+    assert got is not None and got.step == 2 and bool((into["w"] == 2.0).all())
+    tier.close()
