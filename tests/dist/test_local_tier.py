@@ -85,8 +85,10 @@ def test_lost_node_every_shard_comes_back(node_dirs: Path, min_step: int | None)
     }
 
 
-def test_corrupt_copy_is_never_loaded(node_dirs: Path) -> None:
-    base = str(node_dirs)
+def test_corrupt_copy_is_never_loaded(tmp_path: Path) -> None:
+    # On tmpfs: tests/unit/test_local_tier.py (a memory copy that is a file is verified) and the
+    # fault matrix's corrupt_local-step-r1-local_tmpfs.
+    base = str(tmp_path)
     run_ranks(
         4,
         target=f"{W}:save_steps",
