@@ -1,24 +1,23 @@
-"""The CPU a node-local write of one shard costs, three ways: why the local tier maps its save
-buffers from the directory's files on tmpfs, and writes them with ``pwrite`` elsewhere.
+"""The CPU a node-local write of one shard costs, three ways: why the local tier writes its
+shards with ``pwrite`` (checkpoint/local/directory.py).
 
 Run: ``python benchmarks/local_dir_write.py [--dir DIR] [--mib 1.6] [--reps 300]``. Prints one
 JSON document. For a shard of ``--mib`` MiB (the example's state is 1.6 MB), in ``--dir`` (default:
 a temporary directory; try a disk-backed one and ``/dev/shm``), the median thread CPU and wall
 time of:
 
-* ``pwrite``: what the tier's background thread does at each save to a disk-backed directory
-  (checkpoint/local/directory.py): one ``os.pwrite`` of the packed shard into the page cache;
+* ``pwrite``: what the tier's background thread does at each save: one ``os.pwrite`` of the
+  packed shard into the page cache;
 * ``o_direct``: the same write with ``O_DIRECT`` from a page-aligned buffer (no page-cache copy;
   the device is written at every save; ``null`` where the file system refuses it: tmpfs before
   Linux 6.6);
 * ``mapped_copy`` / ``mapped_copy_after_writeback``: the training thread's copy of the state
-  into a ``MAP_SHARED`` mapping of the file (the file is then written by the copy itself: what
-  the tier does on tmpfs, where nothing is written back),
+  into a ``MAP_SHARED`` mapping of the file (the file would then be written by the copy
+  itself),
   with the pages dirty, and right after they were written back (``fdatasync``, what the kernel's
   periodic writeback does to pages that stay dirty): a write-protected page faults on its next
   write;
-* ``anonymous_copy``: the same copy into ordinary memory (the save's copy with a disk-backed
-  directory, or none).
+* ``anonymous_copy``: the same copy into ordinary memory (the save's copy).
 
 A run sleeps 10 ms between repetitions, as training does between saves.
 """

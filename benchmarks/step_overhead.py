@@ -230,8 +230,8 @@ def main() -> int:
         "--local-dir",
         type=Path,
         default=None,
-        help="where layers 5+ keep the node-local directory (default: beside the run's files; "
-        "/dev/shm: a tmpfs, whose files are the save buffers themselves)",
+        help="where layers 5+ keep the node-local directory (default: beside the run's files, "
+        "on the disk; e.g. /dev/shm for a tmpfs)",
     )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--quick", action="store_true", help="1 round of 150 steps")

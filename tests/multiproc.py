@@ -24,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,21 +64,6 @@ class RankOutput:
 
 class RanksFailed(AssertionError):
     """A multi-process test failed; the message holds every rank's status and output."""
-
-
-@contextlib.contextmanager
-def tmpfs_dir() -> Iterator[Path]:
-    """A private new directory in /dev/shm (a tmpfs: the local tier maps its buffers from the
-    files there), removed afterwards; skips the test where /dev/shm is not a tmpfs."""
-    from checkpoint.local.directory import on_tmpfs
-
-    if not on_tmpfs(Path("/dev/shm")):
-        pytest.skip("/dev/shm is not a tmpfs here")
-    d = Path(tempfile.mkdtemp(prefix="restartable-test-", dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def free_ports(n: int) -> list[int]:

@@ -23,6 +23,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -56,13 +57,13 @@ class SaveJob:
 class BackgroundSaver:
     """Does SaveJobs (background thread only); holds the replica placement between them."""
 
-    def __init__(self, holdings: Holdings, files: directory.ShardFiles | None, factor: int) -> None:
+    def __init__(self, holdings: Holdings, local_dir: Path | None, factor: int) -> None:
         self._hold = holdings
-        self._files = files
-        self._dir = files.root if files is not None else None  # for messages
+        self._dir = local_dir
         self._factor = factor
         self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._warned_factor = False
+        self._files = directory.ShardFiles(local_dir) if local_dir is not None else None
         self._prunes = 0  # directory prunes so far: every AGREE_EVERY-th also sweeps
 
     def inline(self, job: SaveJob) -> bool:
@@ -209,14 +210,9 @@ class BackgroundSaver:
         for inc in transfer(pg, sends, inverse[shard.owner], self._hold.take):
             if inc.buf is None or inc.received != inc.checksum:
                 log.warning("replica of rank %d step %d failed its checksum", inc.src, inc.step)
-                if inc.buf is not None:
-                    self._hold.give_back(inc.buf)
                 ok = False
                 continue
-            rep = Shard(
-                inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum, inc.buf,
-                shared=self._hold.shared(inc.buf),
-            )  # fmt: skip
+            rep = Shard(inc.step, inc.owner, inc.world, inc.nbytes, inc.checksum, inc.buf)
             self._hold.add_replica(rep)
             ok = self._write(rep, "the replica ") and ok
         return ok

@@ -1,5 +1,4 @@
-"""Node-local directory of the local tier: one file per shard copy, rewritten in place (on tmpfs,
-mapped as the save buffers themselves).
+"""Node-local directory of the local tier: one file per shard copy, rewritten in place.
 
 Layout. Each process writes files of its own, ``<local_dir>/shard-<pid>-<tag>-<n>.bin``, and no
 other process writes them, so co-located ranks share the directory without coordinating. A file
@@ -28,36 +27,31 @@ fails and the restore moves on to the next copy. An fsync per step cost more tha
 itself on this project's machine (7-15 ms median per save of the example's 1.6 MB state, against
 1.5-3 ms without: the training thread waited for the previous step's fsync).
 
-On tmpfs (``/dev/shm``) the save buffers are these files. Each buffer of the tier's pool is
-the data part of one of its files, mapped ``MAP_SHARED`` (``ShardFiles.buffer``): the copy a save
-makes is already the node-local copy, and the background thread writes only the record. Its
-record is cleared before the buffer is overwritten (``ShardFiles.reuse``), so the rules above
-hold. The price: a write into such a file changes the memory copy, so a memory restore of it is
-checksummed first (``restore.Shard.intact``).
-
-Why a disk-backed directory gets a ``pwrite`` from the background thread instead
-(``python benchmarks/local_dir_write.py --dir D``, 1.6 MB, thread CPU per save with 10 ms
-pauses between saves, this project's VM, ext4 and tmpfs):
-- A mapped buffer there makes the training thread's copy fault on every page after each
-  writeback of the file (the kernel write-protects written-back pages): 1.39-1.45 ms instead of
-  0.29-0.33 ms. On tmpfs, which has no writeback, the mapped copy costs what a copy into
-  ordinary memory costs (0.29-0.30 ms), and the 0.40-0.43 ms ``pwrite`` is gone.
+Why a ``pwrite`` from the background thread, and neither of the two writes that look cheaper
+(``python benchmarks/local_dir_write.py --dir D``: 1.6 MB, thread CPU per save with 10 ms pauses
+between saves, this project's VM, ext4 and tmpfs; ``benchmarks/step_overhead.py --local-dir``):
 - ``O_DIRECT`` saves no CPU (0.27-0.31 ms against 0.29-0.32 ms on ext4), takes 1.2-1.3 ms of
   wall time, writes the device at every save, and makes a restore read the device instead of
   the page cache.
+- Save buffers mapped from these files (``MAP_SHARED``) would make the training thread's copy
+  also the file's copy and drop the ``pwrite``. On a disk-backed file system the kernel's
+  writeback then write-protects the pages, and the next copy faults on every page, on the
+  training thread: 1.39-1.45 ms instead of 0.29-0.33 ms. On tmpfs a copy in a loop costs the
+  same either way (0.29-0.32 ms), and mapped buffers took 0.22-0.34 ms per step off this
+  thread; but in the 2-rank step benchmark the training threads then took 0.8-2.7 ms more CPU
+  per step over plain DDP's than with ``pwrite`` (3 pairs of runs): more than they saved. Not
+  understood yet; the code is commit 613100b (reverted).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import os
 import re
 import secrets
 import shutil
 import struct
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,28 +121,6 @@ def validate(local_dir: str | os.PathLike[str]) -> Path:
     return path
 
 
-def on_tmpfs(path: Path) -> bool:
-    """Whether `path` lies on a tmpfs (``/dev/shm``): the longest mount point above it in
-    ``/proc/self/mountinfo``; False when that cannot be read (not Linux)."""
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) < 5 or not right:
-                    continue
-                # Spaces and such are octal escapes there (\040).
-                mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, fstype = mount, right.split()[0]
-    except OSError:
-        return False
-    return fstype == "tmpfs"
-
-
 def check_capacity(path: Path, needed: int, used: int) -> None:
     """First-save check, once the shard size is known: the kept steps must fit."""
     free = shutil.disk_usage(path).free + used
@@ -203,13 +175,9 @@ class _File:
                 tmp.unlink()
             raise
 
-        self.mapped = False  # its data part is a save buffer (ShardFiles.buffer)
-
     def write(self, meta: ShardMeta, buf: torch.Tensor) -> None:
-        """Data (unless the file is `buf`'s mapping: already there), then the record (the
-        record is clear: a new file, or one cleared by release or reuse)."""
-        if not self.mapped:
-            _pwrite_all(self.fd, buf[: meta.nbytes].numpy().data, DATA_OFFSET)
+        """Data, then the record (the record is clear: a new file or one cleared by release)."""
+        _pwrite_all(self.fd, buf[: meta.nbytes].numpy().data, DATA_OFFSET)
         _pwrite_all(self.fd, encode_record(meta), 0)
 
     def clear(self) -> None:
@@ -227,119 +195,45 @@ class ShardFiles:
     """This process's files in one node-local directory, each holding one shard or none.
 
     Called from the local tier's background thread (write, release, sweep), then close() once
-    that thread stopped; with ``mapped``, also from the buffer pool (buffer, reuse: the
-    training thread, or the background thread for a replica). One lock; nothing blocks but the
-    file system.
-
-    ``mapped`` (a tmpfs directory: see ``on_tmpfs``): the save buffers are the files' data parts
-    (``buffer``), so the copy a save makes is already the node-local copy, and a write adds only
-    the record. A mapped file stays bound to its buffer: ``reuse`` clears its record before the
-    buffer is overwritten, so a reader never takes a half-overwritten shard for a whole one (and
-    a torn read fails the checksum, as with a rewrite in place). A mapped buffer that its pool
-    drops keeps its file until ``close``.
+    that thread stopped. Nothing blocks but the file system.
     """
 
-    def __init__(self, root: Path, *, mapped: bool = False) -> None:
+    def __init__(self, root: Path) -> None:
         self._root = root
-        self.mapped = mapped
         self._prefix = f"shard-{os.getpid()}-{secrets.token_hex(4)}-"
         self._created = 0
-        self._lock = threading.Lock()
         self._held: dict[tuple[int, int], _File] = {}  # (step, owner) -> the file holding it
-        self._free: list[_File] = []  # files without a record, to reuse (not mapped ones)
-        self._buffers: dict[int, _File] = {}  # a mapped buffer's address -> its file
-
-    @property
-    def root(self) -> Path:
-        return self._root
-
-    def _new_file(self) -> _File:
-        f = _File(self._root, f"{self._prefix}{self._created}.bin")
-        self._created += 1
-        return f
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        """A new uint8 buffer of ``nbytes`` that is the data part of a new file (``MAP_SHARED``),
-        without a record. OSError (ENOSPC: the tmpfs is full) when its space cannot be had: it
-        is allocated here, since a page that a full tmpfs cannot give would be a SIGBUS at the
-        first write into it, on the training thread."""
-        with self._lock:
-            f = self._new_file()
-            try:
-                os.ftruncate(f.fd, DATA_OFFSET + nbytes)
-                os.posix_fallocate(f.fd, DATA_OFFSET, nbytes)
-                mm = mmap.mmap(f.fd, nbytes, mmap.MAP_SHARED, offset=DATA_OFFSET)
-            except BaseException:
-                _remove(f)
-                raise
-            buf = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping alive
-            f.mapped = True
-            # The address of a buffer its pool dropped (unmapped since) may come back: that
-            # file is no one's buffer any more (a held one is closed by close()).
-            gone = self._buffers.get(buf.data_ptr())
-            if gone is not None and all(held is not gone for held in self._held.values()):
-                _remove(gone)
-            self._buffers[buf.data_ptr()] = f
-            return buf
-
-    def maps(self, buf: torch.Tensor) -> bool:
-        """Whether `buf` is one of these files (a buffer from ``buffer``)."""
-        with self._lock:
-            return buf.data_ptr() in self._buffers
-
-    def reuse(self, buf: torch.Tensor) -> None:
-        """Before a mapped buffer is overwritten: clear the record of its file, if it has one
-        (a buffer that is not one of these files' is left alone)."""
-        with self._lock:
-            f = self._buffers.get(buf.data_ptr())
-            if f is None:
-                return
-            for key in [k for k, held in self._held.items() if held is f]:
-                del self._held[key]
-                f.clear()
+        self._free: list[_File] = []  # files without a record, to reuse
 
     def write(self, meta: ShardMeta, buf: torch.Tensor) -> None:
-        """Write `meta`'s shard (buf[:meta.nbytes]): into `buf`'s own file when it is a mapped
-        buffer (the record only), else into a free file or a new one. The same (step, owner)
-        saved again (training went back) replaces its copy; the old one is cleared first."""
-        key = (meta.step, meta.owner)
-        with self._lock:
-            mine = self._buffers.get(buf.data_ptr())
-            f = self._held.pop(key, None)
-            if f is not None and f is not mine:
-                f.clear()
-                if not f.mapped:
-                    self._free.append(f)
-            if mine is not None:
-                for stale in [k for k, held in self._held.items() if held is mine]:
-                    del self._held[stale]  # not reused through reuse(): its record is overwritten
-                f = mine
-            elif self._free:
-                f = self._free.pop()
-            else:
-                f = self._new_file()
-            try:
-                f.write(meta, buf)
-            except BaseException:
-                if not f.mapped:
-                    self._free.append(f)  # record not written: the file holds nothing
-                raise
-            self._held[key] = f
+        """Write `meta`'s shard (buf[:meta.nbytes]) into a free file, else a new one. The same
+        (step, owner) saved again (training went back) replaces its copy; it is cleared first."""
+        f = self._held.pop((meta.step, meta.owner), None)
+        if f is not None:
+            f.clear()
+        elif self._free:
+            f = self._free.pop()
+        else:
+            f = _File(self._root, f"{self._prefix}{self._created}.bin")
+            self._created += 1
+        try:
+            f.write(meta, buf)
+        except BaseException:
+            self._free.append(f)  # record not written: the file holds nothing
+            raise
+        self._held[(meta.step, meta.owner)] = f
 
     def release(self, kept: Callable[[int], bool]) -> None:
         """Clear the files of the steps not `kept` and keep them for reuse (a file that cannot
-        be cleared is removed instead; a mapped one stays with its buffer)."""
-        with self._lock:
-            for key in [k for k in self._held if not kept(k[0])]:
-                f = self._held.pop(key)
-                try:
-                    f.clear()
-                except OSError:
-                    if not f.mapped:
-                        _remove(f)
-                    continue
-                if not f.mapped:
-                    self._free.append(f)
+        be cleared is removed instead)."""
+        for key in [k for k in self._held if not kept(k[0])]:
+            f = self._held.pop(key)
+            try:
+                f.clear()
+            except OSError:
+                _remove(f)
+                continue
+            self._free.append(f)
 
     def sweep(self, kept: Callable[[int], bool]) -> int:
         """Remove the files of processes that are gone (nobody holds their lock) whose step is
@@ -357,18 +251,13 @@ class ShardFiles:
         return removed
 
     def close(self) -> None:
-        """Close every file: the shards stay for a later process, the empty files go (a mapped
-        buffer still in use stays valid: the mapping outlives its file)."""
-        with self._lock:
-            held = set(map(id, self._held.values()))
-            for f in {id(f): f for f in (*self._free, *self._buffers.values())}.values():
-                if id(f) not in held:
-                    _remove(f)
-            for f in self._held.values():
-                os.close(f.fd)
-            self._free.clear()
-            self._held.clear()
-            self._buffers.clear()
+        """Close every file: the shards stay for a later process, the empty files go."""
+        for f in self._free:
+            _remove(f)
+        for f in self._held.values():
+            os.close(f.fd)
+        self._free.clear()
+        self._held.clear()
 
 
 def _remove(f: _File) -> None:

@@ -15,51 +15,26 @@ shard kind, as with a per-step agreement, while the store sees one agreement per
 
 from __future__ import annotations
 
-import logging
 import threading
-from typing import Protocol
 
 import torch
 
 from checkpoint.local.restore import Shard
 
-log = logging.getLogger(__name__)
-
 UNCONFIRMED_KEPT = 2  # newest unconfirmed steps kept: the one in flight and the one before
 
 
-class BufferFiles(Protocol):
-    """Where new host buffers come from when they are a node-local directory's files
-    (checkpoint.local.directory.ShardFiles with ``mapped``)."""
-
-    def buffer(self, nbytes: int) -> torch.Tensor: ...
-
-    def reuse(self, buf: torch.Tensor) -> None: ...
-
-    def maps(self, buf: torch.Tensor) -> bool: ...
-
-
 class Holdings:
-    """Shards by (step, owner), the free buffers, the confirmed steps and the recent ones.
+    """Shards by (step, owner), the free buffers, the confirmed steps and the recent ones."""
 
-    `files`: new unpinned buffers are mapped from these files, and a free buffer is handed to
-    ``files.reuse`` before it is handed out again (its file's record cleared before it is
-    overwritten). Pinned buffers (GPU state) are never mapped.
-    """
-
-    def __init__(self, keep: int, files: BufferFiles | None = None) -> None:
+    def __init__(self, keep: int) -> None:
         self._keep = keep
-        self._files = files
         self._lock = threading.Lock()
         self.held: dict[tuple[int, int], Shard] = {}
         self._free: list[torch.Tensor] = []
         self._confirmed: list[int] = []  # complete on every rank, oldest first (<= keep)
         self._recent: list[int] = []  # saved here since the last agreement, oldest first
         self._ok: set[int] = set()  # recent steps whose background work succeeded here
-
-    def shared(self, buf: torch.Tensor) -> bool:
-        """Whether `buf` (from take()) is also a node-local file (restore.Shard.shared)."""
-        return self._files is not None and self._files.maps(buf)
 
     # ------------------------------------------------------------- training thread
 
@@ -71,32 +46,13 @@ class Holdings:
         """
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() >= pinned]
-            best = min(fits, key=lambda b: b.numel()) if fits else None
-            if best is not None:
+            if fits:
+                best = min(fits, key=lambda b: b.numel())
                 self._free = [b for b in self._free if b is not best]
-        if best is not None:
-            if self._files is not None:
-                self._files.reuse(best)
-            return best
-        buf = None
-        if self._files is not None and not pinned:
-            try:
-                buf = self._files.buffer(nbytes)
-            except OSError as e:  # the tmpfs is full: this step's file write will fail too
-                log.warning(
-                    "local_dir: no room for a %d-byte shard file (%s): keeping it in memory",
-                    nbytes, e,
-                )  # fmt: skip
-        if buf is None:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+                return best
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         buf.zero_()  # fault the pages in now, not during the copy of a later save
         return buf
-
-    def give_back(self, buf: torch.Tensor) -> None:
-        """A buffer from take() that holds nothing after all (a replica that failed its
-        checksum): free for the next take()."""
-        with self._lock:
-            self._free.append(buf)
 
     def stale(self, step: int, world: int) -> bool:
         """Whether `forget_stale(step, world)` would free anything (cheap)."""

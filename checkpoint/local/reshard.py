@@ -107,7 +107,7 @@ def _read_copies(
     tiers = set()
     for owner in range(old_world):
         key = (step, old_world, owner)
-        if key in memory and memory[key].intact():
+        if key in memory:
             sh = memory[key]
             buf = sh.buf[: sh.nbytes]
             try:

@@ -47,16 +47,6 @@ class Shard:
     checksum: int | None  # None until computed (background: for a file or replica; else meta())
     buf: torch.Tensor
     parsed: packing.Parsed | None = None  # header, known without parsing for shards packed here
-    # `buf` is also a file of the node-local directory (tmpfs: directory.ShardFiles with
-    # mapped), which a write into that file changes: it is verified before it is trusted.
-    shared: bool = False
-
-    def intact(self) -> bool:
-        """Whether the bytes are still those saved: always for a private buffer; for a shared
-        one, its checksum (computed by the background work that wrote the record) again."""
-        if not self.shared:
-            return True
-        return self.checksum is not None and integrity.of(self.buf, self.nbytes) == self.checksum
 
     def meta(self) -> directory.ShardMeta:
         check = self.checksum
@@ -321,8 +311,8 @@ def _fetch(
 
 
 class _Sources:
-    """The copies of one step that this rank can read itself: memory (trusted, unless its
-    buffer is also a node-local file: Shard.intact), directory (verified by directory.read)."""
+    """The copies of one step that this rank can read itself: memory (trusted), directory
+    (verified by directory.read)."""
 
     def __init__(
         self,
@@ -338,14 +328,8 @@ class _Sources:
         """(step, owner) from memory or the directory, or None. place: a directory copy's large
         tensors are read straight into the state. A memory copy's checksum is computed here
         when the save did not (no file, no replica) and the copy goes to a peer; this rank's
-        `own` copy is trusted and needs none, unless it is shared with a file (verified)."""
+        `own` copy is trusted and needs none."""
         sh = self._held.get((self._step, owner))
-        if sh is not None and own and not sh.intact():  # a peer checks what it receives
-            log.warning(
-                "local shard of rank %d step %d in memory fails its checksum (its node-local "
-                "file was written to): not used", owner, self._step,
-            )  # fmt: skip
-            sh = None
         if sh is not None:
             check = sh.checksum
             if check is None:

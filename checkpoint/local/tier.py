@@ -91,8 +91,7 @@ class LocalTier:
     checkpoint.local.background) runs on one background thread, one step at a time.
 
     Memory: up to keep + 2 shard buffers of this rank (checkpoint.local.holdings), and as many
-    for each replica it holds; buffers are reused from save to save. With a local_dir on tmpfs
-    those buffers are the directory's files (checkpoint.local.directory): no second copy.
+    for each replica it holds; buffers are reused from save to save.
     """
 
     def __init__(
@@ -116,14 +115,8 @@ class LocalTier:
         # Per dedicated group, keyed by its generation: holding the group object itself would keep
         # a destroyed group's sockets open after a restart.
         self._nodes: tuple[tuple[bool, int], list[int]] | None = None
-        files = None
-        if self._dir is not None:
-            # On tmpfs the save buffers are the directory's files themselves (no second copy,
-            # no write per save); a disk-backed directory gets a pwrite per save instead, since
-            # writeback would make a mapped buffer fault on the training thread (directory.py).
-            files = directory.ShardFiles(self._dir, mapped=directory.on_tmpfs(self._dir))
-        self._hold = Holdings(keep, files if files is not None and files.mapped else None)
-        self._saver = BackgroundSaver(self._hold, files, replication_factor)
+        self._hold = Holdings(keep)
+        self._saver = BackgroundSaver(self._hold, self._dir, replication_factor)
         self._cache: _Cache | None = None
         self._memo = WalkMemo()  # the save's walk: tensor mappings seen unchanged
         self._capacity_checked = 0
@@ -179,7 +172,7 @@ class LocalTier:
         snapshot = json.loads(objects_json)
         data_start = nbytes - cache.layout.data_nbytes
         parsed = packing.Parsed(cache.entries, snapshot, extra, data_start, cache.layout.sharding)
-        shard = Shard(step, rank, world, nbytes, None, buf, parsed, self._hold.shared(buf))
+        shard = Shard(step, rank, world, nbytes, None, buf, parsed)
         self._hold.add_own(shard)
         log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes,
                   time.perf_counter() - t0)  # fmt: skip

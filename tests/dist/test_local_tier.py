@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import peak_memory
-from tests.multiproc import describe, run_ranks, slow, tmpfs_dir
+from tests.multiproc import describe, run_ranks, slow
 
 W = "tests.dist.workers_local"
 
@@ -32,17 +31,6 @@ def test_in_process_restart_restores_from_memory_and_algos_agree(tmp_path: Path)
         assert r["fully_parallel_held_bytes"] < 0.6 * r["atomic_held_bytes"], r
 
 
-@pytest.fixture(params=["disk", "tmpfs"])
-def node_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    """Where the simulated nodes' directories go: a disk (a write per save) or a tmpfs (the save
-    buffers are the files: checkpoint.local.directory.ShardFiles with mapped)."""
-    if request.param == "disk":
-        yield tmp_path
-    else:
-        with tmpfs_dir() as d:
-            yield d
-
-
 @pytest.mark.parametrize(
     "min_step",
     [
@@ -50,8 +38,8 @@ def node_dirs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
         pytest.param(1, id="into_state"),
     ],
 )
-def test_lost_node_every_shard_comes_back(node_dirs: Path, min_step: int | None) -> None:
-    base = str(node_dirs)
+def test_lost_node_every_shard_comes_back(tmp_path: Path, min_step: int | None) -> None:
+    base = str(tmp_path)
     kwargs = {"base": base, "algo": "fully_parallel"}
     run_ranks(
         6,
@@ -64,7 +52,7 @@ def test_lost_node_every_shard_comes_back(node_dirs: Path, min_step: int | None)
     # Node 1 (ranks 2 and 3) is lost with its disk; fresh processes replace every rank.
     import shutil
 
-    shutil.rmtree(node_dirs / "node1")
+    shutil.rmtree(tmp_path / "node1")
     outs = run_ranks(
         6,
         target=f"{W}:restore_fresh",
@@ -86,8 +74,6 @@ def test_lost_node_every_shard_comes_back(node_dirs: Path, min_step: int | None)
 
 
 def test_corrupt_copy_is_never_loaded(tmp_path: Path) -> None:
-    # On tmpfs: tests/unit/test_local_tier.py (a memory copy that is a file is verified) and the
-    # fault matrix's corrupt_local-step-r1-local_tmpfs.
     base = str(tmp_path)
     run_ranks(
         4,

@@ -68,7 +68,6 @@ class Row:
         pair = f"+{also['kind']}-r{also['rank']}" if also else ""
         pair += "+journal_full" if "journal_tmpfs_kb" in self.extra else ""
         par = f"-{self.extra['parallel']}" if "parallel" in self.extra else ""
-        par += "-local_tmpfs" if self.extra.get("local_tmpfs") else ""
         return f"{self.kind}-{self.phase}-r{self.rank}{it}{pair}{par}".replace(":", "_")
 
     def spec(self) -> dict[str, Any]:
@@ -131,11 +130,6 @@ def full_matrix() -> list[Row]:
         # iteration's outcome: rejected, named, and the job never ends with success.
         Row("forged_value", "step", 0, expect="forged"),
     ]
-    # The node-local directory on a tmpfs: the save buffers are its files (mapped), so a killed
-    # rank's replacement reads what the dead process's buffers held.
-    for kind, phase, rank in (("kill", "local_save", 1), ("kill", "step", 0)):
-        rows.append(Row(kind, phase, rank, extra={"local_tmpfs": True}))
-    rows.append(Row("corrupt_local", "step", 1, extra={"local_tmpfs": True}))
     # The parallelism dimension: the same model sharded with FSDP2 (DTensor state in both tiers,
     # the mesh's groups released at each restart) instead of replicated with DDP.
     for kind in ("exception", "hang", "kill"):
@@ -180,7 +174,6 @@ def play(row: Row, tmp: Path) -> Outcome:
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = row.spec()
     mounted = _mount_tmpfs(run_dir / "ckpt", spec["tmpfs_mb"]) if "tmpfs_mb" in spec else False
-    local_tmpfs = bool(spec.get("local_tmpfs")) and _mount_tmpfs(run_dir / "local", 64)
     tag = uuid.uuid4().hex
     env = {"FAULT_ROW": json.dumps(spec), "FAULT_MATRIX_TAG": tag}
     journal_full = "journal_tmpfs_kb" in spec
@@ -207,8 +200,6 @@ def play(row: Row, tmp: Path) -> Outcome:
     }
     if mounted:
         subprocess.run(["umount", "-l", str(run_dir / "ckpt")], check=False)
-    if local_tmpfs:
-        subprocess.run(["umount", "-l", str(run_dir / "local")], check=False)
     if journal_full:
         subprocess.run(["umount", "-l", str(run_dir / "journal")], check=False)
     # The iteration train() last ran in, on any rank: the number of in-process restarts.
@@ -227,7 +218,7 @@ def _mount_tmpfs(path: Path, size_mb: int) -> bool:
     if done.returncode != 0:
         import pytest
 
-        pytest.skip(f"cannot mount a {size_mb} MiB tmpfs at {path} (needs root)")
+        pytest.skip(f"cannot mount a {size_mb} MiB tmpfs for the full-disk row (needs root)")
     return True
 
 

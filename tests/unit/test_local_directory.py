@@ -8,14 +8,12 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint.local import directory, integrity, packing
-from tests.multiproc import tmpfs_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,59 +139,3 @@ def test_sweep_removes_unkept_files_of_ended_processes_only(tmp_path: Path) -> N
     assert mine.sweep(lambda s: s >= 5) == 1  # its process ended: now it goes
     assert _steps(tmp_path) == [(3, 0), (7, 5)]
     mine.close()
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    with tmpfs_dir() as d:
-        yield d
-
-
-def test_on_tmpfs_tells_dev_shm_from_a_disk(shm: Path) -> None:
-    assert directory.on_tmpfs(shm) and directory.on_tmpfs(shm / "not" / "yet")
-    assert not directory.on_tmpfs(ROOT)  # the checkout: not on tmpfs on any CI machine
-
-
-def test_a_mapped_buffer_is_its_file_and_a_write_adds_only_the_record(
-    shm: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    files = directory.ShardFiles(shm, mapped=True)
-    shard = _buf(4)
-    buf = files.buffer(shard.numel() + 100)
-    assert _steps(shm) == []  # a new file has no record
-    buf[: shard.numel()].copy_(shard)  # the save's copy
-    written: list[int] = []
-    real = directory._pwrite_all
-    monkeypatch.setattr(
-        directory,
-        "_pwrite_all",
-        lambda fd, data, off: (written.append(len(data)), real(fd, data, off)),
-    )
-    files.write(_meta(4, 0, shard), buf)
-    assert written == [directory.RECORD_SIZE]  # the data is already in the file
-    (meta,) = directory.scan(shm)
-    got = directory.read(meta)
-    assert got is not None and torch.equal(got[0], shard)  # what another process would read
-    files.close()
-    assert directory.scan(shm) == [meta]  # a kept shard outlives its process's buffers
-
-
-def test_a_mapped_buffer_loses_its_record_before_it_is_overwritten(shm: Path) -> None:
-    files = directory.ShardFiles(shm, mapped=True)
-    old, new = _buf(1), _buf(2)
-    buf = files.buffer(old.numel())
-    buf.copy_(old)
-    files.write(_meta(1, 0, old), buf)
-    (stale,) = directory.scan(shm)
-    files.reuse(buf)  # the pool hands the buffer out again: the copy of step 1 is no longer kept
-    assert directory.scan(shm) == []
-    buf.copy_(new)
-    assert directory.read(stale) is None  # a reader that scanned before the reuse gets nothing
-    files.write(_meta(2, 0, new), buf)
-    (meta,) = directory.scan(shm)
-    got = directory.read(meta)
-    assert meta.step == 2 and got is not None and torch.equal(got[0], new)
-    files.release(lambda s: s >= 3)  # released: the record goes, the file stays with its buffer
-    assert directory.scan(shm) == [] and len(os.listdir(shm)) == 1
-    files.close()
-    assert os.listdir(shm) == []  # nothing kept: no file left

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +10,8 @@ import pytest
 import torch
 
 from checkpoint.errors import CheckpointConfigError, CheckpointStorageError
-from checkpoint.local import LocalTier, directory, packing
+from checkpoint.local import LocalTier, directory
 from tests import peak_memory
-from tests.multiproc import tmpfs_dir
 
 
 class NoGroup:
@@ -278,72 +276,3 @@ def test_rewind_forgets_the_abandoned_steps() -> None:
         state = _state(0.0)
         res = tier.load(state, min_step=None)
         assert res is not None and res.step == 2 and state["step"] == 20
-
-
-# ----- a local_dir on tmpfs: the save buffers are its files (checkpoint.local.directory)
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    with tmpfs_dir() as d:
-        yield d
-
-
-def _saved_tier(root: Path, steps: int, keep: int = 1) -> LocalTier:
-    """A tier on `root` after saving steps 1..steps of {"w": 5000 x float(step), "step": step}."""
-    state: dict[str, Any] = {"w": torch.zeros(5000), "step": 0}
-    tier = _tier(root, keep=keep)
-    for step in range(1, steps + 1):
-        state["w"].fill_(float(step))
-        state["step"] = step
-        tier.save(step, state)
-        tier.wait()
-    return tier
-
-
-def test_the_tier_on_tmpfs_saves_into_the_directory_files_themselves(shm: Path) -> None:
-    tier = _saved_tier(shm, 5)
-    newest = max(directory.scan(shm), key=lambda m: m.step)
-    assert newest.step == 5
-    held = tier._held[(5, 0)].buf
-    with open(newest.path, "rb") as f:  # the held buffer's bytes are the file's data part
-        f.seek(directory.DATA_OFFSET)
-        assert f.read(newest.nbytes) == held[: newest.nbytes].numpy().tobytes()
-    tier.close()
-    into = {"w": torch.zeros(5000), "step": -1}
-    got = directory.read(newest)
-    assert got is not None
-    packing.unpack_into(got[0], into)  # a new process restores the newest step from the file
-    assert into["step"] == 5 and bool((into["w"] == 5.0).all())
-
-
-def test_a_memory_copy_that_is_a_file_is_verified_before_a_restore_trusts_it(shm: Path) -> None:
-    tier = _saved_tier(shm, 3, keep=2)
-    assert tier._held[(3, 0)].shared
-    newest = max(directory.scan(shm), key=lambda m: m.step)
-    with open(newest.path, "r+b") as f:  # another process writes into step 3's file
-        f.seek(directory.DATA_OFFSET + newest.nbytes - 8)
-        f.write(b"\xff" * 8)
-    into = {"w": torch.zeros(5000), "step": -1}
-    got = tier.load(into, min_step=None)  # the memory copy is that file: it fails its checksum
-    assert got is not None and got.step == 2 and into["step"] == 2
-    assert bool((into["w"] == 2.0).all())
-    tier.close()
-
-
-def test_a_full_tmpfs_keeps_the_save_in_memory_instead_of_crashing_it(
-    shm: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def full(fd: int, offset: int, length: int) -> None:
-        raise OSError(28, "No space left on device")
-
-    # A page a full tmpfs cannot give is a SIGBUS at the first write into a mapping: the
-    # space is taken up front, and its refusal leaves the save in ordinary memory.
-    monkeypatch.setattr(directory.os, "posix_fallocate", full)
-    tier = _saved_tier(shm, 2)
-    assert not tier._held[(2, 0)].shared
-    assert "no room for a" in caplog.text
-    into = {"w": torch.zeros(5000), "step": -1}
-    got = tier.load(into, min_step=None)
-    assert got is not None and got.step == 2 and bool((into["w"] == 2.0).all())
-    tier.close()
