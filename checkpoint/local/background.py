@@ -1,6 +1,8 @@
 """The local tier's background work for one saved step: checksum, file, replicas, agreement.
 
-Runs on the tier's one worker thread (checkpoint.worker), one step at a time, in save order.
+Runs on the tier's one worker thread (checkpoint.worker), one step at a time, in save order;
+a step with nothing that may block (no replica, no agreement) runs on the training thread
+instead, within LocalTier.save (BackgroundSaver.inline).
 Per step: the shard's xxh3_64 checksum (once: the file's .json and the replicas' headers reuse
 it), the node-local file, the replica transfers on the dedicated gloo group. Every
 `AGREE_EVERY`-th save of a group (and its first) then runs the cross-rank agreement through the
@@ -20,8 +22,10 @@ have kept the newest step complete everywhere.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +45,25 @@ log = logging.getLogger(__name__)
 AGREE_EVERY = 16
 
 
+def spare_core(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process can give a background thread a core that no training rank uses.
+
+    A process bound to a subset of the node's CPUs (``srun --cpu-bind``, ``taskset``) is taken
+    to have them to itself: spare when it has more than one. A process that may run on every
+    CPU shares them with the node's other ranks (``LOCAL_WORLD_SIZE``, 1 when unset): spare
+    when there are more CPUs than ranks. Linux only (``sched_getaffinity``); True elsewhere.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return True
+    ranks = 1
+    if cpus >= (os.cpu_count() or cpus):
+        value = environ.get("LOCAL_WORLD_SIZE", "")
+        ranks = int(value) if value.isdigit() and int(value) > 0 else 1
+    return cpus > ranks
+
+
 @dataclass
 class SaveJob:
     """One step's background work, built by LocalTier.save on the training thread."""
@@ -57,9 +80,13 @@ class SaveJob:
 class BackgroundSaver:
     """Does SaveJobs (background thread only); holds the replica placement between them."""
 
-    def __init__(self, holdings: Holdings, local_dir: Path | None, factor: int) -> None:
+    def __init__(
+        self, holdings: Holdings, local_dir: Path | None, factor: int, *, spare_core: bool
+    ) -> None:
         self._hold = holdings
         self._dir = local_dir
+        # Without a spare core the directory's write runs on the training thread (see inline).
+        self._write_inline = local_dir is not None and not spare_core
         self._factor = factor
         self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._warned_factor = False
@@ -67,10 +94,21 @@ class BackgroundSaver:
         self._prunes = 0  # directory prunes so far: every AGREE_EVERY-th also sweeps
 
     def inline(self, job: SaveJob) -> bool:
-        """Whether `job` is so small that the training thread runs it itself: no file, no
-        replica, no agreement (memory only between agreements). A thread wake-up per step
-        cost more than that bookkeeping."""
-        if self._dir is not None or job.agree is not None:
+        """Whether the training thread runs `job` itself: no replica and no agreement (neither
+        of which may block the training thread), and no node-local file unless this process
+        has no spare core (`spare_core`).
+
+        Memory only, what is left between agreements is bookkeeping: a thread wake-up per step
+        cost more. The file's checksum and ``pwrite`` (about 0.4 ms for the example's 1.6 MB)
+        are real work, which a background thread takes off the training thread's path only
+        when it has a core of its own. When every core has a training rank on it, that thread
+        takes its CPU from a training rank (and the collectives make every rank wait for that
+        one), and it paid a thread wake-up and cache misses on top: 0.7 ms of thread CPU per
+        step in the 2-rank step benchmark on 2 cores (docs/performance.md).
+        """
+        if job.agree is not None:
+            return False
+        if self._dir is not None and not self._write_inline:
             return False
         return job.pg_ref is None or self._effective_factor(job.nodes, job.shard.owner) == 1
 

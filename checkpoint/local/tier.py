@@ -2,7 +2,8 @@
 
 `CheckpointManager` owns one LocalTier and calls save / wait / load / close from the training
 thread; the copy to the directory and the replication run on one background thread (replicas
-travel on the manager's dedicated gloo group, never on the training group), and every
+travel on the manager's dedicated gloo group, never on the training group; the directory's copy
+runs on the training thread when the process has no spare core: background.spare_core), and every
 AGREE_EVERY saves the ranks agree which steps are complete through the job's store, so that a
 restart can cancel that agreement at once instead of leaving a background collective in flight
 (see checkpoint.local.background and checkpoint.exchange).
@@ -31,7 +32,7 @@ from checkpoint.config import LocalConfig
 from checkpoint.errors import CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local import directory, packing, placement
-from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob
+from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob, spare_core
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.memo import WalkMemo
 from checkpoint.local.reshard import restore_resharded
@@ -116,7 +117,14 @@ class LocalTier:
         # a destroyed group's sockets open after a restart.
         self._nodes: tuple[tuple[bool, int], list[int]] | None = None
         self._hold = Holdings(keep)
-        self._saver = BackgroundSaver(self._hold, self._dir, replication_factor)
+        spare = spare_core()
+        self._saver = BackgroundSaver(self._hold, self._dir, replication_factor, spare_core=spare)
+        if self._dir is not None and not spare:
+            log.info(
+                "local_dir %s: no spare CPU core (%d usable, LOCAL_WORLD_SIZE=%s): the "
+                "node-local file is written on the training thread",
+                self._dir, len(os.sched_getaffinity(0)), os.environ.get("LOCAL_WORLD_SIZE"),
+            )  # fmt: skip
         self._cache: _Cache | None = None
         self._memo = WalkMemo()  # the save's walk: tensor mappings seen unchanged
         self._capacity_checked = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from checkpoint.errors import CheckpointConfigError, CheckpointStorageError
-from checkpoint.local import LocalTier, directory
+from checkpoint.local import LocalTier, background, directory
+from checkpoint.local import tier as tier_module
 from tests import peak_memory
 
 
@@ -276,3 +278,53 @@ def test_rewind_forgets_the_abandoned_steps() -> None:
         state = _state(0.0)
         res = tier.load(state, min_step=None)
         assert res is not None and res.step == 2 and state["step"] == 20
+
+
+@pytest.mark.parametrize(
+    ("usable", "cpus", "local_world_size", "spare"),
+    [
+        (2, 2, "2", False),  # every core has a rank: this project's 2-rank benchmark
+        (2, 2, "3", False),  # and with a reserve
+        (16, 16, "8", True),  # a GPU node: more cores than ranks
+        (2, 2, None, True),  # one process alone
+        (2, 2, "junk", True),  # unreadable: taken as one rank
+        (1, 16, "8", False),  # bound to one CPU (srun --cpu-bind): it has only that one
+        (4, 16, "8", True),  # bound to four CPUs of its own
+    ],
+)
+def test_spare_core_counts_the_cores_a_rank_has_to_itself(
+    monkeypatch: Any, usable: int, cpus: int, local_world_size: str | None, spare: bool
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(usable)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    env = {} if local_world_size is None else {"LOCAL_WORLD_SIZE": local_world_size}
+    assert background.spare_core(env) is spare
+
+
+@pytest.mark.parametrize("spare", [True, False])
+def test_the_directory_write_runs_on_the_training_thread_only_without_a_spare_core(
+    tmp_path: Path, monkeypatch: Any, spare: bool
+) -> None:
+    """With a spare core the node-local file is written behind save(); without one, within it
+    (a background thread would take its CPU from a training rank), and it is on disk when save()
+    returns. Either way the directory then restores the step."""
+    monkeypatch.setattr(tier_module, "spare_core", lambda: spare)
+    writers: list[str] = []
+    real_write = directory.ShardFiles.write
+
+    def write(self: directory.ShardFiles, *args: Any) -> None:
+        writers.append(threading.current_thread().name)
+        real_write(self, *args)
+
+    monkeypatch.setattr(directory.ShardFiles, "write", write)
+    with _tier(tmp_path) as tier:
+        for step in (1, 2):
+            tier.save(step, _state(float(step)))
+            if not spare:
+                assert _meta(tmp_path, step).step == step  # before any wait()
+        tier.wait()
+    assert writers == (["local-ckpt"] * 2 if spare else [threading.main_thread().name] * 2)
+    with _tier(tmp_path) as fresh:
+        state = _state(0.0)
+        res = fresh.load(state, min_step=None)
+        assert res is not None and (res.step, res.tier) == (2, "local_dir") and state["step"] == 2
