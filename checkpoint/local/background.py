@@ -1,9 +1,10 @@
 """The local tier's background work for one saved step: checksum, file, replicas, agreement.
 
-Runs on the tier's one worker thread (checkpoint.worker), one step at a time, in save order;
-a step with nothing that may block (no replica, no agreement) runs on the training thread
-instead, within LocalTier.save (BackgroundSaver.inline).
-Per step: the shard's xxh3_64 checksum (once: the file's .json and the replicas' headers reuse
+Runs on the tier's one worker thread (checkpoint.worker), one step at a time, in save order. A
+step with nothing that may block (no replica, no agreement) runs on the training thread instead,
+within LocalTier.save, when it has no node-local file or the process has no spare core
+(BackgroundSaver.inline).
+Per step: the shard's xxh3_64 checksum (once: the file's record and the replicas' headers reuse
 it), the node-local file, the replica transfers on the dedicated gloo group. Every
 `AGREE_EVERY`-th save of a group (and its first) then runs the cross-rank agreement through the
 store: each rank offers the recent steps it completed (at most two: this one and the one
@@ -78,7 +79,8 @@ class SaveJob:
 
 
 class BackgroundSaver:
-    """Does SaveJobs (background thread only); holds the replica placement between them."""
+    """Does SaveJobs, one at a time and in save order: on the tier's thread, or on the training
+    thread for the jobs `inline` accepts. Holds the replica placement between them."""
 
     def __init__(
         self, holdings: Holdings, local_dir: Path | None, factor: int, *, spare_core: bool
@@ -98,13 +100,13 @@ class BackgroundSaver:
         of which may block the training thread), and no node-local file unless this process
         has no spare core (`spare_core`).
 
-        Memory only, what is left between agreements is bookkeeping: a thread wake-up per step
-        cost more. The file's checksum and ``pwrite`` (about 0.4 ms for the example's 1.6 MB)
-        are real work, which a background thread takes off the training thread's path only
-        when it has a core of its own. When every core has a training rank on it, that thread
-        takes its CPU from a training rank (and the collectives make every rank wait for that
-        one), and it paid a thread wake-up and cache misses on top: 0.7 ms of thread CPU per
-        step in the 2-rank step benchmark on 2 cores (docs/performance.md).
+        With memory only, what is left between agreements is bookkeeping, and a thread wake-up
+        per step cost more than it. The file's checksum and ``pwrite`` (about 0.4 ms for the
+        example's 1.6 MB) are real work, which a background thread takes off the training
+        thread's path only when it has a core of its own. When every core has a training rank
+        on it, that thread takes its CPU from a training rank (and the collectives make every
+        rank wait for that one), and it paid a thread wake-up and cache misses on top: 0.7 ms
+        of thread CPU per step in the 2-rank step benchmark on 2 cores (docs/performance.md).
         """
         if job.agree is not None:
             return False
