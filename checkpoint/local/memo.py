@@ -5,8 +5,10 @@ in mappings of tensors, or of mappings of tensors, that the caller hands over ag
 at every save: torch's ``get_state_dict`` cached as in examples/state.py, a model's state dict,
 an optimizer's per-parameter state. For such a mapping the walk remembers, depth by depth,
 the types and keys (in insertion order) of the mappings in it and its tensors, and at the next
-save takes the leaves from the memo when the same mapping holds mappings of the same types with
-the same keys and the same tensor objects. Each depth is compared as a whole in C
+save takes its tensors from the memo when the same mapping holds mappings of the same types with
+the same keys and the same tensor objects: one Block (the record, and the tensors in leaf order)
+stands for all of them in the walk's output, so a save builds no Leaf per tensor and compares
+their keys as one object (LocalTier._plan). Each depth is compared as a whole in C
 (``map(type, ...)``, ``map(tuple, ...)``, ``map(operator.is_, ...)``): the optimizer's 30
 per-parameter mappings of the example cost one comparison, not 30 Python calls (that cost more
 than walking them). A DTensor's local shard and sharding are reused only while the DTensor
@@ -29,7 +31,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -45,7 +47,7 @@ _UNSEEN: Any = object()
 _values = operator.methodcaller("values")
 
 
-def _picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+def picker(positions: list[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
     """``operator.itemgetter(*positions)`` that always returns a tuple (itemgetter of one
     position returns the item itself)."""
     if len(positions) == 1:
@@ -66,7 +68,7 @@ class _Level:
     mappings: Callable[[Sequence[Any]], tuple[Any, ...]] | None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: a save's plan keys on the record
 class _Node:
     """A mapping of tensors and of such mappings (any depth), as the last walk saw it.
 
@@ -79,44 +81,69 @@ class _Node:
     refs: tuple[weakref.ref[torch.Tensor], ...]  # every tensor value, flat order
     # DTensors: (flat index, its local tensor, its spec) as the last walk saw them.
     dtensors: tuple[tuple[int, weakref.ref[torch.Tensor], weakref.ref[Any]], ...]
-    # The leaves, in walk order: which flat tensor, which mapping holds it (breadth-first
-    # number), its key there, its path, its sharding.
+    # The leaves, in walk order: which flat tensor, its path, its sharding.
     values: Callable[[Sequence[Any]], tuple[Any, ...]]
-    holders: Callable[[Sequence[Any]], tuple[Any, ...]]
-    keys: tuple[Any, ...]
     paths: tuple[str, ...]
     shardings: tuple[Any, ...]
 
 
-def _replay(obj: Mapping[Any, Any], node: _Node, rep: bool, out: list[Leaf]) -> bool:
-    """Append the leaves of `obj` if it is what `node` remembers; False (out unchanged)
-    otherwise."""
+@dataclass(slots=True)
+class Block:
+    """In a save's walk (packing.save_parts): the tensor leaves of a mapping the memo replayed.
+
+    ``node`` is the same object at every save while the mapping keeps its structure (the same
+    keys, paths, shardings and tensor objects), so a save compares its keys by identity;
+    ``values`` are its tensors (a DTensor's local shard) in walk order. The walk's output keeps
+    a Block only during the save: it references the live tensors.
+    """
+
+    node: _Node
+    values: tuple[torch.Tensor, ...]
+    replicated: bool
+
+    def leaves(self) -> list[Leaf]:
+        """The Leaf of each tensor (no container: a save never writes back)."""
+        n = len(self.values)
+        return list(
+            map(Leaf, self.node.paths, self.values, repeat(None, n), repeat(None, n),
+                repeat(self.replicated, n), self.node.shardings)
+        )  # fmt: skip
+
+
+def expand(parts: Sequence[Leaf | Block]) -> list[Leaf]:
+    """A save's walk as one Leaf per leaf, in walk order (what packing.leaves would give, less
+    the containers of the Blocks' tensors)."""
+    out: list[Leaf] = []
+    for p in parts:
+        if isinstance(p, Block):
+            out += p.leaves()
+        else:
+            out.append(p)
+    return out
+
+
+def _replay(obj: Mapping[Any, Any], node: _Node) -> tuple[torch.Tensor, ...] | None:
+    """The tensors of `obj` in leaf order if it is what `node` remembers, else None."""
     mappings: Sequence[Any] = (obj,)
-    holders: list[Any] = []
     flat: list[Any] = []
     for level in node.levels:
         if tuple(map(type, mappings)) != level.types:
-            return False
+            return None
         if tuple(map(tuple, mappings)) != level.orders:
-            return False
-        holders += mappings
+            return None
         values = list(chain.from_iterable(map(_values, mappings)))
         if level.tensors is not None:
             flat += level.tensors(values)
         if level.mappings is not None:
             mappings = level.mappings(values)
     if not all(map(operator.is_, flat, [r() for r in node.refs])):
-        return False
+        return None
     for i, local_ref, spec_ref in node.dtensors:  # a DTensor: its parts unchanged
         local, spec = _torch_private.dtensor_local_and_spec(flat[i])
         if local is not local_ref() or spec is not spec_ref():
-            return False
+            return None
         flat[i] = local
-    out.extend(
-        map(Leaf, node.paths, node.values(flat), node.holders(holders), node.keys,
-            repeat(rep), node.shardings)
-    )  # fmt: skip
-    return True
+    return node.values(flat)
 
 
 def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
@@ -124,7 +151,6 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
     something in it is neither a tensor leaf nor a plain mapping of them."""
     by_place = {(id(x.container), x.index): x for x in leaves}
     levels: list[_Level] = []
-    holders: list[Mapping[Any, Any]] = []
     flat: dict[tuple[int, Any], int] = {}  # (id of its holder, key) -> flat index
     refs: list[weakref.ref[torch.Tensor]] = []
     dtensors = []
@@ -154,20 +180,16 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
                 position += 1
         levels.append(_Level(
             tuple(map(type, mappings)), tuple(map(tuple, mappings)),
-            _picker(tensors) if tensors else None, _picker(deeper) if deeper else None,
+            picker(tensors) if tensors else None, picker(deeper) if deeper else None,
         ))  # fmt: skip
-        holders += mappings
         mappings = following
     if len(refs) != len(leaves) or not leaves:
         return None
-    holder_of = {id(m): i for i, m in enumerate(holders)}
     return _Node(
         tuple(levels),
         tuple(refs),
         tuple(dtensors),
-        _picker([flat[(id(x.container), x.index)] for x in leaves]),
-        _picker([holder_of[id(x.container)] for x in leaves]),
-        tuple(x.index for x in leaves),
+        picker([flat[(id(x.container), x.index)] for x in leaves]),
         tuple(x.key for x in leaves),
         tuple(x.sharding for x in leaves),
     )
@@ -190,23 +212,32 @@ class WalkMemo:
         self._last, self._next = self._next, {}
 
     def replay(
-        self, obj: Mapping[Any, Any], prefix: str, rep: bool, out: list[Leaf]
+        self, obj: Mapping[Any, Any], prefix: str, rep: bool, out: list[Leaf | Block]
     ) -> bool | None:
-        """Append the leaves of `obj` from the memo and return True when it is unchanged; False:
-        walk it and call remember(); None: walk it, there is nothing to remember."""
+        """Append the Block of `obj` and return True when it is unchanged; False: walk it and
+        call remember(); None: walk it, there is nothing to remember."""
         key = (id(obj), prefix, rep)
         node = self._last.get(key, _UNSEEN)
         if node is None:
             self._next[key] = None
             return None
-        if node is _UNSEEN or not _replay(obj, node, rep, out):
+        values = None if node is _UNSEEN else _replay(obj, node)
+        if values is None:
             return False
         self._next[key] = node
+        out.append(Block(node, values, rep))
         return True
 
-    def remember(self, obj: Mapping[Any, Any], prefix: str, rep: bool, leaves: list[Leaf]) -> None:
-        """After a full walk of `obj` gave `leaves`: keep it if it is a mapping of tensors (and
-        of such mappings) with enough in it to be worth a memo."""
+    def remember(
+        self, obj: Mapping[Any, Any], prefix: str, rep: bool, parts: list[Leaf | Block]
+    ) -> None:
+        """After a full walk of `obj` gave `parts`: keep it if it is a mapping of tensors (and
+        of such mappings) with enough in it to be worth a memo. One with a Block in its parts (it
+        changed, a mapping in it did not) is not remembered: it is walked, and that mapping
+        replayed, at the next saves too."""
+        if any(isinstance(x, Block) for x in parts):
+            return
+        leaves = cast("list[Leaf]", parts)
         key = (id(obj), prefix, rep)
         node = None
         worth = len(leaves) >= _MIN_PLAIN or any(x.sharding is not None for x in leaves)

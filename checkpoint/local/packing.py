@@ -14,7 +14,7 @@ import json
 import struct
 from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -22,7 +22,7 @@ from checkpoint.errors import CheckpointError, CheckpointMismatchError
 from checkpoint.local import sharded
 
 if TYPE_CHECKING:
-    from checkpoint.local.memo import WalkMemo
+    from checkpoint.local.memo import Block, WalkMemo
 
 MAGIC = b"RSTLOCAL"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
@@ -192,29 +192,27 @@ def _is_json_scalar_tree(obj: Any) -> bool:
     return False
 
 
-def leaves(
-    state: Mapping[str, Any],
-    statefuls: list[tuple[Any, dict[str, Any]]],
-    memo: WalkMemo | None = None,
-) -> list[Leaf]:
+def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]) -> list[Leaf]:
     """Every leaf of `state`, keyed by its '/'-joined path, in a deterministic order.
 
     Stateful objects are expanded through their state_dict(); each (object, that dict) pair is
     appended to `statefuls` so a load can hand the filled dict back via load_state_dict().
-    `memo` (the local tier's saves): mappings of tensors unchanged since the last walk with
-    this memo give their leaves without a walk (checkpoint.local.memo).
     """
-    out: list[Leaf] = []
-    # A module-level function, not a recursive closure: a closure that calls itself is a
-    # reference cycle, which held `out` and `statefuls` (the user's state: a DDP module and its
-    # process group) until the cyclic GC happened to run. After a restart the destroyed group
-    # then stayed referenced, and the peers blocked on this rank waited for the gloo timeout
-    # (12.5 s in 2 of 5 restarts of the README-style script).
-    if memo is not None:
-        memo.begin()
+    out: list[Leaf | Block] = []
+    _walk(state, "", None, None, False, out, statefuls, None)
+    return cast("list[Leaf]", out)  # without a memo, every part is a Leaf
+
+
+def save_parts(
+    state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]], memo: WalkMemo
+) -> list[Leaf | Block]:
+    """The local tier's save walk: leaves() in the same order, except that each mapping of
+    tensors unchanged since the last walk with `memo` is one memo.Block of its tensors
+    (checkpoint.local.memo); memo.expand gives the leaves."""
+    out: list[Leaf | Block] = []
+    memo.begin()
     _walk(state, "", None, None, False, out, statefuls, memo)
-    if memo is not None:
-        memo.end()
+    memo.end()
     return out
 
 
@@ -228,15 +226,18 @@ def walk_order(mapping: Mapping[Any, Any]) -> list[Any]:
     return keys
 
 
-# Runs at every local save (a small model's state has a few hundred nodes): the common cases
-# are tested first.
+# A module-level function, not a recursive closure: a closure that calls itself is a reference
+# cycle, which held `out` and `statefuls` (the user's state: a DDP module and its process group)
+# until the cyclic GC happened to run. After a restart the destroyed group then stayed
+# referenced, and the peers blocked on this rank waited for the gloo timeout (12.5 s in 2 of 5
+# restarts of the README-style script).
 def _walk(
     obj: Any,
     prefix: str,
     container: Any,
     index: Any,
     rep: bool,
-    out: list[Leaf],
+    out: list[Leaf | Block],
     statefuls: list[tuple[Any, dict[str, Any]]],
     memo: WalkMemo | None,
 ) -> None:
@@ -367,11 +368,12 @@ def pack_into(
     buf: torch.Tensor,
     layout: ShardLayout,
     header: bytes,
-    tensors: list[Leaf],
+    tensors: Sequence[torch.Tensor],
     *,
     non_blocking: bool | None = None,
 ) -> int:
-    """Copy header and tensors into `buf` (uint8, CPU, large enough); returns the bytes used.
+    """Copy header and tensors (the values of the leaves `layout` was made of, in its order)
+    into `buf` (uint8, CPU, large enough); returns the bytes used.
 
     This is the whole stall of a local save: one copy per tensor into a reused buffer (see
     ``_copy``). GPU sources copy asynchronously into the (pinned) buffer; the caller
@@ -381,10 +383,9 @@ def pack_into(
     data_start = _align(_PREFIX.size + len(header))
     prefix = _PREFIX.pack(MAGIC, len(header)) + header
     buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+    srcs = list(tensors)
     if layout.has_empty:
-        srcs = [leaf.value for leaf, e in zip(tensors, layout.entries, strict=True) if e.nbytes]
-    else:
-        srcs = [leaf.value for leaf in tensors]
+        srcs = [t for t, e in zip(srcs, layout.entries, strict=True) if e.nbytes]
     _copy(layout.views(buf, data_start), srcs, non_blocking=non_blocking)
     return data_start + layout.data_nbytes
 

@@ -18,6 +18,7 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local import directory, packing, placement
 from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob, spare_core
 from checkpoint.local.holdings import Holdings
-from checkpoint.local.memo import WalkMemo
+from checkpoint.local.memo import Block, WalkMemo, expand, picker
 from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import RestoreResult, Shard, restore
 from checkpoint.worker import BackgroundWorker
@@ -44,7 +45,11 @@ __all__ = ["LocalTier", "RestoreResult"]
 log = logging.getLogger(__name__)
 
 _LEAF_FIELDS = operator.attrgetter("key", "replicated", "sharding")
-_TENSOR_FIELDS = operator.attrgetter("dtype", "shape", "device")
+# Read by C over every tensor at every save (the layout check): one attribute per map, since
+# a tuple of three per tensor cost half as much again to build and compare.
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class GroupSource(Protocol):
@@ -70,8 +75,9 @@ class _Cache:
     signature: tuple[Any, ...]
     world: int
     rank: int
-    keep_keys: frozenset[str]  # tensor keys this rank stores (fully_parallel drops the others)
-    tensor_keys: frozenset[str]  # every tensor key (the other leaves are the header's objects)
+    # The tensors this rank stores, by position among the state's tensors (None: all of them;
+    # fully_parallel drops the others' shares).
+    kept: Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None
     layout: packing.ShardLayout
     entries: dict[str, packing.TensorEntry]  # layout by key: a memory restore skips the header
     on_gpu: bool  # a kept tensor is on a GPU: pinned buffer, one synchronize after the copy
@@ -157,10 +163,11 @@ class LocalTier:
         if self._hold.stale(step, world):
             self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
-        leaves = packing.leaves(state, statefuls, self._memo)
-        cache = self._plan(leaves, rank, world)
-        tensors = [x for x in leaves if x.key in cache.keep_keys]
-        objects = {x.key: x.value for x in leaves if x.key not in cache.tensor_keys}
+        parts = packing.save_parts(state, statefuls, self._memo)
+        tensors, structure, objects = _split(parts)
+        cache = self._plan(parts, tensors, structure, rank, world)
+        if cache.kept is not None:
+            tensors = list(cache.kept(tensors))
         extra = {"step": step, "owner": rank, "world": world, "algo": self._algo}
         objects_json = packing.compact(objects)
         header = packing.header_bytes(cache.layout, objects, extra, objects_json=objects_json)
@@ -208,24 +215,35 @@ class LocalTier:
             return None
         return self._attempts.next(pg, token)
 
-    def _plan(self, leaves: list[packing.Leaf], rank: int, world: int) -> _Cache:
-        # dtype, torch.Size and device compare as they are, read by C (attrgetter): no Python
-        # bytecode per tensor attribute. Leaves of one structure come in one order.
-        tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
+    def _plan(
+        self,
+        parts: list[packing.Leaf | Block],
+        tensors: list[torch.Tensor],
+        structure: tuple[Any, ...],
+        rank: int,
+        world: int,
+    ) -> _Cache:
+        """The cached plan if the state's tensors are laid out as at the last save, else a new
+        one. A remembered mapping's keys compare as one object (its memo record); dtypes and
+        shapes are read per tensor, since a tensor object keeps its identity through
+        ``.data =`` and ``resize_`` (which version counters do not show)."""
         sig = (
-            tuple(map(_LEAF_FIELDS, tensors)),
-            tuple(map(_TENSOR_FIELDS, [x.value for x in tensors])),
+            structure,
+            tuple(map(_DTYPE, tensors)),
+            tuple(map(_SHAPE, tensors)),
+            any(map(_IS_CUDA, tensors)),  # the plan's only use of the devices: pinned or not
         )
         c = self._cache
         if c is not None and c.signature == sig and c.world == world and c.rank == rank:
             return c
-        owner = replicated_owner(tensors, world) if self._algo == "fully_parallel" else {}
-        keep = frozenset(x.key for x in tensors if owner.get(x.key, rank) == rank)
-        layout = packing.ShardLayout.of([x for x in tensors if x.key in keep])
+        leaves = [x for x in expand(parts) if isinstance(x.value, torch.Tensor)]
+        owner = replicated_owner(leaves, world) if self._algo == "fully_parallel" else {}
+        kept = [i for i, x in enumerate(leaves) if owner.get(x.key, rank) == rank]
+        layout = packing.ShardLayout.of([leaves[i] for i in kept])
         entries = {e.key: e for e in layout.entries}
-        on_gpu = any(x.value.is_cuda for x in tensors if x.key in keep)
-        all_keys = frozenset(x.key for x in tensors)
-        self._cache = _Cache(sig, world, rank, keep, all_keys, layout, entries, on_gpu)
+        on_gpu = any(leaves[i].value.is_cuda for i in kept)
+        pick = None if len(kept) == len(leaves) else picker(kept)
+        self._cache = _Cache(sig, world, rank, pick, layout, entries, on_gpu)
         return self._cache
 
     def _node_indices(self, pg: dist.ProcessGroup | None) -> list[int]:
@@ -351,6 +369,27 @@ def node_key() -> str:
     if rank and lws and rank.isdigit() and lws.isdigit() and int(lws) > 0:
         key += f"/{int(rank) // int(lws)}"
     return key
+
+
+def _split(
+    parts: list[packing.Leaf | Block],
+) -> tuple[list[torch.Tensor], tuple[Any, ...], dict[str, Any]]:
+    """A save's walk as (its tensors in walk order, what identifies their keys, the other
+    leaves by key: the header's objects). One pass over the parts: a remembered mapping's
+    tensors come in one piece, identified by its memo record."""
+    tensors: list[torch.Tensor] = []
+    structure: list[Any] = []
+    objects: dict[str, Any] = {}
+    for p in parts:
+        if isinstance(p, Block):
+            tensors += p.values
+            structure.append(p.node)
+        elif isinstance(p.value, torch.Tensor):
+            tensors.append(p.value)
+            structure.append(_LEAF_FIELDS(p))
+        else:
+            objects[p.key] = p.value
+    return tensors, tuple(structure), objects
 
 
 def replicated_owner(tensors: list[packing.Leaf], world: int) -> dict[str, int]:

@@ -46,3 +46,35 @@ def test_cuda_state_round_trip_is_a_snapshot() -> None:
     assert res is not None and res.tier == "memory"
     assert state["w"] is w and w.is_cuda
     assert torch.equal(w, want_w) and torch.equal(v, want_v)
+
+
+def test_a_cuda_model_saved_every_step_from_the_walk_memo_stays_exact() -> None:
+    """A model's state on the GPU (enough tensors for the save's walk memo to replay it as one
+    block), saved at every step while training changes it: each restore gives the step's
+    values, and a parameter moved to the host in place (``.data =``) is still saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).cuda()
+    sd = model.state_dict(keep_vars=True)  # the same dict at every save, as a cached one is
+    state = {"model": sd, "step": 0}
+    with LocalTier(
+        local_dir=None, replication_factor=1, algo="atomic", keep=1, group=NoGroup()
+    ) as tier:
+        for step in range(1, 6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.5)
+            state["step"] = step
+            want = {k: v.detach().clone() for k, v in sd.items()}
+            tier.save(step, state)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(3.0)  # after save() returns: must not reach the saved copy
+            res = tier.load(state, min_step=step)
+            assert res is not None and res.step == step
+            assert all(torch.equal(sd[k], want[k]) for k in want)
+        first = model[0].weight
+        first.data = first.data.cpu()  # the same Parameter, now on the host
+        tier.save(6, state)
+        first.data.zero_()
+        assert tier.load(state, min_step=6) is not None
+        assert not first.is_cuda and torch.equal(first, want["0.weight"].cpu())

@@ -28,7 +28,7 @@ def _buf(v: int) -> torch.Tensor:
     layout = packing.ShardLayout.of(tensors)
     header = packing.header_bytes(layout, {}, {"step": v})
     buf = torch.zeros(packing.packed_size(layout, header), dtype=torch.uint8)  # padding too
-    return buf[: packing.pack_into(buf, layout, header, tensors)]
+    return buf[: packing.pack_into(buf, layout, header, [x.value for x in tensors])]
 
 
 def _steps(root: Path) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ def _pack(state: dict[str, Any]) -> torch.Tensor:
     layout = packing.ShardLayout.of(tensors)
     header = packing.header_bytes(layout, objects, {"step": 1})
     buf = torch.empty(packing.packed_size(layout, header), dtype=torch.uint8)
-    packing.pack_into(buf, layout, header, tensors)
+    packing.pack_into(buf, layout, header, [x.value for x in tensors])
     return buf
 
 

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from checkpoint.local import packing
-from checkpoint.local.memo import WalkMemo
+from checkpoint.local.memo import Block, WalkMemo, expand
 
 
 def _state() -> dict[str, Any]:
@@ -23,17 +23,17 @@ def _state() -> dict[str, Any]:
 
 
 def _view(leaves: list[packing.Leaf]) -> list[tuple[Any, ...]]:
-    """What a save reads of each leaf: key, value (by identity), container, index, sharding."""
+    """What a save reads of each leaf: key, value (by identity), sharding."""
     return [
-        (x.key, id(x.value) if isinstance(x.value, torch.Tensor) else x.value,
-         id(x.container), x.index, x.replicated, x.sharding)
+        (x.key, id(x.value) if isinstance(x.value, torch.Tensor) else x.value, x.replicated,
+         x.sharding)
         for x in leaves
     ]  # fmt: skip
 
 
 def _walks(state: dict[str, Any], memo: WalkMemo) -> list[packing.Leaf]:
     """A save's walk with the memo, checked against a walk without it."""
-    got = packing.leaves(state, [], memo)
+    got = expand(packing.save_parts(state, [], memo))
     assert _view(got) == _view(packing.leaves(state, []))
     return got
 
@@ -52,7 +52,7 @@ def test_unchanged_mappings_come_from_the_memo_with_the_same_leaves(deep: bool) 
     seen: list[tuple[str, bool | None]] = []
     replay = memo.replay
 
-    def recorded(obj: Any, prefix: str, rep: bool, out: list[packing.Leaf]) -> bool | None:
+    def recorded(obj: Any, prefix: str, rep: bool, out: list[packing.Leaf | Block]) -> bool | None:
         seen.append((prefix, replay(obj, prefix, rep, out)))
         return seen[-1][1]
 
@@ -111,6 +111,24 @@ def test_every_change_of_a_remembered_mapping_is_seen(change: str) -> None:
     got = _walks(state, memo)  # the same leaves as a walk without the memo
     _walks(state, memo)  # and again, from the memo rebuilt after the change
     assert len(got) == len(packing.leaves(state, []))
+
+
+def test_a_new_mapping_around_remembered_ones_is_walked_and_they_are_replayed() -> None:
+    """A state_dict() that builds its outer dict anew at every call, around the same model and
+    optimizer mappings: the outer is walked, the inner come from the memo, and the leaves are
+    those of a walk without it."""
+    inner = _state()
+    memo = WalkMemo()
+    # Every outer dict stays alive: a new one at a freed one's address would be replayed whole.
+    outers = [{"train": {"model": inner["model"], "state": inner["optim"]["state"]}}]
+    _walks(outers[0], memo)
+    for _ in range(3):
+        fresh = {"train": {"model": inner["model"], "state": inner["optim"]["state"]}}
+        outers.append(fresh)
+        parts = packing.save_parts(fresh, [], memo)
+        blocks = [p for p in parts if isinstance(p, Block)]
+        assert [len(b.values) for b in blocks] == [10, 20]
+        assert _view(expand(parts)) == _view(packing.leaves(fresh, []))
 
 
 def test_the_memo_keeps_no_tensor_alive() -> None:

@@ -19,7 +19,7 @@ def _pack(state: dict[str, Any]) -> torch.Tensor:
     layout = packing.ShardLayout.of(tensors)
     header = packing.header_bytes(layout, objects, {"step": 1})
     buf = torch.empty(packing.packed_size(layout, header), dtype=torch.uint8)
-    packing.pack_into(buf, layout, header, tensors)
+    packing.pack_into(buf, layout, header, [x.value for x in tensors])
     return buf
 
 
@@ -113,7 +113,7 @@ def test_reused_buffer_with_a_longer_header_packs_correctly() -> None:
     for note in ("short", "a much longer note " * 20, "short again"):
         state["w"].add_(1.0)
         header = packing.header_bytes(layout, {"note": note}, {"step": 1})
-        packing.pack_into(buf, layout, header, tensors)
+        packing.pack_into(buf, layout, header, [x.value for x in tensors])
         target = {"w": torch.zeros(1000), "b": torch.zeros(5, dtype=torch.int64)}
         packing.fill_leaves(buf, packing.leaves(target, []), keep=lambda k: k != "note")
         assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])

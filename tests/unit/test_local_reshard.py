@@ -24,7 +24,7 @@ def _shard(state: dict[str, Any], *, step: int, owner: int, world: int, keep: se
     extra = {"step": step, "owner": owner, "world": world, "algo": "fully_parallel"}
     header = packing.header_bytes(layout, objects, extra)
     buf = torch.empty(packing.packed_size(layout, header), dtype=torch.uint8)
-    nbytes = packing.pack_into(buf, layout, header, tensors)
+    nbytes = packing.pack_into(buf, layout, header, [x.value for x in tensors])
     return Shard(step, owner, world, nbytes, integrity.of(buf, nbytes), buf)
 
 

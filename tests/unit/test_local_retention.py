@@ -116,7 +116,7 @@ def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
     layout = packing.ShardLayout.of([x for x in leaves if x.key == "w"])
     header = packing.header_bytes(layout, {"rng": obj}, {"step": 1})
     buf = torch.zeros(packing.packed_size(layout, header), dtype=torch.uint8)
-    packing.pack_into(buf, layout, header, [x for x in leaves if x.key == "w"])
+    packing.pack_into(buf, layout, header, [x.value for x in leaves if x.key == "w"])
     state: dict[str, Any] = {"rng": b"old", "w": torch.zeros(2)}
     packing.unpack_into(buf, state)
     assert state["rng"] == payload and type(state["rng"]) is bytes

@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.errors import CheckpointConfigError, CheckpointStorageError
+from checkpoint.errors import (
+    CheckpointConfigError,
+    CheckpointMismatchError,
+    CheckpointStorageError,
+)
 from checkpoint.local import LocalTier, background, directory
 from checkpoint.local import tier as tier_module
 from tests import peak_memory
@@ -150,6 +154,41 @@ def test_scalars_are_a_snapshot_too() -> None:
         tier.wait()
         assert tier.load(state, min_step=None) is not None
         assert state["sched"]["lrs"] == [0.1, 0.2]
+
+
+def test_a_tensor_changed_in_place_is_saved_with_its_new_layout(tmp_path: Path) -> None:
+    """The same tensor objects, in a mapping the save's walk memo replays, change dtype
+    (``.data =``, as ``module.half()`` does) and shape (``resize_``): the next save packs them
+    as they are now, and its header says so."""
+
+    def state() -> dict[str, Any]:
+        return {"model": {f"w{i}": torch.full((4,), float(i)) for i in range(10)}, "step": 1}
+
+    live = state()
+    with _tier(tmp_path) as tier:
+        for step in (1, 2):  # the second save replays the model from the memo
+            tier.save(step, live)
+        model = live["model"]
+        model["w3"].data = torch.full((4,), 3.5, dtype=torch.float64)
+        model["w5"].resize_(6).fill_(5.5)
+        tier.save(3, live)
+        tier.wait()
+        changed = state()
+        changed["model"]["w3"] = torch.zeros(4, dtype=torch.float64)
+        changed["model"]["w5"] = torch.zeros(6)
+        res = tier.load(changed, min_step=3)
+        assert res is not None and res.tier == "memory"
+        assert torch.equal(changed["model"]["w3"], torch.full((4,), 3.5, dtype=torch.float64))
+        assert torch.equal(changed["model"]["w5"], torch.full((6,), 5.5))
+        with pytest.raises(CheckpointMismatchError, match=r"w3.*w5"):
+            tier.load(state(), min_step=3)  # the old layout no longer matches
+    with _tier(tmp_path) as fresh:  # the directory's copy has the new layout too
+        changed = state()
+        changed["model"]["w3"] = torch.zeros(4, dtype=torch.float64)
+        changed["model"]["w5"] = torch.zeros(6)
+        res = fresh.load(changed, min_step=3)
+        assert res is not None and res.tier == "local_dir"
+        assert torch.equal(changed["model"]["w5"], torch.full((6,), 5.5))
 
 
 def test_corrupt_directory_copy_is_not_loaded(tmp_path: Path) -> None:
