@@ -88,7 +88,7 @@ class BackgroundSaver:
         self._hold = holdings
         self._dir = local_dir
         # Without a spare core the directory's write runs on the training thread (see inline).
-        self._write_inline = local_dir is not None and not spare_core
+        self._dir_in_background = local_dir is not None and spare_core
         self._factor = factor
         self._placement: tuple[list[int], list[list[int]], list[list[int]]] | None = None
         self._warned_factor = False
@@ -110,7 +110,7 @@ class BackgroundSaver:
         """
         if job.agree is not None:
             return False
-        if self._dir is not None and not self._write_inline:
+        if self._dir_in_background:
             return False
         return job.pg_ref is None or self._effective_factor(job.nodes, job.shard.owner) == 1
 
