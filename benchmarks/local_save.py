@@ -10,10 +10,11 @@ rounds (each after the same pause) on the same state:
 * ``copy_floor_s``: one ``torch._foreach_copy_`` of the state's tensors into reused tensors
   (the copy a save cannot avoid);
 * ``walk_floor_s``: the example's ``state_dict()`` (torch's ``get_state_dict``, cached) plus the
-  tier's walk of the state into leaves (what any save must look at).
+  save's walk of the state, with a walk memo of its own as the tier has (the mappings of tensors
+  unchanged since the last walk come from it: checkpoint.local.memo); what any save must look at.
 
-The difference between the save and the two floors is the tier's own work per save (plan,
-header, buffer choice, handing off to the background thread).
+The difference between the save and the two floors is the tier's own work per save (layout
+check, header and the scalars' JSON, buffer choice, handing off to the background thread).
 
 ``--parallel fsdp`` (or ``tp``) also measures, in the same invocation, the same model sharded by
 examples/parallel.py on a one-rank mesh (gloo): its state is made of DTensors, whose local shards
@@ -69,10 +70,12 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
     training step, so caches are cold for all three alike (a hot timeit loop of the floors ran
     2.5-4x faster than the same work inside saves here)."""
     from checkpoint.local import packing
+    from checkpoint.local.memo import WalkMemo
     from checkpoint.manager import CheckpointManager
 
     tensors = [x.value for x in packing.leaves(state, []) if isinstance(x.value, torch.Tensor)]
     views = [torch.empty_like(t) for t in tensors]
+    memo = WalkMemo()
     times: dict[str, list[float]] = {"copy": [], "walk": [], "save": []}
 
     def timed(key: str, fn: Any) -> None:
@@ -93,7 +96,7 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
     ):
         for step in range(1, n + 1):
             timed("copy", lambda: torch._foreach_copy_(views, tensors))
-            timed("walk", lambda: packing.leaves(state, []))
+            timed("walk", lambda: packing.save_parts(state, [], memo))
             timed("save", lambda: mgr.save(step, state))  # noqa: B023 (called at once)
     skip = min(10, n // 10)  # warm-up: buffers allocated and faulted in the first saves
     med = {k: statistics.median(v[skip:]) for k, v in times.items()}
