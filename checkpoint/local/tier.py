@@ -70,7 +70,8 @@ class GroupSource(Protocol):
 
 @dataclass
 class _Cache:
-    """Per-structure plan, rebuilt only when the state's keys, dtypes, shapes or devices change."""
+    """Per-structure plan, rebuilt when a key, dtype, shape or sharding changes, or whether a
+    tensor is on a GPU."""
 
     signature: tuple[Any, ...]
     world: int
