@@ -35,24 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-class _NoGroup:
-    """Not distributed: a world of one (the tier's group protocol)."""
-
-    generation = 0
-    token = None
-
-    def current(self) -> None:
-        return None
-
-    def is_stale(self) -> bool:
-        return False
-
-    def drop(self) -> None:
-        pass
-
-
 def measure(width: int, layers: int, saves: int, batch: int) -> dict[str, Any]:
     """The figures of one size (see the module docstring)."""
+    from checkpoint.group import BackgroundGroup
     from checkpoint.local import LocalTier
 
     torch.manual_seed(0)
@@ -73,8 +58,10 @@ def measure(width: int, layers: int, saves: int, batch: int) -> dict[str, Any]:
     pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     times: dict[str, list[float]] = {"step": [], "step_with_save": [], "save": [], "d2h": []}
     sync = torch.cuda.synchronize
+    # The manager's own group source: not distributed here, so no group (one rank).
+    group = BackgroundGroup(timeout=600.0, name="local")
     with LocalTier(
-        local_dir=None, replication_factor=1, algo="atomic", keep=1, group=_NoGroup()
+        local_dir=None, replication_factor=1, algo="atomic", keep=1, group=group
     ) as tier:
         for i in range(saves + 5):
             sync()
@@ -95,6 +82,7 @@ def measure(width: int, layers: int, saves: int, batch: int) -> dict[str, Any]:
             torch._foreach_copy_(pinned, tensors, non_blocking=True)
             sync()
             times["d2h"].append(time.perf_counter() - t0)
+    group.close()
     med = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return {
