@@ -29,6 +29,8 @@ _PREFIX = struct.Struct("<8sQ")  # magic, header length
 PREFIX_SIZE = _PREFIX.size
 ALIGN = 64  # every tensor starts on a 64-byte boundary so a uint8 slice can be viewed as any dtype
 _MAX_VIEW_SETS = 8  # save buffers per layout whose views are cached (keep + 2, and some slack)
+# What torch._foreach_copy_ takes: a list or a tuple (a save passes its tensors as they come).
+Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
 PART_MAX = 32 << 20  # a shard moves in parts of at most this size (see part_bounds)
 DIRECT_MIN = 1 << 20  # a tensor this large is a part (or parts) of its own
 
@@ -368,7 +370,7 @@ def pack_into(
     buf: torch.Tensor,
     layout: ShardLayout,
     header: bytes,
-    tensors: Sequence[torch.Tensor],
+    tensors: Tensors,
     *,
     non_blocking: bool | None = None,
 ) -> int:
@@ -383,9 +385,9 @@ def pack_into(
     data_start = _align(_PREFIX.size + len(header))
     prefix = _PREFIX.pack(MAGIC, len(header)) + header
     buf[: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
-    srcs = list(tensors)
+    srcs = tensors
     if layout.has_empty:
-        srcs = [t for t, e in zip(srcs, layout.entries, strict=True) if e.nbytes]
+        srcs = [t for t, e in zip(tensors, layout.entries, strict=True) if e.nbytes]
     _copy(layout.views(buf, data_start), srcs, non_blocking=non_blocking)
     return data_start + layout.data_nbytes
 
@@ -408,7 +410,10 @@ def _views(
 
 
 def _copy(
-    dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool | None = None
+    dsts: Tensors,
+    srcs: Tensors,
+    *,
+    non_blocking: bool | None = None,
 ) -> None:
     """Copy every source into its destination as one ``torch._foreach_copy_``: a per-tensor
     Python loop cost more than the copies for a small model's ~100 tensors. The copies are

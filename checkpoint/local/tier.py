@@ -165,10 +165,9 @@ class LocalTier:
             self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
         parts = packing.save_parts(state, statefuls, self._memo)
-        tensors, structure, objects = _split(parts)
-        cache = self._plan(parts, tensors, structure, rank, world)
-        if cache.kept is not None:
-            tensors = list(cache.kept(tensors))
+        every, structure, objects = _split(parts)
+        cache = self._plan(parts, every, structure, rank, world)
+        tensors = every if cache.kept is None else cache.kept(every)
         extra = {"step": step, "owner": rank, "world": world, "algo": self._algo}
         objects_json = packing.compact(objects)
         header = packing.header_bytes(cache.layout, objects, extra, objects_json=objects_json)
