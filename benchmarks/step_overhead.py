@@ -29,7 +29,11 @@ steps alternating with blocks of K steps that do not, and ``paired`` reports the
 with and without saves *in the same job* and their difference (``cost_ms``, and ``cost_ratio``
 = 1 + cost / plain step). On a machine whose speed drifts between runs (this project's 2-core
 VM: one configuration's rounds spread over 20-40 %), that difference is the saves' cost free of
-the drift; ``median_step_ms`` is then over the steps that saved.
+the drift; ``median_step_ms`` is then over the steps that saved. ``paired.cpu_cost_ms`` says who
+pays that cost: per rank, each thread's and child process's CPU per step in the blocks that
+saved minus in those that did not (ms, from the scheduler's run time of each thread; rank 0
+also counts the launcher, which hosts the store), so that the saves' cost is accounted per
+thread and process in the same job that times it.
 """
 
 from __future__ import annotations
@@ -133,6 +137,10 @@ def run_once(config: str, args: argparse.Namespace) -> dict[str, Any]:
         cpu = {}
         for f in sorted(out.glob("cpu-*.json")):
             cpu[f"rank{f.stem.split('-')[1]}"] = json.loads(f.read_text())["core_share"]
+        paired_cpu = {
+            f"rank{f.stem.split('-')[2]}": json.loads(f.read_text())
+            for f in sorted(out.glob("paired-cpu-*.json"))
+        }
     marks = steps["saved"]
     with_ = [i for i, saved in enumerate(marks) if saved]
     without = [i for i, saved in enumerate(marks) if not saved]
@@ -148,6 +156,7 @@ def run_once(config: str, args: argparse.Namespace) -> dict[str, Any]:
             "without_ms": med("times", without),
             "main_cpu_with_ms": med("cpu", with_),
             "main_cpu_without_ms": med("cpu", without),
+            "cpu_cost_ms": paired_cpu,
         }
     return run
 
@@ -176,17 +185,23 @@ def copy_floor_ms() -> float:
     return statistics.median(samples) * 1e3
 
 
+def _median_by_name(
+    runs: list[dict[str, dict[str, float]]], least: float
+) -> dict[str, dict[str, float]]:
+    """Per rank and name, the median over rounds (0 where a round lacks it), rounded; only what
+    is at least `least` in size, and the process total: an idle thread clutters the table."""
+    out: dict[str, dict[str, float]] = {}
+    for proc in sorted({p for r in runs for p in r}):
+        names = sorted({n for r in runs for n in r.get(proc, {})})
+        med = {n: round(statistics.median(r.get(proc, {}).get(n, 0.0) for r in runs), 4)
+               for n in names}  # fmt: skip
+        out[proc] = {n: v for n, v in med.items() if abs(v) >= least or n == "process total"}
+    return out
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median over rounds of the step, and of each CPU share (rounded for reading)."""
-    cpu: dict[str, dict[str, float]] = {}
-    for proc in {p for r in runs for p in r["cpu"]}:
-        names = {n for r in runs for n in r["cpu"].get(proc, {})}
-        cpu[proc] = {
-            n: round(statistics.median(r["cpu"].get(proc, {}).get(n, 0.0) for r in runs), 4)
-            for n in sorted(names)
-        }
-        # Only what costs something: an idle thread clutters the table.
-        cpu[proc] = {n: v for n, v in cpu[proc].items() if v >= 0.001 or n == "process total"}
+    cpu = _median_by_name([r["cpu"] for r in runs], least=0.001)
     out = {
         "median_step_ms": round(statistics.median(r["median_ms"] for r in runs), 3),
         "per_round_ms": [round(r["median_ms"], 3) for r in runs],
@@ -206,6 +221,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "cost_ms": med(lambda p: p["with_ms"] - p["without_ms"]),
             "per_round_cost_ms": [round(p["with_ms"] - p["without_ms"], 3) for p in pairs],
             "main_cpu_cost_ms": med(lambda p: p["main_cpu_with_ms"] - p["main_cpu_without_ms"]),
+            "cpu_cost_ms": _median_by_name([p["cpu_cost_ms"] for p in pairs], least=0.01),
         }
     return out
 

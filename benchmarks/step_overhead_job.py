@@ -15,7 +15,9 @@ Started by the driver under ``python -m inprocess.launch`` (or ``torchrun`` for 
 Active rank 0 times every step after ``--warmup`` and writes ``steps.json`` to ``--out``.
 ``--paired-every K`` (layers 4+): the steps save in blocks of K, alternating with blocks of K
 that do not, so that one job measures the step with and without its saves on the same machine
-state (``saved`` in ``steps.json`` says which steps saved). Every
+state (``saved`` in ``steps.json`` says which steps saved), and each active rank writes
+``paired-cpu-<rank>.json``: what saving costs each of its threads and child processes per step
+(``BlockCpu``). Every
 process (active ranks and reserves) runs a sampler thread that snapshots the CPU time of each of
 its threads and child processes (the watchdog) when rank 0 starts the timed window (a marker
 file in ``--out``) and when the rank's own timed steps end (a reserve: at rank 0's end marker),
@@ -52,14 +54,30 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 _SAMPLE_S = 0.05  # how often the sampler looks for rank 0's window markers
 
 
-def _stat_cpu(path: str) -> float:
-    """utime + stime of /proc/<pid>[/task/<tid>]/stat, in seconds (0 when it is gone)."""
+def _task_cpu(task: str) -> float:
+    """CPU seconds of one thread, ``/proc/<pid>/task/<tid>``: its scheduler run time (ns, from
+    ``schedstat``) where the kernel has it, else utime + stime from ``stat`` (in clock ticks,
+    10 ms: too coarse for the per-block accounting of ``--paired-every``); 0 when it is gone."""
     try:
-        with open(path) as f:
+        with open(f"{task}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        with open(f"{task}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _process_cpu(pid: int | str) -> float:
+    """CPU seconds of a process's live threads (0 when it is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    return sum(_task_cpu(f"/proc/{pid}/task/{tid}") for tid in tids)
 
 
 def _children(pid: int) -> list[int]:
@@ -79,18 +97,20 @@ def _children(pid: int) -> list[int]:
 
 def cpu_snapshot() -> dict[str, float]:
     """CPU seconds so far of each live thread of this process (by Python name) and of each child
-    process (a watchdog: by its command line), plus the process's own total; rank 0 adds the
-    launcher's, which hosts the store every rank talks to."""
+    process (a watchdog: by its command line), plus the process's total (its live threads);
+    rank 0 adds the launcher's, which hosts the store every rank talks to."""
     pid = os.getpid()
     names = {t.native_id: t.name for t in threading.enumerate()}
-    snap: dict[str, float] = {"process total": _stat_cpu(f"/proc/{pid}/stat")}
+    snap: dict[str, float] = {"process total": 0.0}
     for tid in os.listdir(f"/proc/{pid}/task"):
         # Threads Python did not start (gloo's, torch's intra-op pool) have no name: one entry.
         name = names.get(int(tid), "native threads (gloo, torch)")
         if name.startswith("inprocess-monitor-"):  # drop the iteration number: one per rank
             name = name.rsplit("-", 1)[0]
         key = f"thread {name}"
-        snap[key] = snap.get(key, 0.0) + _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        used = _task_cpu(f"/proc/{pid}/task/{tid}")
+        snap[key] = snap.get(key, 0.0) + used
+        snap["process total"] += used
     for child in _children(pid):
         try:
             with open(f"/proc/{child}/cmdline", "rb") as f:
@@ -98,10 +118,10 @@ def cpu_snapshot() -> dict[str, float]:
         except OSError:
             continue
         kind = "watchdog" if "inprocess.watchdog" in cmd else cmd.split(" ")[-2:][0]
-        snap[f"child {kind}"] = snap.get(f"child {kind}", 0.0) + _stat_cpu(f"/proc/{child}/stat")
+        snap[f"child {kind}"] = snap.get(f"child {kind}", 0.0) + _process_cpu(child)
     launcher = os.environ.get("INPROCESS_LAUNCHER_PID")
     if launcher is not None and os.environ.get("RANK") == "0":  # it hosts the store: count it once
-        snap["launcher process (store server)"] = _stat_cpu(f"/proc/{launcher}/stat")
+        snap["launcher process (store server)"] = _process_cpu(launcher)
     return snap
 
 
@@ -141,6 +161,55 @@ def start_sampler(out: Path, rank: int) -> Callable[[], None]:
 
     threading.Thread(target=run, name="bench-sampler", daemon=True).start()
     return end
+
+
+class BlockCpu:
+    """Who spends the CPU that saving costs, per thread and process (``--paired-every K``).
+
+    The training thread calls ``boundary`` between steps, at the start of each block of K
+    steps, outside the timed step; each call snapshots the CPU time of every thread and child
+    process of this rank (``cpu_snapshot``) and adds the block that just ended to the sums of
+    blocks that saved or did not. ``cost_ms`` is then, per name, the CPU per step of the blocks
+    that saved minus that of the blocks that did not: what saving costs each thread per step,
+    free of the machine's drift (the blocks alternate within one job). Closing a block that
+    saved, ``boundary`` first waits for its saves' background work (``settle``: the manager's
+    ``wait``), so that work is counted in its own block, not in the next. The benchmark's
+    sampler thread is left out: its one snapshot of the window's start is not a save's cost.
+    """
+
+    def __init__(self, settle: Callable[[], None]) -> None:
+        self._settle = settle
+        self._last: dict[str, float] | None = None
+        self._block: tuple[int, bool] = (0, False)  # (first step, saves?) of the open block
+        self._sums: dict[bool, dict[str, float]] = {True: {}, False: {}}
+        self._steps = {True: 0, False: 0}
+
+    def boundary(self, step: int, saving: bool | None) -> None:
+        """Close the open block at `step` and open one that saves or not (None: the end)."""
+        if self._last is not None and self._block[1]:
+            self._settle()
+        snap = cpu_snapshot()
+        snap["process total"] -= snap.pop("thread bench-sampler", 0.0)
+        if self._last is not None:
+            start, saved = self._block
+            sums = self._sums[saved]
+            for k, v in snap.items():
+                sums[k] = sums.get(k, 0.0) + v - self._last.get(k, 0.0)
+            self._steps[saved] += step - start
+        self._last = snap
+        if saving is not None:
+            self._block = (step, saving)
+
+    def cost_ms(self) -> dict[str, float]:
+        """Per thread or process: CPU ms per step saving minus not (empty if either is none)."""
+        if not self._steps[True] or not self._steps[False]:
+            return {}
+        per_step = {
+            saved: {k: 1e3 * v / self._steps[saved] for k, v in sums.items()}
+            for saved, sums in self._sums.items()
+        }
+        names = sorted(per_step[True].keys() | per_step[False].keys())
+        return {k: per_step[True].get(k, 0.0) - per_step[False].get(k, 0.0) for k in names}
 
 
 def parse_args() -> argparse.Namespace:
@@ -210,9 +279,13 @@ def main() -> int:
         times: list[float] = []
         cpu: list[float] = []  # the training thread's own CPU time per step (load-independent)
         saved: list[bool] = []  # whether the step saved (always, unless --paired-every)
+        blocks = BlockCpu(mgr.wait) if mgr is not None and args.paired_every else None
         for step in range(args.steps):
             if rank == 0 and step == args.warmup:
                 (args.out / "window.start").touch()
+            saving = args.paired_every == 0 or (step // args.paired_every) % 2 == 0
+            if blocks is not None and step >= args.warmup and step % args.paired_every == 0:
+                blocks.boundary(step, saving)
             t0, c0 = time.perf_counter(), time.thread_time()
             xy = batch(
                 data, seed=args.seed, step=step, rank=rank, batch_size=args.batch_size, seq=cfg.seq
@@ -229,7 +302,6 @@ def main() -> int:
                     loss.backward()
                     rsm.validate_loss(loss)
             opt.step()
-            saving = args.paired_every == 0 or (step // args.paired_every) % 2 == 0
             if mgr is not None and state is not None:
                 state.step = step + 1
                 if saving:
@@ -239,6 +311,9 @@ def main() -> int:
                 cpu.append(time.thread_time() - c0)
                 saved.append(mgr is not None and saving)
         end_window()  # this rank's closing snapshot, while its group's threads still live
+        if blocks is not None:
+            blocks.boundary(args.steps, None)
+            (args.out / f"paired-cpu-{rank}.json").write_text(json.dumps(blocks.cost_ms()))
         if rank == 0:
             (args.out / "window.end").touch()
         if mgr is not None:
