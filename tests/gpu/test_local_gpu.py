@@ -6,27 +6,12 @@ import pytest
 import torch
 
 from checkpoint.local import LocalTier
+from tests.no_group import NoGroup
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-class NoGroup:
-    """Not distributed: world of one (the tier's group protocol)."""
-
-    generation = 0
-    token = None
-
-    def current(self) -> None:
-        return None
-
-    def is_stale(self) -> bool:
-        return False
-
-    def drop(self) -> None:
-        pass
 
 
 def test_cuda_state_round_trip_is_a_snapshot() -> None:

@@ -15,6 +15,7 @@ from checkpoint.local import LocalTier, directory, packing
 from checkpoint.local import tier as tier_mod
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.restore import Shard
+from tests.no_group import NoGroup
 
 
 def _shard(h: Holdings, step: int, owner: int = 0) -> Shard:
@@ -77,24 +78,8 @@ def test_buffers_are_reused_across_evictions() -> None:
     assert len(seen) <= 2  # the recent steps' buffers alternate
 
 
-class FakeGroup:
-    generation = 0
-
-    def __init__(self) -> None:
-        self.token = "t"
-
-    def current(self) -> None:
-        return None
-
-    def is_stale(self) -> bool:
-        return False
-
-    def drop(self) -> None:
-        pass
-
-
 def test_the_store_agreement_runs_on_the_first_and_every_nth_save(monkeypatch: Any) -> None:
-    group = FakeGroup()
+    group = NoGroup(token="t")
     tier = LocalTier(local_dir=None, replication_factor=1, algo="atomic", keep=2, group=group)
     calls: list[int] = []
     monkeypatch.setattr(tier_mod.dist, "get_world_size", lambda pg: 2)
@@ -125,7 +110,7 @@ def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
 def test_directory_files_of_pruned_steps_are_overwritten_not_recreated(tmp_path: Path) -> None:
     # A pruned step's file is reused for a later step (its pages are in the page cache); the
     # directory still holds only the kept steps' shards, and a new process restores from it.
-    group = FakeGroup()
+    group = NoGroup(token="t")
     group.token = None
     with LocalTier(
         local_dir=str(tmp_path), replication_factor=1, algo="atomic", keep=1, group=group

@@ -18,22 +18,7 @@ from checkpoint.errors import (
 from checkpoint.local import LocalTier, background, directory
 from checkpoint.local import tier as tier_module
 from tests import peak_memory
-
-
-class NoGroup:
-    """Not distributed: world of one."""
-
-    generation = 0
-    token = None
-
-    def current(self) -> None:
-        return None
-
-    def is_stale(self) -> bool:
-        return False
-
-    def drop(self) -> None:
-        pass
+from tests.no_group import NoGroup
 
 
 def _tier(local_dir: Path | None, keep: int = 2, algo: str = "atomic") -> LocalTier:
