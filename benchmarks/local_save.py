@@ -120,8 +120,8 @@ def timing_parts(mgr: Any, state: dict[str, Any]) -> Iterator[dict[str, list[int
     finally:
         tier_module.json = real_json
         for obj, name, before in saved:
-            if before is None and not isinstance(obj, types.ModuleType):
-                delattr(obj, name)  # a method wrapped on the instance: the class's again
+            if before is None:  # a method wrapped on the instance: the class's again
+                delattr(obj, name)
             else:
                 setattr(obj, name, before)
 

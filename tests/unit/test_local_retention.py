@@ -110,8 +110,7 @@ def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
 def test_directory_files_of_pruned_steps_are_overwritten_not_recreated(tmp_path: Path) -> None:
     # A pruned step's file is reused for a later step (its pages are in the page cache); the
     # directory still holds only the kept steps' shards, and a new process restores from it.
-    group = NoGroup(token="t")
-    group.token = None
+    group = NoGroup()
     with LocalTier(
         local_dir=str(tmp_path), replication_factor=1, algo="atomic", keep=1, group=group
     ) as tier:
