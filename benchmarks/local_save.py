@@ -99,8 +99,8 @@ def timing_parts(mgr: Any, state: dict[str, Any]) -> Iterator[dict[str, list[int
     tier = mgr._local
     patches = [
         (mgr, "save", "save"),
-        (tier, "_plan", "layout check"),
-        (tier_module, "_split", "split"),
+        (tier._plans, "plan", "layout check"),
+        (tier_module, "split_parts", "split"),
         (packing, "save_parts", "walk"),
         (packing, "compact", "scalars' JSON"),
         (packing, "header_bytes", "header"),

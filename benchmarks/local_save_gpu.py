@@ -18,6 +18,12 @@ warm-up:
   stream, and ``d2h_gib_s`` its bandwidth.
 
 The ratio ``step_with_save_over_step`` is the per-step local save's price on that GPU.
+
+Then the overlapped path (``LocalConfig(overlap_copy=True)``, checkpoint/local/overlap.py), in
+blocks of ``--saves`` steps alternating with plain blocks: ``overlapped_step_ms`` (a step that
+saves, the copy running behind the next forward and backward), ``overlapped_over_step`` (target
+<= 1.05 when the copy is shorter than the step), ``overlapped_over_max_step_copy`` (when the copy
+is longer: the step is at best the copy), and ``restore_from_memory_ms``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +89,7 @@ def measure(width: int, layers: int, saves: int, batch: int) -> dict[str, Any]:
             torch._foreach_copy_(pinned, tensors, non_blocking=True)
             sync()
             times["d2h"].append(time.perf_counter() - t0)
+    overlapped = measure_overlapped(step, state, saves, group)
     group.close()
     med = {k: statistics.median(v[5:]) * 1e3 for k, v in times.items()}
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -96,6 +104,51 @@ def measure(width: int, layers: int, saves: int, batch: int) -> dict[str, Any]:
         "d2h_floor_ms": round(med["d2h"], 3),
         "d2h_gib_s": round(nbytes / 2**30 / (med["d2h"] / 1e3), 1),
         "step_with_save_over_step": round(med["step_with_save"] / med["step"], 2),
+        # The overlapped path (LocalConfig(overlap_copy=True)): a step that saves, against
+        # max(step, copy), the best a copy behind the step can do.
+        **overlapped,
+        "overlapped_over_step": round(overlapped["overlapped_step_ms"] / med["step"], 3),
+        "overlapped_over_max_step_copy": round(
+            overlapped["overlapped_step_ms"] / max(med["step"], med["d2h"]), 3
+        ),
+    }
+
+
+def measure_overlapped(
+    step: Callable[[], None], state: dict[str, Any], saves: int, group: Any
+) -> dict[str, float]:
+    """Blocks of `saves` steps, each followed by an overlapped save (the next step's optimizer
+    waits for its copy), against blocks of plain steps, alternating, one synchronize per block;
+    then the restore of the newest step from memory."""
+    from checkpoint.local import LocalTier
+
+    sync = torch.cuda.synchronize
+    blocks: dict[str, list[float]] = {"plain": [], "overlapped": [], "restore": []}
+    with LocalTier(
+        local_dir=None, replication_factor=1, algo="atomic", keep=1, group=group, overlap=True
+    ) as tier:
+        for block in range(6):
+            for name in ("plain", "overlapped"):
+                sync()
+                t0 = time.perf_counter()
+                for i in range(saves):
+                    step()
+                    if name == "overlapped":
+                        state["step"] = block * saves + i
+                        tier.save(block * saves + i, state)
+                sync()
+                blocks[name].append((time.perf_counter() - t0) / saves)
+            tier.wait()
+            sync()
+            t0 = time.perf_counter()
+            tier.load(state, min_step=None)
+            sync()
+            blocks["restore"].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v[1:]) * 1e3 for k, v in blocks.items()}
+    return {
+        "overlapped_plain_step_ms": round(med["plain"], 3),
+        "overlapped_step_ms": round(med["overlapped"], 3),
+        "restore_from_memory_ms": round(med["restore"], 3),
     }
 
 

@@ -22,6 +22,12 @@ def default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """``tensor._version``: how many in-place writes it has had (the overlapped snapshot's check
+    that no write raced its copy)."""
+    return int(tensor._version)
+
+
 def is_live_group(group: Any) -> bool:
     """Whether ``group`` is still in torch's registry of process groups (not yet destroyed).
 

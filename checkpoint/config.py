@@ -65,6 +65,10 @@ class LocalConfig:
     replication_factor: int = 1  # copies of each shard on distinct nodes (1: no peer replicas)
     algo: str = "atomic"  # "atomic": each rank keeps all its state; "fully_parallel": see README
     keep: int = 2  # complete local steps kept (memory and directory)
+    # GPU state: the copy to host memory runs on a side stream behind the next forward and
+    # backward; the next optimizer step waits for it (checkpoint.local.overlap). Off until it is
+    # measured on a device; CPU state is copied as before either way.
+    overlap_copy: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(
@@ -87,6 +91,11 @@ class LocalConfig:
                 "the default, unless the state marks its replicated part with ReplicatedState)"
             )
         _positive_int("local_keep", self.keep, "keep at least one local step")
+        if not isinstance(self.overlap_copy, bool):
+            raise CheckpointConfigError(
+                f"overlap_copy ({self.overlap_copy!r}) must be True or False: pass True to "
+                "overlap the copy of GPU state with the next forward and backward"
+            )
 
 
 def _positive_int(name: str, value: object, fix: str) -> None:

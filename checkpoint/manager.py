@@ -131,6 +131,7 @@ class CheckpointManager:
                 keep=cfg.keep,
                 group=self._local_group,
                 timeout=self._cfg.timeout,
+                overlap=cfg.overlap_copy,
             )
         except BaseException:
             self.close()
@@ -295,6 +296,11 @@ class CheckpointManager:
         if _journal.handlers:
             fields = {"step": step, "tier": tier, "seconds": seconds}
             _journal.debug("restore", extra={"journal": fields})
+
+    def before_write(self) -> None:
+        """Before an in-place write of the state outside an optimizer's step: see overlap_copy."""
+        if self._local is not None:
+            self._local.before_write()
 
     def wait(self) -> None:
         """Wait (bounded) for background saves of every tier; raise the first failure."""

@@ -245,3 +245,27 @@ class WalkMemo:
         if worth and all(isinstance(x.value, torch.Tensor) for x in leaves):
             node = _node(obj, leaves)
         self._next[key] = node
+
+
+_LEAF_FIELDS = operator.attrgetter("key", "replicated", "sharding")
+
+
+def split_parts(
+    parts: list[Leaf | Block],
+) -> tuple[list[torch.Tensor], tuple[Any, ...], dict[str, Any]]:
+    """A save's walk as (its tensors in walk order, what identifies their keys, the other
+    leaves by key: the header's objects). One pass over the parts: a remembered mapping's
+    tensors come in one piece, identified by its memo record."""
+    tensors: list[torch.Tensor] = []
+    structure: list[Any] = []
+    objects: dict[str, Any] = {}
+    for p in parts:
+        if isinstance(p, Block):
+            tensors += p.values
+            structure.append(p.node)
+        elif isinstance(p.value, torch.Tensor):
+            tensors.append(p.value)
+            structure.append(_LEAF_FIELDS(p))
+        else:
+            objects[p.key] = p.value
+    return tensors, tuple(structure), objects

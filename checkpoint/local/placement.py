@@ -8,8 +8,14 @@ on each of the next `replication_factor - 1` nodes (in order of first appearance
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from checkpoint.local.packing import Leaf
 
 ShardId = tuple[int, int]  # (step, owner rank at save time)
 
@@ -124,3 +130,24 @@ def assign_replicated(sizes: Sequence[tuple[str, int]], world: int) -> dict[str,
         out[key] = r
         load[r] += nbytes
     return out
+
+
+def node_key() -> str:
+    """This process's node: its host, and its node index at launch (so ranks simulated as
+    several nodes on one machine count as different nodes): INPROCESS_LAUNCH_GROUP_RANK, which
+    inprocess sets once it renumbered RANK / LOCAL_WORLD_SIZE for a restart iteration, else
+    RANK // LOCAL_WORLD_SIZE when both are set."""
+    key = socket.gethostname()
+    launch_node = os.environ.get("INPROCESS_LAUNCH_GROUP_RANK", "")
+    if launch_node.isdigit():
+        return f"{key}/{int(launch_node)}"
+    rank, lws = os.environ.get("RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if rank and lws and rank.isdigit() and lws.isdigit() and int(lws) > 0:
+        key += f"/{int(rank) // int(lws)}"
+    return key
+
+
+def replicated_owner(tensors: list[Leaf], world: int) -> dict[str, int]:
+    """fully_parallel: the rank that keeps each tensor under a ReplicatedState."""
+    rep = [(x.key, x.value.numel() * x.value.element_size()) for x in tensors if x.replicated]
+    return assign_replicated(rep, world)

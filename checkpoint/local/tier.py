@@ -11,22 +11,21 @@ restart can cancel that agreement at once instead of leaving a background collec
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import operator
 import os
-import socket
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from checkpoint.collectives import rank_and_size
 from checkpoint.config import LocalConfig
@@ -35,7 +34,9 @@ from checkpoint.exchange import Attempts, StoreExchange
 from checkpoint.local import directory, packing, placement
 from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob, spare_core
 from checkpoint.local.holdings import Holdings
-from checkpoint.local.memo import Block, WalkMemo, expand, picker
+from checkpoint.local.memo import WalkMemo, split_parts
+from checkpoint.local.overlap import CudaOps, DeviceOps, Snapshots
+from checkpoint.local.plan import PlanCache
 from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import RestoreResult, Shard, restore
 from checkpoint.worker import BackgroundWorker
@@ -43,13 +44,6 @@ from checkpoint.worker import BackgroundWorker
 __all__ = ["LocalTier", "RestoreResult"]
 
 log = logging.getLogger(__name__)
-
-_LEAF_FIELDS = operator.attrgetter("key", "replicated", "sharding")
-# Read by C over every tensor at every save (the layout check): one attribute per map, since
-# a tuple of three per tensor cost half as much again to build and compare.
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
-_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class GroupSource(Protocol):
@@ -66,22 +60,6 @@ class GroupSource(Protocol):
 
     @property
     def token(self) -> str | None: ...
-
-
-@dataclass
-class _Cache:
-    """Per-structure plan, rebuilt when a key, dtype, shape or sharding changes, or whether a
-    tensor is on a GPU."""
-
-    signature: tuple[Any, ...]
-    world: int
-    rank: int
-    # The tensors this rank stores, by position among the state's tensors (None: all of them;
-    # fully_parallel drops the others' shares).
-    kept: Callable[[Sequence[torch.Tensor]], tuple[torch.Tensor, ...]] | None
-    layout: packing.ShardLayout
-    entries: dict[str, packing.TensorEntry]  # layout by key: a memory restore skips the header
-    on_gpu: bool  # a kept tensor is on a GPU: pinned buffer, one synchronize after the copy
 
 
 class LocalTier:
@@ -111,6 +89,8 @@ class LocalTier:
         keep: int,
         group: GroupSource,
         timeout: float = 600.0,
+        overlap: bool = False,
+        device_ops: DeviceOps | None = None,
     ) -> None:
         # The manager passes a validated LocalConfig's values; direct callers get the same rules.
         LocalConfig(dir=local_dir, replication_factor=replication_factor, algo=algo, keep=keep)
@@ -119,7 +99,7 @@ class LocalTier:
         self._algo = algo
         self._keep = keep
         self._group = group
-        self._node = node_key()
+        self._node = placement.node_key()
         # Per dedicated group, keyed by its generation: holding the group object itself would keep
         # a destroyed group's sockets open after a restart.
         self._nodes: tuple[tuple[bool, int], list[int]] | None = None
@@ -132,7 +112,7 @@ class LocalTier:
                 "node-local file is written on the training thread",
                 self._dir, len(os.sched_getaffinity(0)), os.environ.get("LOCAL_WORLD_SIZE"),
             )  # fmt: skip
-        self._cache: _Cache | None = None
+        self._plans = PlanCache(algo)
         self._memo = WalkMemo()  # the save's walk: tensor mappings seen unchanged
         self._capacity_checked = 0
         self._worker = BackgroundWorker("local-ckpt")
@@ -142,6 +122,11 @@ class LocalTier:
         self._attempts = Attempts("local", timeout=timeout)
         self._saves: tuple[str | None, int] = (None, 0)  # (group token, saves over it)
         self._closed = False
+        # Overlapped GPU copies (checkpoint.local.overlap); device_ops: a test's fake streams.
+        self._overlap = overlap
+        self._ops = device_ops
+        self._snapshots: Snapshots | None = None
+        self._step_hook: RemovableHandle | None = None
 
     @property
     def _held(self) -> dict[tuple[int, int], Shard]:
@@ -165,40 +150,84 @@ class LocalTier:
             self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
         parts = packing.save_parts(state, statefuls, self._memo)
-        every, structure, objects = _split(parts)
-        cache = self._plan(parts, every, structure, rank, world)
+        every, structure, objects = split_parts(parts)
+        cache = self._plans.plan(parts, every, structure, rank, world)
         tensors = every if cache.kept is None else cache.kept(every)
         extra = {"step": step, "owner": rank, "world": world, "algo": self._algo}
         objects_json = packing.compact(objects)
         header = packing.header_bytes(cache.layout, objects, extra, objects_json=objects_json)
         size = packing.packed_size(cache.layout, header)
         nodes = self._node_indices(pg)
-        if self._dir is not None and size > self._capacity_checked:
-            factor = placement.effective_factor(nodes, self._factor)
-            used = self._hold.used_bytes()
-            directory.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
-            self._capacity_checked = size
+        self._check_capacity(nodes, size)
         self._hold.make_room()
         buf = self._hold.take(size, pinned=cache.on_gpu)
-        nbytes = packing.pack_into(buf, cache.layout, header, tensors, non_blocking=cache.on_gpu)
-        if cache.on_gpu:
-            torch.cuda.synchronize()  # the copy must be complete before save() returns
         # The scalars' JSON, parsed back: a snapshot (a list mutated after save() must not leak).
-        snapshot = json.loads(objects_json)
-        data_start = nbytes - cache.layout.data_nbytes
-        parsed = packing.Parsed(cache.entries, snapshot, extra, data_start, cache.layout.sharding)
-        shard = Shard(step, rank, world, nbytes, None, buf, parsed)
-        self._hold.add_own(shard)
-        log.debug("local save of step %d staged %d bytes in %.3f s", step, nbytes,
-                  time.perf_counter() - t0)  # fmt: skip
+        data_start = size - cache.layout.data_nbytes
+        parsed = packing.Parsed(
+            cache.entries, json.loads(objects_json), extra, data_start, cache.layout.sharding
+        )
         agree = self._next_agreement(pg)
         self._agreement = agree[0] if agree is not None else None
         pg_ref = weakref.ref(pg) if pg is not None else None
-        job = SaveJob(shard, pg_ref, nodes, agree)
-        if self._saver.inline(job):
-            self._saver.run(job)
+        job = SaveJob(Shard(step, rank, world, size, None, buf, parsed), pg_ref, nodes, agree)
+        copy = functools.partial(
+            packing.pack_into, buf, cache.layout, header, tensors, non_blocking=cache.on_gpu
+        )
+        snaps = self._overlapped(cache.on_gpu)
+        if snaps is not None:
+            names = [e.key for e in cache.layout.entries]
+            snaps.start(tensors, names, copy, functools.partial(self._publish, job))
         else:
-            self._future = self._worker.submit(self._saver.run, job)
+            copy()
+            if cache.on_gpu:
+                torch.cuda.synchronize()  # the copy must be complete before save() returns
+            self._hold.add_own(job.shard)
+            if self._saver.inline(job):
+                self._saver.run(job)
+            else:
+                self._future = self._worker.submit(self._saver.run, job)
+        log.debug(
+            "local save of step %d staged %d bytes in %.3f s", step, size, time.perf_counter() - t0
+        )
+
+    def _check_capacity(self, nodes: list[int], size: int) -> None:
+        """Before the first save of a larger shard: the node-local directory has room for the
+        copies it will hold (raises CheckpointError naming the directory)."""
+        if self._dir is None or size <= self._capacity_checked:
+            return
+        factor = placement.effective_factor(nodes, self._factor)
+        used = self._hold.used_bytes()
+        directory.check_capacity(self._dir, (self._keep + 2) * factor * size, used)
+        self._capacity_checked = size
+
+    # ---------------------------------------------------------------- overlapped GPU copies
+
+    def _overlapped(self, on_gpu: bool) -> Snapshots | None:
+        """The tier's overlapped copies when this save's copy is one (the state is on a GPU,
+        or a test gave its own DeviceOps) and no raced write turned them off, else None."""
+        if not self._overlap or not (on_gpu or self._ops is not None):
+            return None
+        if self._snapshots is None:
+            self._snapshots = Snapshots(self._ops or CudaOps())
+            self._step_hook = self._snapshots.guard_optimizer_steps()
+        return self._snapshots if self._snapshots.active else None
+
+    def _publish(self, job: SaveJob, wait_for_copy: Callable[[], None]) -> None:
+        """A guarded snapshot: on the tier's thread, once its copy ended, hold it and run its
+        background work (never on the training thread, which must not block on the copy)."""
+        self._future = self._worker.submit(self._run_published, job, wait_for_copy)
+
+    def _run_published(self, job: SaveJob, wait_for_copy: Callable[[], None]) -> None:
+        wait_for_copy()
+        self._hold.add_own(job.shard)
+        self._saver.run(job)
+
+    def before_write(self) -> None:
+        """Call before writing the saved state in place outside the optimizer's step (whose
+        pre-hook does it): the write then waits for an overlapped copy still running. Cheap
+        when nothing is pending; a no-op without overlapped copies."""
+        if self._snapshots is not None:
+            self._snapshots.guard()
 
     def _next_agreement(
         self, pg: dist.ProcessGroup | None
@@ -214,37 +243,6 @@ class LocalTier:
         if (count - 1) % AGREE_EVERY != 0:
             return None
         return self._attempts.next(pg, token)
-
-    def _plan(
-        self,
-        parts: list[packing.Leaf | Block],
-        tensors: list[torch.Tensor],
-        structure: tuple[Any, ...],
-        rank: int,
-        world: int,
-    ) -> _Cache:
-        """The cached plan if the state's tensors are laid out as at the last save, else a new
-        one. A remembered mapping's keys compare as one object (its memo record); dtypes and
-        shapes are read per tensor, since a tensor object keeps its identity through
-        ``.data =`` and ``resize_`` (which version counters do not show)."""
-        sig = (
-            structure,
-            tuple(map(_DTYPE, tensors)),
-            tuple(map(_SHAPE, tensors)),
-            any(map(_IS_CUDA, tensors)),  # the plan's only use of the devices: pinned or not
-        )
-        c = self._cache
-        if c is not None and c.signature == sig and c.world == world and c.rank == rank:
-            return c
-        leaves = [x for x in expand(parts) if isinstance(x.value, torch.Tensor)]
-        owner = replicated_owner(leaves, world) if self._algo == "fully_parallel" else {}
-        kept = [i for i, x in enumerate(leaves) if owner.get(x.key, rank) == rank]
-        layout = packing.ShardLayout.of([leaves[i] for i in kept])
-        entries = {e.key: e for e in layout.entries}
-        on_gpu = any(leaves[i].value.is_cuda for i in kept)
-        pick = None if len(kept) == len(leaves) else picker(kept)
-        self._cache = _Cache(sig, world, rank, pick, layout, entries, on_gpu)
-        return self._cache
 
     def _node_indices(self, pg: dist.ProcessGroup | None) -> list[int]:
         """Node index of every rank of `pg` (COLLECTIVE once per group, then cached).
@@ -273,6 +271,8 @@ class LocalTier:
         peer that is gone (instead of waiting for the group's timeout). That step stays
         incomplete; the steps before it are untouched.
         """
+        if self._snapshots is not None:
+            self._snapshots.settle()
         if self._future is not None and self._group.is_stale():
             if not self._future.done():
                 log.warning("process group changed with a local save in flight: abandoning it")
@@ -287,6 +287,8 @@ class LocalTier:
         The work stays "in flight" until it ended: a restart that interrupts this wait must
         still find it in ``_settle`` and abandon it, or it would stay blocked on a lost peer.
         """
+        if self._snapshots is not None:
+            self._snapshots.settle()
         fut = self._future
         if fut is None:
             return
@@ -317,7 +319,7 @@ class LocalTier:
         rank, world = rank_and_size(pg)
         every = self._hold.shards()
         held = {(s.step, s.owner): s for s in every if s.world == world}
-        fp = replicated_owner if self._algo == "fully_parallel" else None
+        fp = placement.replicated_owner if self._algo == "fully_parallel" else None
         found = restore(
             state,
             pg=pg,
@@ -345,54 +347,14 @@ class LocalTier:
         self.wait()
         if self._worker.stop(timeout=5.0):  # its work is over or timed out above: never long
             self._saver.close()
+        if self._step_hook is not None:
+            self._step_hook.remove()
         self._hold.clear()
         self._memo = WalkMemo()
-        self._cache = None  # its layout's cached views would keep the buffers alive
+        self._plans.clear()  # its layout's cached views would keep the buffers alive
 
     def __enter__(self) -> LocalTier:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def node_key() -> str:
-    """This process's node: its host, and its node index at launch (so ranks simulated as
-    several nodes on one machine count as different nodes): INPROCESS_LAUNCH_GROUP_RANK, which
-    inprocess sets once it renumbered RANK / LOCAL_WORLD_SIZE for a restart iteration, else
-    RANK // LOCAL_WORLD_SIZE when both are set."""
-    key = socket.gethostname()
-    launch_node = os.environ.get("INPROCESS_LAUNCH_GROUP_RANK", "")
-    if launch_node.isdigit():
-        return f"{key}/{int(launch_node)}"
-    rank, lws = os.environ.get("RANK"), os.environ.get("LOCAL_WORLD_SIZE")
-    if rank and lws and rank.isdigit() and lws.isdigit() and int(lws) > 0:
-        key += f"/{int(rank) // int(lws)}"
-    return key
-
-
-def _split(
-    parts: list[packing.Leaf | Block],
-) -> tuple[list[torch.Tensor], tuple[Any, ...], dict[str, Any]]:
-    """A save's walk as (its tensors in walk order, what identifies their keys, the other
-    leaves by key: the header's objects). One pass over the parts: a remembered mapping's
-    tensors come in one piece, identified by its memo record."""
-    tensors: list[torch.Tensor] = []
-    structure: list[Any] = []
-    objects: dict[str, Any] = {}
-    for p in parts:
-        if isinstance(p, Block):
-            tensors += p.values
-            structure.append(p.node)
-        elif isinstance(p.value, torch.Tensor):
-            tensors.append(p.value)
-            structure.append(_LEAF_FIELDS(p))
-        else:
-            objects[p.key] = p.value
-    return tensors, tuple(structure), objects
-
-
-def replicated_owner(tensors: list[packing.Leaf], world: int) -> dict[str, int]:
-    """fully_parallel: the rank that keeps each tensor under a ReplicatedState."""
-    rep = [(x.key, x.value.numel() * x.value.element_size()) for x in tensors if x.replicated]
-    return placement.assign_replicated(rep, world)

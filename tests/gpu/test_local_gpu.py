@@ -63,3 +63,38 @@ def test_a_cuda_model_saved_every_step_from_the_walk_memo_stays_exact() -> None:
         first.data.zero_()
         assert tier.load(state, min_step=6) is not None
         assert not first.is_cuda and torch.equal(first, want["0.weight"].cpu())
+
+
+def test_overlapped_saves_every_step_equal_the_synchronous_snapshot_of_each_step() -> None:
+    """LocalConfig(overlap_copy=True): the copy runs on a side stream behind the next forward
+    and backward; each step's snapshot equals the synchronous snapshot of the same step, also
+    for the step whose train() is abandoned between the copy and its end event."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 1024, device="cuda")
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
+    kw = dict(local_dir=None, replication_factor=1, algo="atomic", keep=2, group=NoGroup())
+    with LocalTier(**kw, overlap=True) as tier, LocalTier(**kw) as sync_tier:
+        for n in range(1, 9):
+            state["step"] = n
+            sync_tier.save(n, state)
+            tier.save(n, state)
+            if n < 8:
+                step()  # its forward overlaps the copy; its optimizer step waits for it
+            want = copy.deepcopy(state)
+            assert sync_tier.load(want, min_step=n) is not None
+            got = copy.deepcopy(state)
+            res = tier.load(got, min_step=n)  # n == 8: abandoned before any guard
+            assert res is not None and res.step == n
+            for k in want["model"]:
+                assert torch.equal(got["model"][k], want["model"][k]), (n, k)

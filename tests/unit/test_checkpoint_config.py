@@ -87,6 +87,7 @@ def test_use_after_close_is_an_error(tmp_path: Path) -> None:
         ({"algo": "fast"}, "local_algo"),
         ({"keep": 0}, "local_keep"),
         ({"keep": None}, "local_keep"),
+        ({"overlap_copy": "yes"}, "overlap_copy"),
     ],
 )
 def test_bad_local_config_names_the_field(kwargs: dict, field: str) -> None:

@@ -87,6 +87,22 @@ def test_save_without_crc_is_read_back_by_torch_load() -> None:
     assert torch.equal(torch.load(buf, weights_only=True), t)
 
 
+def test_version_counter_counts_in_place_writes_but_not_through_data() -> None:
+    """What the overlapped snapshot's race check sees (checkpoint/local/overlap.py): in-place
+    writes, also under no_grad and through a state_dict's detached tensor, but not writes
+    through ``.data`` (docs/checkpoint.md says so)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    seen = p.detach()  # what state_dict() holds
+    before = ckpt_private.version_counter(seen)
+    _ = p + 1  # a read
+    assert ckpt_private.version_counter(seen) == before
+    with torch.no_grad():
+        p.add_(1)
+    assert ckpt_private.version_counter(seen) == before + 1
+    p.data.mul_(2)
+    assert ckpt_private.version_counter(seen) == before + 1
+
+
 def test_foreach_copy_copies_every_pair() -> None:
     srcs = [torch.ones(3), torch.full((2,), 7.0)]
     dsts = [torch.zeros(3), torch.zeros(2)]
