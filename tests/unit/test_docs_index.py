@@ -1,11 +1,11 @@
-"""The README's documentation index lists every page of docs/, and every link into docs/ from
-README.md and docs/*.md names a page that exists."""
+"""The README's quick start (two commands after the CPU note, the same as CI's) and its index of
+docs/ (every page), and links into docs/ that name pages that exist."""
 
 from __future__ import annotations
 
 import re
 
-from tests.doc_commands import REPO_ROOT, doc_files
+from tests.doc_commands import REPO_ROOT, doc_files, fenced_commands
 
 
 def test_the_readme_index_lists_every_docs_page() -> None:
@@ -23,3 +23,17 @@ def test_every_link_to_a_docs_page_names_one_that_exists() -> None:
             if not (path.parent / target).resolve().is_file():
                 broken.append(f"{path.relative_to(REPO_ROOT)}: {target}")
     assert broken == []
+
+
+def test_the_quick_start_is_two_commands_after_the_cpu_note_and_ci_runs_the_same() -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("\n##", 1)[0]
+    commands = [c for c in fenced_commands(REPO_ROOT / "README.md") if c.text in quick]
+    assert len(commands) == 2, commands
+    install_run, tests = commands
+    # The CPU note comes before the command that would download the CUDA build.
+    assert quick.index("download.pytorch.org/whl/cpu") < quick.index(install_run.text)
+    # CI installs as the quick start does and runs its test command.
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "pip install --quiet torch==2.13.0" in ci and "torch==2.13.0" in install_run.text
+    assert tests.text.endswith("&& python -m pytest -q") and "\npython -m pytest -q\n" in ci + "\n"
