@@ -4,6 +4,7 @@ docs/ (every page), and links into docs/ that name pages that exist."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from tests.doc_commands import REPO_ROOT, doc_files, fenced_commands
 
@@ -16,12 +17,29 @@ def test_the_readme_index_lists_every_docs_page() -> None:
     assert listed == pages
 
 
-def test_every_link_to_a_docs_page_names_one_that_exists() -> None:
+def _anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, punctuation dropped, - for
+    spaces); headings inside fenced blocks are code, not headings."""
+    anchors: set[str] = set()
+    in_fence = False
+    for line in path.read_text().splitlines():
+        if line.strip().startswith("```"):
+            in_fence = not in_fence
+        elif not in_fence and (m := re.match(r"^#{1,6} (.*)$", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_every_link_to_a_docs_page_names_one_that_exists_and_its_section() -> None:
     broken: list[str] = []
     for path in doc_files():
-        for target in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", path.read_text()):
-            if not (path.parent / target).resolve().is_file():
+        text = path.read_text()
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?(?:#([\w-]+))?\)", text):
+            page = (path.parent / target).resolve() if target else path
+            if not page.is_file():
                 broken.append(f"{path.relative_to(REPO_ROOT)}: {target}")
+            elif anchor and anchor not in _anchors(page):
+                broken.append(f"{path.relative_to(REPO_ROOT)}: {target}#{anchor}")
     assert broken == []
 
 
