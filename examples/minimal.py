@@ -3,6 +3,8 @@
     python -m inprocess.launch --nproc-per-node 3 examples/minimal.py --fail-at 30
 
 --fail-at STEP: rank 1 raises once at STEP; every rank restarts in place and resumes.
+Run again, the same command resumes an unfinished run and says when there is nothing left to do;
+--ckpt NEW_DIR starts over.
 """
 
 import argparse
@@ -25,7 +27,7 @@ mgr = CheckpointManager(args.ckpt, local_every=1, persistent_every=20)
 
 
 @restartable(soft_timeout=10.0, hard_timeout=20.0, active_world_size=2)
-def train() -> float:
+def train() -> float | None:
     ctx = context()  # this iteration: ctx.rank, ctx.world_size, ctx.iteration
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DDP(torch.nn.Linear(16, 1))  # inside train(): on this iteration's group
@@ -35,6 +37,11 @@ def train() -> float:
     state = {"model": model, "opt": opt, "own": PerRank(rng=torch.get_rng_state())}
     start = mgr.load_latest(state) or 0  # the step of the newest save; 0: nothing saved
     torch.set_rng_state(state["own"]["rng"])
+    if start >= args.steps:  # the same command after the run finished: the loop would not run
+        if ctx.rank == 0:
+            print(f"{args.ckpt} holds a finished {start}-step run: nothing to do", end="")
+            print(" (--ckpt NEW_DIR starts a new run)")
+        return None
     for step in range(start + 1, args.steps + 1):
         x = torch.randn(32, 16)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()  # learn a sum
@@ -48,7 +55,7 @@ def train() -> float:
     return loss.item()
 
 
-loss = train()  # train()'s value on the ranks that trained, None on the reserve
+loss = train()  # train()'s value on the ranks that trained; None on the reserve or when finished
 mgr.close()
 if loss is not None and os.environ["RANK"] == "0":  # RANK: this rank in the last iteration
     print(f"done: loss {loss:.4f}")

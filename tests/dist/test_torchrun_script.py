@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.multiproc import run_job
+from tests.multiproc import REPO_ROOT, run_job
 
 SCRIPT = "tests/dist/workers_torchrun.py"
 
@@ -69,16 +69,22 @@ def test_restarts_of_the_readme_style_script_take_no_group_timeout(tmp_path: Pat
     assert "still referenced" not in job.output and "waitForInput" not in job.output, job.output
 
 
-def test_the_minimal_example_survives_a_fault(tmp_path: Path) -> None:
-    # examples/minimal.py, shown in the README: one exception on rank 1 at step 30.
-    job = run_job(
-        ["-m", "inprocess.launch", "--nproc-per-node", "3", "examples/minimal.py",
-         "--fail-at", "30", "--ckpt", str(tmp_path)],  # fmt: skip
-        deadline=120,
-    )
+def test_the_minimal_example_survives_a_fault_and_runs_twice(tmp_path: Path) -> None:
+    # examples/minimal.py, shown in the README: one exception on rank 1 at step 30; the same
+    # command again, as a user repeats it, in the same directory.
+    command = ["-m", "inprocess.launch", "--nproc-per-node", "3",
+               str(REPO_ROOT / "examples" / "minimal.py"), "--fail-at", "30"]  # fmt: skip
+    job = run_job(command, deadline=120, cwd=tmp_path)
     assert job.returncode == 0, job.output
     assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d from", job.output), (
         job.output
     )
     assert re.search(r"\[rank 0\] done: loss \d", job.output), job.output
     assert "RuntimeError: injected fault at step 30" in job.output
+    # Again: the run finished, so nothing trains, nothing restarts, and it says so.
+    again = run_job(command, deadline=60, cwd=tmp_path)
+    assert again.returncode == 0, again.output
+    assert "[rank 0] runs/minimal holds a finished 60-step run: nothing to do" in again.output, (
+        again.output
+    )
+    assert "restart" not in again.output and "Traceback" not in again.output, again.output
