@@ -17,7 +17,7 @@ from collections.abc import Generator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
@@ -25,6 +25,7 @@ from checkpoint import _torch_private
 from checkpoint.persistent.integrity import CrcStream
 from checkpoint.persistent.layout import CheckpointDirs
 from checkpoint.persistent.object_bytes import ObjectArchives
+from checkpoint.persistent.safe_reader import SafeFileSystemReader, safe_fsspec_reader
 from checkpoint.persistent.tensor_bytes import ArchiveTemplates
 
 DATA_SUFFIX = ".distcp"
@@ -152,8 +153,10 @@ def _write_file(
 
 
 def make_reader(dirs: CheckpointDirs, dirpath: str) -> StorageReader:
-    """A plain DCP reader for one of our checkpoint directories."""
+    """A DCP reader for one of our checkpoint directories that reads its ``.metadata`` as data
+    (``safe_reader``): a crafted file raises ``UnsafeCheckpointError``, it never runs code.
+    Load with ``safe_reader.SafeLoadPlanner`` so the small values are read as data too."""
     if dirs.is_local:
-        return FileSystemReader(dirpath)
-    reader: StorageReader = _torch_private.fsspec_reader_class()(dirs.url_of(dirpath))
+        return SafeFileSystemReader(dirpath)
+    reader: StorageReader = safe_fsspec_reader(dirs.url_of(dirpath))
     return reader
