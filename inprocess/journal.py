@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from checkpoint.private_files import NotPrivateError, open_private, private_dir
 from inprocess.protocol import environment
 
 CHANNEL = "restartable.journal"
@@ -187,9 +188,11 @@ def open_journal(
     host = socket.gethostname()
     path = d / f"rank{rank}-{host}-{os.getpid()}.jsonl"
     try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        private_dir(d, what="journal_dir")  # another user's directory could hold planted links
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False)
         stream = os.fdopen(fd, "a", encoding="utf-8")  # owned by the handler
+    except NotPrivateError as e:
+        raise ValueError(f"{e} (or unset {ENV_DIR})") from e
     except OSError as e:
         raise ValueError(
             f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "
