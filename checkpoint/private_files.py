@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -84,3 +85,24 @@ def open_private(path: str | os.PathLike[str], flags: int, *, exclusive: bool) -
             "refused to write it; delete it"
         )
     return fd
+
+
+def replace_private(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace ``path`` atomically with ``data``, 0600: written to a new temporary name beside
+    it (``open_private`` with ``O_EXCL``, so never through a planted link), fsynced, renamed
+    over ``path``. A reader sees the old file or the new one. Raises ``OSError``."""
+    p = os.fspath(path)
+    tmp = (
+        f"{os.path.join(os.path.dirname(p), '.' + os.path.basename(p))}.{secrets.token_hex(4)}.tmp"
+    )
+    fd = open_private(tmp, os.O_WRONLY, exclusive=True)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from checkpoint.private_files import open_private, private_dir
 from checkpoint.sealing import SECRET_ENV
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
@@ -127,10 +128,11 @@ class Watchdog:
         cmd = self._command()
         stderr = None
         if self._logdir is not None:
-            Path(self._logdir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_dir(self._logdir, what="monitor_process_logdir")  # no planted links in it
             path = Path(self._logdir) / f"watchdog_rank{self._initial_rank}.log"
             cmd.append(f"--logfile={path}")
-            stderr = open(path, "ab")  # noqa: SIM115 - the child keeps its own copy
+            # the child keeps its own copy of the descriptor
+            stderr = os.fdopen(open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False), "ab")
         try:
             # subprocess (fork+exec at once), never a bare fork of a process that loaded torch;
             # own session, so a signal to the rank's process group does not take it along.
