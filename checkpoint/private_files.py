@@ -26,7 +26,7 @@ class NotPrivateError(PermissionError):
 
 
 def private_dir(path: str | os.PathLike[str], *, what: str) -> Path:
-    """Create ``path`` (parents as needed, ``path`` itself 0700) or accept an existing one, and
+    """Create ``path`` (and the missing parents, all 0700) or accept an existing one, and
     check that it is private: this user's, not writable by group or others, and not a symbolic
     link that another user made. ``what`` names the setting in the message (``"journal_dir"``).
 
@@ -34,8 +34,10 @@ def private_dir(path: str | os.PathLike[str], *, what: str) -> Path:
     ``OSError`` of a failed ``mkdir`` (``NotADirectoryError`` for a file in its place).
     """
     p = Path(path)
-    with contextlib.suppress(FileExistsError):
-        p.mkdir(mode=0o700, parents=True)  # mkdir never follows a link at the last name
+    missing = [d for d in (p, *p.parents) if not os.path.lexists(d)]
+    for d in reversed(missing):  # the new parents too: 0700, not the umask's 0755
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another rank
+            d.mkdir(mode=0o700)  # mkdir never follows a link at the last name
     me = os.getuid()
     link = os.lstat(p)
     if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
