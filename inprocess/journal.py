@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from checkpoint.private_files import NotPrivateError, open_private, private_dir
+from inprocess import journal_fields
 from inprocess.protocol import environment
 
 CHANNEL = "restartable.journal"
@@ -240,7 +241,7 @@ def read(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     records = []
     for path in sorted(Path(directory).rglob("*.jsonl")):
         with open(path, encoding="utf-8") as f:
-            for line in f:
+            for n, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
@@ -250,7 +251,13 @@ def read(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     continue  # only the last line of a killed process can be torn
                 if not isinstance(rec, dict) or "event" not in rec:
                     continue  # another tool's JSONL in the same directory
-                if int(rec.get("v", 0)) > SCHEMA_VERSION:
+                wrong = "no field 't'" if "t" not in rec else journal_fields.problem(rec)
+                if wrong is not None:  # input: one line naming it, not a TypeError later
+                    raise ValueError(
+                        f"{path}:{n}: {wrong}: not a record of restartable's journal; remove "
+                        "the line (or the file)"
+                    )
+                if rec.get("v", 0) > SCHEMA_VERSION:
                     raise ValueError(
                         f"{path}: journal schema v{rec['v']} is newer than this reader "
                         f"(v{SCHEMA_VERSION}): upgrade restartable"
