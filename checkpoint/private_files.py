@@ -108,3 +108,24 @@ def replace_private(path: str | os.PathLike[str], data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def untrusted(path: str | os.PathLike[str]) -> str | None:
+    """Why another user could have written the existing file ``path`` (a link, another owner,
+    writable by group or others, or in a directory they may write without the sticky bit), or
+    None when only this user (or root) could have. For files read back as settings."""
+    p = Path(path)
+    st = os.lstat(p)
+    me = os.getuid()
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if st.st_uid != me:
+        return f"it belongs to uid {st.st_uid}, not to this user ({me})"
+    if st.st_mode & 0o022:
+        return f"group or others may write it (mode {stat.S_IMODE(st.st_mode):o})"
+    parent = os.stat(p.parent)
+    if parent.st_uid not in (me, 0):
+        return f"its directory belongs to uid {parent.st_uid}"
+    if parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX:
+        return f"group or others may write its directory (mode {stat.S_IMODE(parent.st_mode):o})"
+    return None

@@ -21,6 +21,7 @@ from checkpoint import CheckpointManager
 from checkpoint.errors import CheckpointStorageError
 from checkpoint.private_files import NotPrivateError, open_private, replace_private
 from inprocess import journal
+from inprocess.timeouts.state_file import read_state
 from tests.stranger import as_stranger, stranger, stranger_dir
 
 SECRET = b"the user's own data\n"
@@ -129,3 +130,26 @@ def test_a_private_directory_of_ours_is_accepted(tmp_path: Path) -> None:
         mgr.save(1, {"w": torch.ones(2)})
         mgr.wait()
     assert {p.stat().st_mode & 0o777 for p in (local, tmp_path / "p")} == {0o700}
+
+
+def test_a_timeouts_state_file_another_user_could_write_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ft_state.json`` decides when a rank counts as hung: a planted one (a step timeout of
+    a year would hide every hang of a section) is ignored with a WARNING naming it."""
+    body = '{"version": 1, "timeouts": {"step": 31536000.0}, "safety_factor": 5.0}'
+    theirs = stranger_dir("ftstate-")
+    try:
+        as_stranger("sh", "-c", f"umask 077; printf '%s' '{body}' > {theirs}/ft_state.json")
+        assert read_state(theirs / "ft_state.json") == {}
+        assert f"belongs to uid {stranger()[0]}" in caplog.text
+        shared = tmp_path / "shared"  # ours, but others may write it (no sticky bit)
+        shared.mkdir()
+        shared.chmod(0o777)
+        (shared / "ft_state.json").write_text(body)
+        assert read_state(shared / "ft_state.json") == {}
+        assert "group or others may write its directory (mode 777)" in caplog.text
+        shared.chmod(0o700)
+        assert read_state(shared / "ft_state.json") == {"step": 31536000.0}  # ours: believed
+    finally:
+        shutil.rmtree(theirs)
