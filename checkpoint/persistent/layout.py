@@ -101,8 +101,8 @@ class CheckpointDirs:
                 raise CheckpointStorageError(str(e)) from e
             except OSError as e:
                 raise CheckpointStorageError(
-                    f"checkpoint root ({self.url!r}) cannot be created ({e.strerror}): pass a "
-                    "directory this process can create files in"
+                    f"checkpoint root ({self.url!r}) is not writable ({type(e).__name__}: {e}): "
+                    "pass a directory this process can create files in"
                 ) from e
         probe = self.join(f".restartable-probe-{uuid.uuid4().hex[:12]}")
         try:
