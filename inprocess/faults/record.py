@@ -47,8 +47,9 @@ def claim(record_dir: str | os.PathLike[str], name: str) -> bool:
     A step that replays after a restart, or a reserve that took the faulty rank's place, gets
     False and carries on. The marker survives any crash of the claiming process.
     """
-    claims = Path(record_dir) / CLAIM_DIR
-    private_dir(claims, what="fault record directory")
+    # the run directory itself first: whoever may write it could swap the claims directory
+    claims = private_dir(record_dir, what="fault record directory") / CLAIM_DIR
+    private_dir(claims, what="fault claims directory")
     try:
         fd = open_private(claims / name, os.O_WRONLY, exclusive=True)
     except FileExistsError:

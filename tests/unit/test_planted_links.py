@@ -21,7 +21,10 @@ from checkpoint import CheckpointManager
 from checkpoint.errors import CheckpointStorageError
 from checkpoint.private_files import NotPrivateError, open_private, replace_private
 from inprocess import journal
+from inprocess.faults import record
 from inprocess.timeouts.state_file import read_state
+from rerun.errors import RerunConfigError
+from rerun.tracker import ResultTracker
 from tests.stranger import as_stranger, stranger, stranger_dir
 
 SECRET = b"the user's own data\n"
@@ -153,3 +156,23 @@ def test_a_timeouts_state_file_another_user_could_write_is_ignored(
         assert read_state(shared / "ft_state.json") == {"step": 31536000.0}  # ours: believed
     finally:
         shutil.rmtree(theirs)
+
+
+def test_a_run_directory_of_another_user_holds_no_fault_record(
+    planted: tuple[Path, str], victim: Path
+) -> None:
+    where, reason = planted
+    _plant(where / "fired.jsonl", victim)
+    with pytest.raises(PermissionError, match=f"fault record directory \\('{where}'\\) {reason}"):
+        record.claim(where, "kill@rank1:step3")
+    assert victim.read_bytes() == SECRET
+
+
+def test_the_rerun_tracker_never_appends_through_a_link(tmp_path: Path, victim: Path) -> None:
+    link = tmp_path / "rejected.jsonl"
+    link.symlink_to(victim)
+    with pytest.raises(RerunConfigError, match="must be a file this process can append to"):
+        ResultTracker(link)
+    made = ResultTracker(tmp_path / "new.jsonl")
+    assert (tmp_path / "new.jsonl").stat().st_mode & 0o777 == 0o600 and made.path.exists()
+    assert victim.read_bytes() == SECRET
