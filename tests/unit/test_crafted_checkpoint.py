@@ -145,3 +145,26 @@ def test_plain_dcp_load_still_reads_our_checkpoints(tmp_path: Path) -> None:
     dcp.load(state, checkpoint_id=str(newest), no_dist=True)
     assert float(state["w"][0]) == 2.0 and state["n"] == 2
     assert isinstance(load_metadata((newest / ".metadata").read_bytes(), "m"), Metadata)
+
+
+def test_a_crafted_metadata_on_an_fsspec_root_runs_no_code(tmp_path: Path) -> None:
+    """The same through DCP's fsspec reader (object stores: ``s3://``, here ``memory://``)."""
+    import fsspec
+
+    marker = tmp_path / "pwned"
+    root = f"memory://crafted-{id(marker)}"
+    with CheckpointManager(root, persistent_every=1, keep=2) as mgr:
+        mgr.save(1, {"w": torch.full((4,), 1.0)})
+        mgr.save(2, {"w": torch.full((4,), 2.0)})
+        mgr.wait()
+        newest = mgr.committed()[-1].path
+    fs = fsspec.filesystem("memory")
+    crafted = _crafted_metadata(fs.cat_file(f"{newest}/.metadata"), marker)
+    fs.pipe_file(f"{newest}/.metadata", crafted)
+    body = json.loads(fs.cat_file(f"{newest}/_COMMITTED.json"))
+    body["files"][".metadata"] = {"crc32": zlib.crc32(crafted), "size": len(crafted)}
+    fs.pipe_file(f"{newest}/_COMMITTED.json", json.dumps(body).encode())
+    state: dict[str, Any] = {"w": torch.zeros(4)}
+    with CheckpointManager(root) as mgr:
+        assert mgr.load_latest(state) == 1
+    assert not marker.exists() and float(state["w"][0]) == 1.0
