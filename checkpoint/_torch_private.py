@@ -81,6 +81,32 @@ def split_write_items(thread_count: int, items: list[Any]) -> list[list[Any]]:
     return _split_by_size_and_type(thread_count, items)
 
 
+def metadata_private_globals() -> dict[tuple[str, str], Any]:
+    """The private globals a DCP ``.metadata`` pickle names, by (module, name): the storage-info
+    record, the memory-format enum and the layout lookup."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    }
+
+
+def metadata_path(reader: Any, rank: int | None) -> Any:
+    """Where DCP's file reader ``reader`` reads its ``.metadata`` (``_get_metadata_path``)."""
+    return reader._get_metadata_path(rank)
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """DCP's placing of one loaded value at its place in a nested state dict (what
+    ``DefaultLoadPlanner.load_bytes`` does with a flattened state)."""
+    from torch.distributed.checkpoint._traverse import set_element as place
+
+    place(root, path, value)
+
+
 def storage_info(relative_path: str, offset: int, length: int) -> Any:
     """DCP's record of where one item's bytes sit in a data file (read back by its readers)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -36,6 +36,7 @@ except ImportError as exc:  # an optional extra: say how to get it
 
 from checkpoint.errors import CheckpointConfigError, CheckpointError
 from checkpoint.manager import CheckpointManager
+from checkpoint.private_files import replace_private
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +88,8 @@ class TieredCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": POINTER_FORMAT, "step": step,
-                                   "root": self.manager.root}) + "\n")  # fmt: skip
-        os.replace(tmp, p)
+        body = {"format": POINTER_FORMAT, "step": step, "root": self.manager.root}
+        replace_private(p, (json.dumps(body) + "\n").encode())
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None

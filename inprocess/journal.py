@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from checkpoint.private_files import NotPrivateError, open_private, private_dir
+from inprocess import journal_fields
 from inprocess.protocol import environment
 
 CHANNEL = "restartable.journal"
@@ -187,9 +189,11 @@ def open_journal(
     host = socket.gethostname()
     path = d / f"rank{rank}-{host}-{os.getpid()}.jsonl"
     try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        private_dir(d, what="journal_dir")  # another user's directory could hold planted links
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False)
         stream = os.fdopen(fd, "a", encoding="utf-8")  # owned by the handler
+    except NotPrivateError as e:
+        raise ValueError(f"{e} (or unset {ENV_DIR})") from e
     except OSError as e:
         raise ValueError(
             f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "
@@ -237,7 +241,7 @@ def read(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     records = []
     for path in sorted(Path(directory).rglob("*.jsonl")):
         with open(path, encoding="utf-8") as f:
-            for line in f:
+            for n, line in enumerate(f, 1):
                 line = line.strip()
                 if not line:
                     continue
@@ -247,7 +251,13 @@ def read(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     continue  # only the last line of a killed process can be torn
                 if not isinstance(rec, dict) or "event" not in rec:
                     continue  # another tool's JSONL in the same directory
-                if int(rec.get("v", 0)) > SCHEMA_VERSION:
+                wrong = "no field 't'" if "t" not in rec else journal_fields.problem(rec)
+                if wrong is not None:  # input: one line naming it, not a TypeError later
+                    raise ValueError(
+                        f"{path}:{n}: {wrong}: not a record of restartable's journal; remove "
+                        "the line (or the file)"
+                    )
+                if rec.get("v", 0) > SCHEMA_VERSION:
                     raise ValueError(
                         f"{path}: journal schema v{rec['v']} is newer than this reader "
                         f"(v{SCHEMA_VERSION}): upgrade restartable"

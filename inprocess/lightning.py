@@ -35,6 +35,7 @@ except ImportError as exc:  # an optional extra: say how to get it
         f'inprocess.lightning needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
     ) from exc
 
+from checkpoint.private_files import replace_private
 from inprocess.context import RestartContext, context
 from inprocess.errors import ConfigError, ContextError, InprocessError
 
@@ -286,6 +287,4 @@ def _callbacks(trainer: pl.Trainer) -> list[Any]:
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     """Atomically (a reader sees the old file or the new one, never half of one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    replace_private(path, (json.dumps(data, sort_keys=True) + "\n").encode())

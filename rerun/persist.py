@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rerun import agree
+from rerun import agree, persist_fields
 from rerun.errors import RerunConfigError
 from rerun.record import Rejected, StepRecord
 from rerun.replay import StepReplay
@@ -148,6 +148,7 @@ def decode(sd: Mapping[str, Any]) -> Persisted:
             f"state_dict version ({sd['version']}) must be {STATE_DICT_VERSION}: "
             "it was written by another version of rerun"
         )
+    persist_fields.check(sd)  # input: every field holds what encode writes, or one clear error
     rejected = None
     if sd["failed_message"]:
         rejected = Rejected(
@@ -170,7 +171,9 @@ def decode(sd: Mapping[str, Any]) -> Persisted:
         large_values=json.loads(sd["large_values"]),
         injector=json.loads(sd["injector"]),
         rng=_plain(RngSnapshot.from_bytes, sd["rng"], "rng") if sd["rng"] else None,
-        data=_plain(safe_load, sd["data"], "data") if sd["data"] else None,
+        data=persist_fields.check_data(_plain(safe_load, sd["data"], "data"))
+        if sd["data"]
+        else None,
     )
 
 

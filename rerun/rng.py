@@ -40,7 +40,20 @@ class RngSnapshot:
     @classmethod
     def from_bytes(cls, data: bytes) -> RngSnapshot:
         d = safe_load(data)
-        return cls(d["python"], d["numpy"], d["torch_cpu"], d["cuda"], d["extra"])
+        snap = cls(d["python"], d["numpy"], d["torch_cpu"], d["cuda"], d["extra"])
+        # Tried on throwaway generators: a state they refuse fails here (the field named by the
+        # caller), not at the restore of a re-run much later.
+        try:
+            random.Random().setstate(snap.python)
+            np.random.RandomState().set_state(snap.numpy)
+            torch.Generator().set_state(snap.torch_cpu)
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as e:
+            raise ValueError(f"not the RNG states of a step ({type(e).__name__}: {e})") from e
+        if snap.cuda is not None and not (
+            isinstance(snap.cuda, list) and all(isinstance(t, torch.Tensor) for t in snap.cuda)
+        ):
+            raise ValueError("'cuda' is not a list of CUDA RNG state tensors")
+        return snap
 
 
 def safe_load(data: bytes) -> Any:

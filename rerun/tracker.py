@@ -32,8 +32,7 @@ class ResultTracker:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
-            with open(self.path, "a"):
-                pass
+            os.close(self._open())
         except OSError as e:
             raise RerunConfigError(
                 f"result_rejected_tracker_filename ({str(path)!r}) must be a file this process "
@@ -62,8 +61,13 @@ class ResultTracker:
             "message": message,
         }
         # One write of one line in append mode: lines of concurrent ranks do not interleave.
-        with open(self.path, "a") as f:
+        with os.fdopen(self._open(), "a") as f:
             f.write(json.dumps(line) + "\n")
+
+    def _open(self) -> int:
+        # 0600 and never through a symbolic link: the path may lie in a shared directory
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(self.path, flags, 0o600)
 
 
 def iterations_to_skip(path: str | os.PathLike[str]) -> list[int]:

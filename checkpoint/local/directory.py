@@ -60,6 +60,7 @@ import torch
 
 from checkpoint.errors import CheckpointError, CheckpointStorageError
 from checkpoint.local import integrity, packing
+from checkpoint.private_files import NotPrivateError, open_private, private_dir
 
 _FILE = re.compile(r"^shard-\d+-[0-9a-f]{8}-\d+\.bin$")
 _PROBE = ".restartable-probe"
@@ -89,23 +90,20 @@ def validate(local_dir: str | os.PathLike[str]) -> Path:
     persistent root), is writable and not nearly full."""
     path = Path(local_dir)
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Another user's directory (or one others may write) could hold links or shards they
+        # planted, or let them read this job's state: refused.
+        private_dir(path, what="local_dir")
+    except NotPrivateError as e:
+        raise CheckpointStorageError(str(e)) from e
     except OSError as e:
         raise CheckpointStorageError(
             f"local_dir ({local_dir!r}) is not a directory and cannot be created "
             f"({e.strerror}): choose a directory on node-local NVMe or /dev/shm, or pass "
             "local_dir=None for memory only"
         ) from e
-    owner = path.stat().st_uid
-    if owner != os.getuid():
-        # Another user could read this job's state from it, or plant shards for it to load.
-        raise CheckpointStorageError(
-            f"local_dir ({local_dir!r}) belongs to uid {owner}, not to this user "
-            f"({os.getuid()}): create a directory of your own (e.g. /dev/shm/$USER/job, mode 0700)"
-        )
     probe = path / f"{_PROBE}.{os.getpid()}"
     try:
-        probe.write_bytes(b"x")
+        os.close(open_private(probe, os.O_WRONLY, exclusive=True))
         probe.unlink()
     except OSError as e:
         raise CheckpointStorageError(
@@ -161,7 +159,7 @@ class _File:
         # Created under a name the scan and the sweep ignore, locked, then renamed: a sweep
         # never sees it unlocked.
         tmp = root / f".{name}.new"
-        self.fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # the user's data
+        self.fd = open_private(tmp, os.O_RDWR, exclusive=True)  # the user's data
         try:
             # Without flock support (rare for a node-local file system) a sweep cannot lock the
             # file either, and leaves it alone.
@@ -273,7 +271,7 @@ def _opened(root: Path, skip: str = "") -> Iterator[tuple[os.DirEntry[str], int]
         if not _FILE.match(entry.name) or (skip and entry.name.startswith(skip)):
             continue
         try:
-            fd = os.open(entry.path, os.O_RDONLY)
+            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is not our shard
         except OSError:
             continue
         try:
@@ -310,7 +308,7 @@ def read(
     buf = torch.empty(n, dtype=torch.uint8)
     check = integrity.Checksum()
     try:
-        with open(meta.path, "rb", buffering=0) as f:
+        with os.fdopen(os.open(meta.path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
             if decode_record(f.read(RECORD_SIZE)) != meta:
                 return None  # rewritten since the scan
             f.seek(DATA_OFFSET)

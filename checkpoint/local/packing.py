@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointMismatchError
-from checkpoint.local import sharded
+from checkpoint.local import header_check, sharded
 
 if TYPE_CHECKING:
     from checkpoint.local.memo import Block, WalkMemo
@@ -399,6 +399,8 @@ def _views(
     views = []
     typed: dict[str, torch.Tensor] = {}  # the data region as each dtype (offsets are aligned)
     end = data_start + max((_align(e.offset + e.nbytes) for e in entries), default=0)
+    if any(e.offset + e.nbytes > buf.numel() - data_start for e in entries):
+        raise CheckpointError("not a local-tier shard (a tensor's bytes lie past its end)")
     for entry in entries:
         if entry.nbytes:
             region = typed.get(entry.dtype)
@@ -477,6 +479,9 @@ def parse(buf: torch.Tensor) -> Parsed:
         raise CheckpointError("not a local-tier shard (header longer than the buffer)")
     try:
         doc = json.loads(bytes(buf[_PREFIX.size : _PREFIX.size + hlen].numpy()))
+        for row in doc["tensors"]:
+            if (problem := header_check.entry_problem(row, _DTYPES)) is not None:
+                raise ValueError(problem)
         entries = {k: TensorEntry(k, d, tuple(s), off, n) for k, d, s, off, n in doc["tensors"]}
         sharding = doc.get("sharding", {})
         if not isinstance(sharding, dict):

@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from checkpoint.errors import CheckpointStorageError
+from checkpoint.private_files import NotPrivateError, open_private, private_dir
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,21 @@ class CheckpointDirs:
         return self.fs.unstrip_protocol(path)
 
     def check_writable(self) -> None:
-        """Create the root if needed and prove it writable; CheckpointStorageError otherwise."""
+        """Create the root if needed and prove it writable; CheckpointStorageError otherwise.
+
+        A local root must be private (``private_files.private_dir``): one that another user
+        owns or that group or others may write is refused, since whoever can write it can plant
+        a checkpoint (and fix up its checksums) or links for our files to follow."""
+        if self.is_local:
+            try:
+                private_dir(self.path, what="checkpoint root")
+            except NotPrivateError as e:
+                raise CheckpointStorageError(str(e)) from e
+            except OSError as e:
+                raise CheckpointStorageError(
+                    f"checkpoint root ({self.url!r}) is not writable ({type(e).__name__}: {e}): "
+                    "pass a directory this process can create files in"
+                ) from e
         probe = self.join(f".restartable-probe-{uuid.uuid4().hex[:12]}")
         try:
             self.fs.makedirs(self.path, exist_ok=True)
@@ -104,9 +119,10 @@ class CheckpointDirs:
 
     def begin(self, dirpath: str, *, step: int, world_size: int) -> None:
         """Create the attempt directory and its in-progress marker (rank 0, before any data)."""
-        self.fs.makedirs(dirpath, exist_ok=True)
-        if self.is_local:
-            os.chmod(dirpath, 0o700)  # the checkpoint's files are this user's data
+        if self.is_local:  # the checkpoint's files are this user's data
+            private_dir(dirpath, what="checkpoint directory")
+        else:
+            self.fs.makedirs(dirpath, exist_ok=True)
         body = {"format": FORMAT, "step": step, "world_size": world_size, "started": time.time()}
         self._write_small(self.join_dir(dirpath, IN_PROGRESS_MARKER), body)
 
@@ -128,7 +144,7 @@ class CheckpointDirs:
             self.fs.pipe_file(path, data)
             return
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = open_private(tmp, os.O_WRONLY, exclusive=True)
         try:
             os.write(fd, data)
             os.fsync(fd)

@@ -23,6 +23,7 @@ from checkpoint.errors import (
 )
 from checkpoint.persistent.integrity import verify_files
 from checkpoint.persistent.layout import CheckpointDirs, Committed
+from checkpoint.persistent.safe_reader import SafeLoadPlanner, UnsafeCheckpointError
 from checkpoint.persistent.staging import expand_stateful
 from checkpoint.persistent.storage import make_reader
 
@@ -74,21 +75,43 @@ def _mismatches(state: dict[str, Any], metadata: Any) -> list[str]:
     return problems
 
 
+def _check_metadata(reader: Any, state: dict[str, Any], group: ProcessGroup | None) -> list[str]:
+    """Every rank's key/shape problems against ``reader``'s metadata. Raises
+    ``UnsafeCheckpointError`` on every rank when any rank's metadata was refused as not data."""
+    refused = ""
+    try:
+        problems = _mismatches(state, reader.read_metadata())
+    except UnsafeCheckpointError as e:
+        problems, refused = [], str(e)
+    except Exception as e:
+        problems = [f"<reading metadata>: {type(e).__name__}: {e}"]
+    gathered = all_gather([refused, problems], group)
+    refusals = sorted({r for r, _ in gathered if r})
+    if refusals:
+        raise UnsafeCheckpointError(refusals[0], path=refusals[0].split(":", 1)[0])
+    return [p for _, ps in gathered for p in ps]
+
+
+def _refusal_in(e: BaseException) -> UnsafeCheckpointError | None:
+    """The ``UnsafeCheckpointError`` among a DCP ``CheckpointException``'s rank failures."""
+    for failure in dict(getattr(e, "failures", {}) or {}).values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, UnsafeCheckpointError):
+            return exc
+    return e if isinstance(e, UnsafeCheckpointError) else None
+
+
 def load_one(
     dirs: CheckpointDirs, ckpt: Committed, state: dict[str, Any], group: ProcessGroup | None
 ) -> None:
-    """Fill ``state`` in place from ``ckpt`` (already verified). Raises on key/shape mismatch."""
+    """Fill ``state`` in place from ``ckpt`` (already verified). Raises on key/shape mismatch,
+    and ``UnsafeCheckpointError`` (on every rank) when a file of it is not plain data."""
     import torch.distributed.checkpoint as dcp
 
     reader = make_reader(dirs, ckpt.path)
-    try:
-        problems = _mismatches(state, reader.read_metadata())
-    except Exception as e:
-        problems = [f"<reading metadata>: {type(e).__name__}: {e}"]
-    gathered = all_gather(problems, group)
-    if any(gathered):
-        keys = sorted({p.split(":", 1)[0] for ps in gathered for p in ps})
-        lines = sorted({p for ps in gathered for p in ps})
+    lines = sorted(set(_check_metadata(reader, state, group)))
+    if lines:
+        keys = sorted({p.split(":", 1)[0] for p in lines})
         raise CheckpointMismatchError(
             f"state does not match checkpoint {ckpt.path} (step {ckpt.step}) at "
             f"{len(keys)} key(s):\n  " + "\n  ".join(lines) + "\nload into a state with the "
@@ -96,10 +119,19 @@ def load_one(
             keys=keys,
         )
     try:
-        dcp.load(state, storage_reader=reader, process_group=group, no_dist=group is None)
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        refusal = _refusal_in(e)
+        if refusal is not None:
+            raise UnsafeCheckpointError(f"{ckpt.path}: {refusal}", path=ckpt.path) from e
         raise CheckpointError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
 
 
@@ -113,8 +145,10 @@ def load_latest(
 ) -> Committed | None:
     """Load the newest committed checkpoint that verifies; None if there is none.
 
-    A corrupt newest checkpoint is skipped with a WARNING (or raises, without fallback). When
-    every candidate is corrupt, raises ``CheckpointCorruptError`` (never silently starts over).
+    A corrupt newest checkpoint, or one holding a file that is not plain data (a crafted
+    ``.metadata`` whose checksums were fixed up), is skipped with a WARNING (or raises, without
+    fallback). When every candidate is corrupt, raises ``CheckpointCorruptError`` (never
+    silently starts over).
     """
     candidates = [c for c in list_committed(dirs, group) if min_step is None or c.step >= min_step]
     corrupt: list[str] = []
@@ -128,7 +162,15 @@ def load_latest(
             log.warning("%s; falling back to the previous committed checkpoint", msg)
             corrupt.append(msg)
             continue
-        load_one(dirs, ckpt, state, group)
+        try:
+            load_one(dirs, ckpt, state, group)
+        except UnsafeCheckpointError as e:  # the same decision on every rank (load_one)
+            msg = f"checkpoint of step {ckpt.step} is refused: {e}"
+            if not fallback_on_corruption:
+                raise
+            log.warning("%s; falling back to the previous committed checkpoint", msg)
+            corrupt.append(msg)
+            continue
         log.info(
             "checkpoint: loaded step %d from %s in %.2f s",
             ckpt.step,
@@ -138,6 +180,6 @@ def load_latest(
         return ckpt
     if corrupt:
         raise CheckpointCorruptError(
-            "every committed checkpoint is corrupt:\n  " + "\n  ".join(corrupt), path=dirs.url
+            "every committed checkpoint is corrupt: " + " | ".join(corrupt), path=dirs.url
         )
     return None

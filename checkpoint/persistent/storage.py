@@ -17,7 +17,8 @@ from collections.abc import Generator
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
@@ -25,7 +26,9 @@ from checkpoint import _torch_private
 from checkpoint.persistent.integrity import CrcStream
 from checkpoint.persistent.layout import CheckpointDirs
 from checkpoint.persistent.object_bytes import ObjectArchives
+from checkpoint.persistent.safe_reader import SafeFileSystemReader, safe_fsspec_reader
 from checkpoint.persistent.tensor_bytes import ArchiveTemplates
+from checkpoint.private_files import open_private
 
 DATA_SUFFIX = ".distcp"
 
@@ -46,10 +49,20 @@ class _ChecksummingFs:
         return getattr(self._inner, name)
 
     @contextlib.contextmanager
+    def _open(self, path: Any, mode: str) -> Generator[Any, None, None]:
+        if "w" in mode and isinstance(self._inner, FileSystem):
+            # DCP opens with open(): 0644 and through links. Ours: 0600, new, never a link.
+            with os.fdopen(open_private(path, os.O_WRONLY, exclusive=True), mode) as stream:
+                yield stream
+        else:
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+
+    @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Generator[Any, None, None]:
         name = os.path.basename(os.fspath(path))
         if "w" not in mode or not name.endswith(DATA_SUFFIX):
-            with self._inner.create_stream(path, mode) as stream:
+            with self._open(path, mode) as stream:
                 yield stream
             return
 
@@ -57,7 +70,7 @@ class _ChecksummingFs:
             with self._lock:
                 self._sink[name] = {"crc32": crc, "size": size}
 
-        with self._inner.create_stream(path, mode) as raw:
+        with self._open(path, mode) as raw:
             stream = CrcStream(raw, record, cancel=self._cancel)
             try:
                 yield stream
@@ -152,8 +165,10 @@ def _write_file(
 
 
 def make_reader(dirs: CheckpointDirs, dirpath: str) -> StorageReader:
-    """A plain DCP reader for one of our checkpoint directories."""
+    """A DCP reader for one of our checkpoint directories that reads its ``.metadata`` as data
+    (``safe_reader``): a crafted file raises ``UnsafeCheckpointError``, it never runs code.
+    Load with ``safe_reader.SafeLoadPlanner`` so the small values are read as data too."""
     if dirs.is_local:
-        return FileSystemReader(dirpath)
-    reader: StorageReader = _torch_private.fsspec_reader_class()(dirs.url_of(dirpath))
+        return SafeFileSystemReader(dirpath)
+    reader: StorageReader = safe_fsspec_reader(dirs.url_of(dirpath))
     return reader

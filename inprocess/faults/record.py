@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from checkpoint.private_files import open_private, private_dir
+
 RECORD_FILE = "fired.jsonl"
 CLAIM_DIR = "fired"
 
@@ -45,10 +47,11 @@ def claim(record_dir: str | os.PathLike[str], name: str) -> bool:
     A step that replays after a restart, or a reserve that took the faulty rank's place, gets
     False and carries on. The marker survives any crash of the claiming process.
     """
-    claims = Path(record_dir) / CLAIM_DIR
-    claims.mkdir(parents=True, exist_ok=True)
+    # the run directory itself first: whoever may write it could swap the claims directory
+    claims = private_dir(record_dir, what="fault record directory") / CLAIM_DIR
+    private_dir(claims, what="fault claims directory")
     try:
-        fd = os.open(claims / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = open_private(claims / name, os.O_WRONLY, exclusive=True)
     except FileExistsError:
         return False
     os.close(fd)
@@ -58,10 +61,10 @@ def claim(record_dir: str | os.PathLike[str], name: str) -> bool:
 def append(record_dir: str | os.PathLike[str], fault: FiredFault) -> None:
     """Append ``fault`` as one line and fsync it, so it survives a SIGKILL right after."""
     path = Path(record_dir) / RECORD_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, what="fault record directory")
     line = (json.dumps(fault.as_dict()) + "\n").encode()
     # One write() with O_APPEND: lines of concurrent writers never interleave on a local disk.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False)
     try:
         written = os.write(fd, line)
         assert written == len(line), f"short write to {path}: {written} of {len(line)} bytes"

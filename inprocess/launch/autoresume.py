@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from checkpoint.private_files import replace_private
 from inprocess.protocol.environment import job_attempt
 
 EXIT_DONE = 0
@@ -89,8 +90,5 @@ def settle(
         time=time.time(),
     )
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(json.dumps(asdict(flag), sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    replace_private(path, (json.dumps(asdict(flag), sort_keys=True) + "\n").encode())
     return True

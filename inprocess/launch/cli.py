@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from checkpoint import sealing
+from checkpoint.private_files import private_dir
 from inprocess import journal
 from inprocess.faults.drill import FAULT_TYPES, FaultDrill
 from inprocess.launch import autoresume
@@ -368,6 +369,17 @@ class _LauncherJournal:
         self.launch: str | None = None
         self.jr: journal.Journal | None = None
 
+    def unusable(self) -> str | None:
+        """Why the environment's journal directory may not be used (another user owns it or may
+        write it: docs/security.md), or None."""
+        directory = journal.resolve_dir(None)
+        try:
+            if directory is not None:
+                private_dir(directory, what=journal.ENV_DIR)
+        except OSError as exc:
+            return str(exc)
+        return None
+
     def start(self, launch: str) -> None:
         """The launch id is known (``JobControl``): open the environment's directory, if any."""
         self.launch = launch
@@ -424,6 +436,9 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     # Decided once, before anything of this attempt exists: read at the exit, the flag file may
     # already be another node's (written for this attempt), and the launchers would disagree.
     args.attempt = autoresume.attempt_number(args.autoresume_file)
+    unusable = jr.unusable()
+    if unusable is not None:  # before any rank starts: each of them would refuse it too
+        return _finish(args, 1, unusable)
     try:
         secret = launch_secret(args)
     except (OSError, ValueError) as exc:

@@ -7,7 +7,8 @@ Format (version 1)::
 
 Written by the active rank 0 of the job; read by every rank at launch and at every restart.
 
-An unreadable or corrupt file is never fatal: it is ignored with a WARNING naming the file.
+An unreadable or corrupt file is never fatal: it is ignored with a WARNING naming the file. So is
+one that another user could have written (``checkpoint.private_files.untrusted``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from checkpoint.private_files import untrusted
 from inprocess.timeouts.estimator import KEYS
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,17 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, float]:
     """
     p = Path(path)
     try:
+        # Timeouts decide when a rank counts as hung: only a file no other user could have
+        # written is believed.
+        reason = untrusted(p)
+        if reason is not None:
+            log.warning(
+                "ignoring timeouts state file %s: %s; delete it, or keep it in a directory of "
+                "your own",
+                p,
+                reason,
+            )
+            return {}
         text = p.read_text()
     except FileNotFoundError:
         return {}

@@ -16,7 +16,9 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
+from checkpoint.private_files import open_private, private_dir
 from checkpoint.sealing import SECRET_ENV
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
@@ -114,6 +116,17 @@ class Watchdog:
             env[SECRET_ENV] = self._secret.hex()
         return env
 
+    def _open_log(self, cmd: list[str]) -> IO[bytes] | None:
+        """The watchdog's log file, named on ``cmd`` too (appended, 0600, never through a link,
+        in a private directory: the child keeps its own copy of the descriptor); None without
+        ``monitor_process_logdir``."""
+        if self._logdir is None:
+            return None
+        private_dir(self._logdir, what="monitor_process_logdir")  # no planted links in it
+        path = Path(self._logdir) / f"watchdog_rank{self._initial_rank}.log"
+        cmd.append(f"--logfile={path}")
+        return os.fdopen(open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False), "ab")
+
     def start(self) -> None:
         """Start the watchdog process and the heartbeat thread; wait until the process watches.
 
@@ -125,12 +138,7 @@ class Watchdog:
         if self._proc is not None or self._closed:
             raise RuntimeError("Watchdog.start() called twice or after close(): create a new one")
         cmd = self._command()
-        stderr = None
-        if self._logdir is not None:
-            Path(self._logdir).mkdir(mode=0o700, parents=True, exist_ok=True)
-            path = Path(self._logdir) / f"watchdog_rank{self._initial_rank}.log"
-            cmd.append(f"--logfile={path}")
-            stderr = open(path, "ab")  # noqa: SIM115 - the child keeps its own copy
+        stderr = self._open_log(cmd)
         try:
             # subprocess (fork+exec at once), never a bare fork of a process that loaded torch;
             # own session, so a signal to the rank's process group does not take it along.
