@@ -11,7 +11,11 @@ Wire layout of a sealed value: one or more frames (``append`` adds one per call)
 
     b"RSM1" | payload length (uint32, big endian) | HMAC-SHA256(secret, key, payload)[:16] | payload
 
-The MAC covers the key, so a sealed value copied to another key fails; it does not cover which
+The MAC covers the key, so a sealed value copied to another key fails (the iteration is in the
+key: ``restartable/it3/end``); the secret itself is bound to one launch and one round
+(``Sealer.derive``: ``inprocess.launch`` hands each round's ranks a key derived from the job's
+secret, the launch id and the round), so a value sealed in another job or round fails too. It
+does not cover which
 frames an appended value holds, so frames of one key may be dropped, repeated or reordered by
 someone with write access (they can delete the key anyway: every reader treats that as a fault).
 Sealing is deterministic, so ``compare_set`` can compare sealed values.
@@ -66,6 +70,14 @@ class Sealer:
         """The secret (to hand to a child process privately, e.g. in its environment)."""
         return self._secret
 
+    def derive(self, *context: str) -> Sealer:
+        """A sealer whose secret is bound to ``context`` (e.g. ``("launch", id, "round", "2")``):
+        HMAC-SHA256(secret, context). A value sealed by one never opens with another, and the
+        derived secret reveals nothing of this one (a rank holding its round's key cannot seal
+        for another launch or round)."""
+        label = "\0".join(("restartable-derive-v1", *context)).encode()
+        return Sealer(hmac.new(self._secret, label, hashlib.sha256).digest())
+
     def _mac(self, key: str, payload: bytes) -> bytes:
         kb = key.encode()
         msg = struct.pack(">I", len(kb)) + kb + payload
@@ -108,6 +120,48 @@ def _forged(key: str, what: str) -> ForgedValueError:
     )
 
 
+# The secret this process was handed in its environment, taken out of it (take_from_environ).
+_taken: str | None = None
+
+
+def take_from_environ() -> None:
+    """Move ``RESTARTABLE_SECRET`` out of ``os.environ`` into this module (idempotent): a
+    process the user's script starts (``subprocess``, ``os.system``) does not inherit it.
+
+    Called when this module is imported and by the rank's entry (``inprocess.launch.entry``,
+    the warm pool's fork) before the user's script runs; ``job_secret`` reads it from here.
+    A child of ours that needs it gets it explicitly (``child_env``)."""
+    global _taken
+    value = os.environ.pop(SECRET_ENV, None)
+    if value:
+        _taken = value
+
+
+def handed() -> bool:
+    """Whether this process was handed a secret (``RESTARTABLE_SECRET``, taken or not)."""
+    return bool(os.environ.get(SECRET_ENV) or _taken)
+
+
+def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default ``os.environ``) plus the secret this process was handed, if any: the
+    environment of a process of ours that seals (a store server the rank starts)."""
+    env = dict(os.environ if base is None else base)
+    if _taken and SECRET_ENV not in env:
+        env[SECRET_ENV] = _taken
+    return env
+
+
+def parse_count(key: str, raw: bytes | str) -> int:
+    """The integer ``raw`` read from ``key`` (a counter the store adds to, which cannot be
+    sealed, or a sealed number). Raises ``ForgedValueError`` naming the key when it is not one:
+    a stranger's write reads as what it is, never as a bare ``int()`` error."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    try:
+        return int(text)
+    except ValueError:
+        raise _forged(key, f"{text[:40]!r}, not a count") from None
+
+
 def new_secret() -> str:
     """A fresh job secret, as the hex text ``RESTARTABLE_SECRET`` holds."""
     return secrets.token_hex(32)
@@ -125,9 +179,10 @@ def job_secret(environ: Mapping[str, str] | None = None, *, create: bool = True)
     file (a process that only reads, e.g. a watchdog).
     """
     env = os.environ if environ is None else environ
-    if env.get(SECRET_ENV):
+    handed = env.get(SECRET_ENV) or (_taken if environ is None else None)
+    if handed:
         try:
-            return bytes.fromhex(env[SECRET_ENV].strip())
+            return bytes.fromhex(handed.strip())
         except ValueError:
             raise ValueError(
                 f"{SECRET_ENV} is not hex: set it to the output of "
@@ -227,3 +282,6 @@ def job_sealer(environ: Mapping[str, str] | None = None, *, create: bool = True)
     """``Sealer(job_secret())``, or None where there is no job (see ``job_secret``)."""
     secret = job_secret(environ, create=create)
     return None if secret is None else Sealer(secret)
+
+
+take_from_environ()  # at import: before anything of the user's can start a process

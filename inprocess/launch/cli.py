@@ -252,7 +252,8 @@ def rank_env(
 
     ``generation`` > 0: a process respawned in the slot of ``local_rank``; it keeps the slot's
     RANK and joins the job under a new identity (``inprocess.protocol.ranks.respawn_identity``).
-    ``store_env``: the round's INPROCESS_STORE / INPROCESS_JOB_ID with ``--store``.
+    ``store_env``: the round's key (RESTARTABLE_SECRET) and, with ``--store``, its
+    INPROCESS_STORE / INPROCESS_JOB_ID.
     ``round_``: the in-job restart round (INPROCESS_LAUNCH_ROUND; the config's fault drill
     fires in round 0 only). ``launch_id``: RESTARTABLE_LAUNCH_ID, the same on every node and
     in every round (the journal groups a launch's records by it; the example names its
@@ -286,8 +287,6 @@ def rank_env(
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
-    if getattr(args, "secret", None):  # the job's secret, private to this user's processes
-        env[sealing.SECRET_ENV] = args.secret
     if generation:
         env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
     else:
@@ -404,7 +403,7 @@ def launch_secret(args: argparse.Namespace) -> bytes:
     the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
     per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
     --job-id (a shared home directory; docs/security.md)."""
-    if os.environ.get(sealing.SECRET_ENV) or os.environ.get(sealing.SECRET_FILE_ENV):
+    if sealing.handed() or os.environ.get(sealing.SECRET_FILE_ENV):
         secret = sealing.job_secret()
     elif args.nnodes == 1:
         secret = bytes.fromhex(sealing.new_secret())
@@ -428,7 +427,6 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         secret = launch_secret(args)
     except (OSError, ValueError) as exc:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
-    args.secret = secret.hex()  # rank_env hands it to every rank
     try:
         control = _job_control(args, secret)
     except Exception as exc:
