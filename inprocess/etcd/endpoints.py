@@ -164,6 +164,8 @@ class Endpoints:
         client.session.headers.pop("Authorization", None)
         try:
             answer = classify(lambda: client.post(client.get_url("/auth/authenticate"), json=body))
+        except UntrustedEndpoint:
+            raise  # a certificate, not the user: the message says which
         except (EtcdStoreError, TokenRefused) as exc:
             raise EtcdStoreError(
                 f"etcd at {client.base_url} refused user {self._creds.user!r}: {exc}; check "
@@ -224,6 +226,10 @@ def _status(client: Etcd3Client) -> None:
         )
 
 
+class UntrustedEndpoint(EtcdStoreError):
+    """The TLS handshake failed on a certificate (ours or the member's): refused, not retried."""
+
+
 def classify(fn: Callable[[], T]) -> T:
     """Run ``fn``; turn the library's endpoint-level failures into ``Transient`` and every other
     refusal into ``EtcdStoreError``."""
@@ -236,8 +242,10 @@ def classify(fn: Callable[[], T]) -> T:
         raise
     except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as e:
         # 503 (no leader, member stopping), 504/408 (timeouts), 500 (leader changed mid-request)
+        _refuse_untrusted(e)
         raise Transient(_brief(e)) from e
     except requests.exceptions.RequestException as e:  # raised unwrapped by watch creation
+        _refuse_untrusted(e)
         raise Transient(_brief(e)) from e
     except ex.Etcd3Exception as e:
         text = _brief(e)
@@ -253,7 +261,32 @@ def classify(fn: Callable[[], T]) -> T:
                 f"etcd answered {text}: no v3 API (gRPC gateway at {API_PATH}) there; "
                 "the etcd store needs etcd >= 3.4 with the v3 API enabled"
             ) from e
+        if "permission denied" in text:
+            raise EtcdStoreError(
+                f"etcd refused the request ({text}): the user INPROCESS_ETCD_USER names has no "
+                "role that may read and write restartable/: grant one (etcdctl role "
+                "grant-permission ROLE --prefix=true readwrite restartable/; docs/etcd.md)"
+            ) from e
         raise EtcdStoreError(f"etcd refused the request: {text}") from e
+
+
+def _refuse_untrusted(exc: BaseException) -> None:
+    """A TLS handshake that fails on a certificate is not a member that is down: it is refused
+    at once (``UntrustedEndpoint``), never retried until the timeout as if unreachable (found by
+    issue 46's probe: a wrong CA or client certificate took the whole timeout, then read as
+    "no endpoint answered")."""
+    text = _brief(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+        raise UntrustedEndpoint(
+            f"etcd's certificate is not signed by the CA in INPROCESS_ETCD_CA ({text}): set "
+            "INPROCESS_ETCD_CA to the CA that signed the members' certificates (docs/etcd.md)"
+        ) from exc
+    if any(a in text for a in ("ALERT_BAD_CERTIFICATE", "ALERT_UNKNOWN_CA", "CERTIFICATE_REQ")):
+        raise UntrustedEndpoint(
+            f"etcd refused this client's certificate ({text}): set INPROCESS_ETCD_CERT and "
+            "INPROCESS_ETCD_KEY to a certificate signed by the CA the members trust "
+            "(their --trusted-ca-file; docs/etcd.md)"
+        ) from exc
 
 
 def _brief(exc: BaseException) -> str:
