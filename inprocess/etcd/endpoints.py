@@ -34,6 +34,10 @@ API_PATH = "/v3/"  # etcd >= 3.4; 3.3's /v3beta/ gateway is not supported (ours 
 # that an election (~1 s with etcd's defaults) is not flooded with requests.
 _BACKOFF_FIRST_S = 0.0
 _BACKOFF_MAX_S = 0.2
+# Handshakes a member breaks off in a row before its refusal of our client certificate is taken
+# for what it is (with TLS 1.3 the refusal often reaches the client as a bare EOF, not an alert;
+# a member that is down refuses the connection instead, so it never counts here).
+_TLS_TRIES = 3
 
 
 class Transient(Exception):
@@ -126,7 +130,7 @@ class Endpoints:
         non-idempotent writes so). Raises ``EtcdTimeoutError`` naming every endpoint, the
         bound and the last error; ``EtcdStoreError`` for a non-transient refusal."""
         backoff = _BACKOFF_FIRST_S
-        tried = 0
+        tried = tls_failed = 0
         while True:
             index, client = self.current()
             try:
@@ -139,6 +143,13 @@ class Endpoints:
                     raise EtcdStoreError(
                         f"etcd at {client.base_url} requires authentication ({exc}): set "
                         "INPROCESS_ETCD_USER and INPROCESS_ETCD_PASSWORD_FILE (docs/etcd.md)"
+                    ) from exc
+                tls_failed = tls_failed + 1 if "SSL" in str(exc) else 0
+                if tls_failed >= _TLS_TRIES:
+                    raise UntrustedEndpoint(
+                        f"etcd broke off {tls_failed} TLS handshakes in a row ({exc}): a member "
+                        "that does not accept this client's certificate; set INPROCESS_ETCD_CERT "
+                        "and INPROCESS_ETCD_KEY to one signed by the CA the members trust"
                     ) from exc
                 self.failed(index, exc)
                 tried += 1
