@@ -13,8 +13,10 @@ import contextlib
 import datetime
 import os
 import re
+import resource
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +30,8 @@ from tests.multiproc import REPO_ROOT, free_port, slow
 
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
 END_KEY = "restartable/it0/end"
+_FLOOD = 2000  # raw connections a stranger holds open (measured: 5000 held in 0.5 s)
+_FLOOD_KEYS = 5_000
 
 
 def _launch(
@@ -165,3 +169,29 @@ def test_garbage_at_the_end_key_during_a_hang_still_ends_the_hang(tmp_path: Path
     assert ended < SOFT_TIMEOUT_S, output
     assert rc == 0 and len(list((tmp_path / "job").glob("finished-*"))) == 2, output
     assert f"'{END_KEY}' holds" in output, output  # named, not parsed
+
+
+@slow("a hang and a restart under a flood (~40 s on 2 busy cores)")
+def test_a_flood_of_connections_and_keys_does_not_stop_a_restart(tmp_path: Path) -> None:
+    port = free_port()
+    proc, log = _launch(tmp_path, port, steps=12, hang_at=6)
+    held: list[socket.socket] = []
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with _killed_on_failure(proc):
+            _wait_for(log, "[rank 1] iteration 0 step 3", proc)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(limits[1], _FLOOD + 1000), limits[1]))
+            # Connections that never speak the store's protocol, held open through the hang
+            # and the restart (which opens new clients of its own), and junk keys.
+            held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(_FLOOD)]
+            probe = _client(port)
+            for i in range(_FLOOD_KEYS):
+                probe.set(f"restartable/flood/{i}", b"x" * 100)
+            assert probe.num_keys() >= _FLOOD_KEYS
+            _wait_for(log, "[rank 1] iteration 1 step 1", proc)
+        rc, output = _finish(proc, log)
+    finally:
+        for s in held:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+    assert rc == 0 and len(list((tmp_path / "job").glob("finished-*"))) == 2, output
