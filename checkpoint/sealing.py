@@ -201,6 +201,19 @@ def job_secret(environ: Mapping[str, str] | None = None, *, create: bool = True)
     return _shared_secret(_secrets_dir(env) / scope, create=create)
 
 
+def forget_shared_secret(environ: Mapping[str, str]) -> None:
+    """Remove the per-user secret file ``job_secret(environ)`` would share (none: nothing).
+
+    Node 0's launcher calls it when its launch ends, so the next launch on the same address
+    draws a fresh secret instead of reusing one that outlived its job (a launch that crashed
+    leaves it; its keys per launch still differ: ``Sealer.derive``)."""
+    if environ.get(SECRET_ENV) or environ.get(SECRET_FILE_ENV) or _taken:
+        return  # the secret was given: no file of ours
+    scope = _job_scope(environ)
+    if scope is not None:
+        (_secrets_dir(environ) / scope).unlink(missing_ok=True)
+
+
 def _job_scope(env: Mapping[str, str]) -> str | None:
     """A file name that every process of one job derives alike: the store's address and the
     job's id (a later job on the same address and id reuses it: docs/security.md)."""

@@ -408,15 +408,21 @@ def launch_secret(args: argparse.Namespace) -> bytes:
     elif args.nnodes == 1:
         secret = bytes.fromhex(sealing.new_secret())
     else:
-        scope = {
-            "MASTER_ADDR": args.master_addr,
-            "MASTER_PORT": str(args.master_port),
-            "INPROCESS_STORE": args.store or "",
-            "INPROCESS_JOB_ID": args.job_id or "",
-        }
-        secret = sealing.job_secret({**os.environ, **scope}, create=args.node_rank == 0)
+        secret = sealing.job_secret(_shared_scope(args), create=args.node_rank == 0)
     assert secret is not None  # a scope is always given above
     return secret
+
+
+def _shared_scope(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that names this job's per-user secret file (several nodes, no secret
+    given): every node's launcher derives the same one from the same flags."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(args.master_port),
+        "INPROCESS_STORE": args.store or "",
+        "INPROCESS_JOB_ID": args.job_id or "",
+    }
 
 
 def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
@@ -434,8 +440,12 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
         )
     jr.start(control.launch_id)
-    with _warm_pool(args) as pool:
-        return _rounds(args, control, jr, pool)
+    try:
+        with _warm_pool(args) as pool:
+            return _rounds(args, control, jr, pool)
+    finally:
+        if args.node_rank == 0 and args.nnodes > 1:  # the shared file dies with its launch
+            sealing.forget_shared_secret(_shared_scope(args))
 
 
 def _warm_pool(args: argparse.Namespace) -> contextlib.AbstractContextManager[WarmPool | None]:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -110,3 +111,19 @@ def test_the_secret_leaves_the_environment_and_children_do_not_see_it(
     seen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert seen.stdout.strip() == "False"
     assert sealing.child_env({})[sealing.SECRET_ENV] == ROOT.secret.hex()  # ours, explicitly
+
+
+def test_the_shared_per_user_file_ends_with_its_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sealing, "_taken", None)
+    env = {"MASTER_ADDR": "h", "MASTER_PORT": "1", "RESTARTABLE_SECRETS_DIR": str(tmp_path / "s")}
+    first = sealing.job_secret(env)
+    assert len(list((tmp_path / "s").iterdir())) == 1
+    sealing.forget_shared_secret(env)  # node 0's launcher, at the end of its launch
+    assert list((tmp_path / "s").iterdir()) == []
+    assert sealing.job_secret(env) != first  # the next launch on the same address: a new one
+    given = tmp_path / "given"
+    given.write_text(ROOT.secret.hex())
+    sealing.forget_shared_secret({**env, sealing.SECRET_FILE_ENV: str(given)})
+    assert given.exists() and len(list((tmp_path / "s").iterdir())) == 1  # not ours to remove
