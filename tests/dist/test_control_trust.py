@@ -113,6 +113,22 @@ def test_a_raw_stopped_value_stops_the_job_with_75_and_one_line(tmp_path: Path) 
     assert "child sees secret: True" not in output, output
 
 
+@slow("a hang first (~25 s each); the raw stopped value above covers the launcher's side")
+@pytest.mark.parametrize("key", ["restartable/it0/faults", "restartable/it0/restart/go"])
+def test_garbage_where_the_restart_reads_stops_the_job_naming_the_key(
+    tmp_path: Path, key: str
+) -> None:
+    port = free_port()
+    proc, log = _launch(tmp_path, port, steps=12, hang_at=6)
+    with _killed_on_failure(proc):
+        _wait_for(log, "[rank 1] hanging", proc)
+        _client(port).set(key, b"garbage")  # read by the restart that the hang starts
+    rc, output = _finish(proc, log)
+    assert rc == 75, output
+    (exit_line,) = [ln for ln in output.splitlines() if ln.startswith("[launcher node 0] exit")]
+    assert f"store key '{key}'" in exit_line, output
+
+
 def _capture_done(port: int, proc: subprocess.Popen[bytes], log: Path) -> bytes:
     """The sealed ``done`` of a job that trains to its end, as a stranger reads it."""
     probe = None
