@@ -296,10 +296,29 @@ def _read_private(path: Path) -> bytes:
         raise ValueError(f"secret file {path} does not hold hex digits: rewrite it") from None
 
 
+# What names one job, alike in all its processes, where the scheduler or torchrun says it: a
+# secret read from a file is bound to it (``job_sealer``). No restart count of torchrun's: an
+# agent that joins a later rendezvous round counts differently from the others.
+_JOB_NAMES = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+
+
 def job_sealer(environ: Mapping[str, str] | None = None, *, create: bool = True) -> Sealer | None:
-    """``Sealer(job_secret())``, or None where there is no job (see ``job_secret``)."""
+    """The job's sealer, or None where there is no job (see ``job_secret``).
+
+    A secret handed in ``RESTARTABLE_SECRET`` is used as it is (``inprocess.launch`` hands its
+    ranks a key already bound to their launch and round; a rank hands its watchdog its own).
+    A secret read from a file (``RESTARTABLE_SECRET_FILE``, or the per-user file), which
+    several jobs may share, is bound to the job the environment names (Slurm's job, step and
+    requeue count, torchrun's run id): a value of one such job does not verify in another."""
+    env = os.environ if environ is None else environ
     secret = job_secret(environ, create=create)
-    return None if secret is None else Sealer(secret)
+    if secret is None:
+        return None
+    sealer = Sealer(secret)
+    if env.get(SECRET_ENV) or (environ is None and _taken):
+        return sealer
+    names = [f"{k}={env[k]}" for k in _JOB_NAMES if env.get(k)]
+    return sealer.derive("job", *names) if names else sealer
 
 
 take_from_environ()  # at import: before anything of the user's can start a process

@@ -127,3 +127,23 @@ def test_the_shared_per_user_file_ends_with_its_launch(
     given.write_text(ROOT.secret.hex())
     sealing.forget_shared_secret({**env, sealing.SECRET_FILE_ENV: str(given)})
     assert given.exists() and len(list((tmp_path / "s").iterdir())) == 1  # not ours to remove
+
+
+def test_a_shared_secret_file_is_bound_to_the_job_that_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # srun / torchrun without our launcher: two jobs that share RESTARTABLE_SECRET_FILE.
+    monkeypatch.setattr(sealing, "_taken", None)
+    shared = tmp_path / "secret"
+    shared.write_text(ROOT.secret.hex())
+    shared.chmod(0o600)
+    env = {sealing.SECRET_FILE_ENV: str(shared), "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    earlier, also_earlier = sealing.job_sealer(env), sealing.job_sealer(dict(env))
+    later = sealing.job_sealer({**env, "SLURM_JOB_ID": "8"})
+    assert earlier is not None and also_earlier is not None and later is not None
+    done = earlier.seal(keys.end_key(0), keys.OUTCOME_DONE)
+    assert also_earlier.open(keys.end_key(0), done) == b"done"  # every process of one job
+    with pytest.raises(ForgedValueError, match="MAC"):
+        later.open(keys.end_key(0), done)
+    handed = sealing.job_sealer({sealing.SECRET_ENV: ROOT.secret.hex(), "SLURM_JOB_ID": "8"})
+    assert handed is not None and handed.secret == ROOT.secret  # the launcher's key, as is
