@@ -23,7 +23,7 @@ from typing import Any
 
 from checkpoint import _torch_private, plain
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
-from checkpoint.sealing import ForgedValueError, Sealer, job_sealer
+from checkpoint.sealing import ForgedValueError, Sealer, job_sealer, parse_count
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ class StoreExchange:
         if self.rank != 0:
             return None
         keys = [self._key(name, r) for r in range(self.world)]
-        self._wait(keys, name, ready=lambda: int(self._store.get(count)) >= self.world)
+        self._wait(
+            keys, name, ready=lambda: parse_count(count, self._store.get(count)) >= self.world
+        )
         multi_get = getattr(self._store, "multi_get", None)
         blobs = multi_get(keys) if multi_get is not None else [self._store.get(k) for k in keys]
         # Deleted at rank 0's next receive(), after it published the answer: the deletes are

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint import _torch_private
 from checkpoint.errors import CheckpointConfigError, CheckpointError
+from checkpoint.sealing import parse_count
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -41,7 +42,7 @@ def _arrive(store: Any, key: str, *, world: int, timeout: float) -> None:
     pause = _ARRIVE_POLL_FIRST_S
     # A read, not add(key, 0): on etcd an add is a compare-and-swap written through raft,
     # which every poll of every rank would cost (measured: 17.7 s of etcd CPU, 64 ranks).
-    while (arrived := int(store.get(key))) < world:
+    while (arrived := parse_count(key, store.get(key))) < world:
         if time.monotonic() > end:
             raise CheckpointError(
                 f"only {arrived} of {world} ranks reached the checkpoint group set-up within "

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoint.sealing import ForgedValueError, job_sealer
+from checkpoint.sealing import ForgedValueError, child_env, job_sealer
 from inprocess.errors import ConfigError
 from inprocess.protocol.environment import LaunchEnv
 from inprocess.protocol.keys import GONE_KEY, ROOT, StoreLike, parse_ranks, peek
@@ -149,7 +149,8 @@ def spawn_server(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        # Its view of the "left" list is sealed: it gets the secret this rank was handed.
+        env=child_env({**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}),
     )
     log.info("started store server pid %d on port %d", proc.pid, port)
     return proc.pid

@@ -34,6 +34,10 @@ API_PATH = "/v3/"  # etcd >= 3.4; 3.3's /v3beta/ gateway is not supported (ours 
 # that an election (~1 s with etcd's defaults) is not flooded with requests.
 _BACKOFF_FIRST_S = 0.0
 _BACKOFF_MAX_S = 0.2
+# Handshakes a member breaks off in a row before its refusal of our client certificate is taken
+# for what it is (with TLS 1.3 the refusal often reaches the client as a bare EOF, not an alert;
+# a member that is down refuses the connection instead, so it never counts here).
+_TLS_TRIES = 3
 
 
 class Transient(Exception):
@@ -126,7 +130,7 @@ class Endpoints:
         non-idempotent writes so). Raises ``EtcdTimeoutError`` naming every endpoint, the
         bound and the last error; ``EtcdStoreError`` for a non-transient refusal."""
         backoff = _BACKOFF_FIRST_S
-        tried = 0
+        tried = tls_failed = 0
         while True:
             index, client = self.current()
             try:
@@ -139,6 +143,13 @@ class Endpoints:
                     raise EtcdStoreError(
                         f"etcd at {client.base_url} requires authentication ({exc}): set "
                         "INPROCESS_ETCD_USER and INPROCESS_ETCD_PASSWORD_FILE (docs/etcd.md)"
+                    ) from exc
+                tls_failed = tls_failed + 1 if "SSL" in str(exc) else 0
+                if tls_failed >= _TLS_TRIES:
+                    raise UntrustedEndpoint(
+                        f"etcd broke off {tls_failed} TLS handshakes in a row ({exc}): a member "
+                        "that does not accept this client's certificate; set INPROCESS_ETCD_CERT "
+                        "and INPROCESS_ETCD_KEY to one signed by the CA the members trust"
                     ) from exc
                 self.failed(index, exc)
                 tried += 1
@@ -164,6 +175,8 @@ class Endpoints:
         client.session.headers.pop("Authorization", None)
         try:
             answer = classify(lambda: client.post(client.get_url("/auth/authenticate"), json=body))
+        except UntrustedEndpoint:
+            raise  # a certificate, not the user: the message says which
         except (EtcdStoreError, TokenRefused) as exc:
             raise EtcdStoreError(
                 f"etcd at {client.base_url} refused user {self._creds.user!r}: {exc}; check "
@@ -224,6 +237,10 @@ def _status(client: Etcd3Client) -> None:
         )
 
 
+class UntrustedEndpoint(EtcdStoreError):
+    """The TLS handshake failed on a certificate (ours or the member's): refused, not retried."""
+
+
 def classify(fn: Callable[[], T]) -> T:
     """Run ``fn``; turn the library's endpoint-level failures into ``Transient`` and every other
     refusal into ``EtcdStoreError``."""
@@ -236,8 +253,10 @@ def classify(fn: Callable[[], T]) -> T:
         raise
     except (ex.ConnectionFailedError, ex.ConnectionTimeoutError, ex.InternalServerError) as e:
         # 503 (no leader, member stopping), 504/408 (timeouts), 500 (leader changed mid-request)
+        _refuse_untrusted(e)
         raise Transient(_brief(e)) from e
     except requests.exceptions.RequestException as e:  # raised unwrapped by watch creation
+        _refuse_untrusted(e)
         raise Transient(_brief(e)) from e
     except ex.Etcd3Exception as e:
         text = _brief(e)
@@ -253,7 +272,32 @@ def classify(fn: Callable[[], T]) -> T:
                 f"etcd answered {text}: no v3 API (gRPC gateway at {API_PATH}) there; "
                 "the etcd store needs etcd >= 3.4 with the v3 API enabled"
             ) from e
+        if "permission denied" in text:
+            raise EtcdStoreError(
+                f"etcd refused the request ({text}): the user INPROCESS_ETCD_USER names has no "
+                "role that may read and write restartable/: grant one (etcdctl role "
+                "grant-permission ROLE --prefix=true readwrite restartable/; docs/etcd.md)"
+            ) from e
         raise EtcdStoreError(f"etcd refused the request: {text}") from e
+
+
+def _refuse_untrusted(exc: BaseException) -> None:
+    """A TLS handshake that fails on a certificate is not a member that is down: it is refused
+    at once (``UntrustedEndpoint``), never retried until the timeout as if unreachable (found by
+    issue 46's probe: a wrong CA or client certificate took the whole timeout, then read as
+    "no endpoint answered")."""
+    text = _brief(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+        raise UntrustedEndpoint(
+            f"etcd's certificate is not signed by the CA in INPROCESS_ETCD_CA ({text}): set "
+            "INPROCESS_ETCD_CA to the CA that signed the members' certificates (docs/etcd.md)"
+        ) from exc
+    if any(a in text for a in ("ALERT_BAD_CERTIFICATE", "ALERT_UNKNOWN_CA", "CERTIFICATE_REQ")):
+        raise UntrustedEndpoint(
+            f"etcd refused this client's certificate ({text}): set INPROCESS_ETCD_CERT and "
+            "INPROCESS_ETCD_KEY to a certificate signed by the CA the members trust "
+            "(their --trusted-ca-file; docs/etcd.md)"
+        ) from exc
 
 
 def _brief(exc: BaseException) -> str:

@@ -15,6 +15,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
+from checkpoint.sealing import parse_count
 from inprocess import journal
 from inprocess.config import SIMULATED_FAULT_TYPES, RestartConfig
 from inprocess.protocol import job_keys, keys
@@ -146,7 +147,7 @@ def start_in_rank(
     if target is None:
         proposal = str(rng.randrange(env.world_size))
         store.compare_set(TARGET_KEY, "", proposal)
-        target = int(store.get(TARGET_KEY))
+        target = parse_count(TARGET_KEY, store.get(TARGET_KEY))
     if target != env.rank:
         return None
     kind = cfg.simulated_fault_type

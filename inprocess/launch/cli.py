@@ -253,7 +253,8 @@ def rank_env(
 
     ``generation`` > 0: a process respawned in the slot of ``local_rank``; it keeps the slot's
     RANK and joins the job under a new identity (``inprocess.protocol.ranks.respawn_identity``).
-    ``store_env``: the round's INPROCESS_STORE / INPROCESS_JOB_ID with ``--store``.
+    ``store_env``: the round's key (RESTARTABLE_SECRET) and, with ``--store``, its
+    INPROCESS_STORE / INPROCESS_JOB_ID.
     ``round_``: the in-job restart round (INPROCESS_LAUNCH_ROUND; the config's fault drill
     fires in round 0 only). ``launch_id``: RESTARTABLE_LAUNCH_ID, the same on every node and
     in every round (the journal groups a launch's records by it; the example names its
@@ -287,8 +288,6 @@ def rank_env(
     }
     if launch_id is not None:
         env[journal.ENV_LAUNCH] = launch_id
-    if getattr(args, "secret", None):  # the job's secret, private to this user's processes
-        env[sealing.SECRET_ENV] = args.secret
     if generation:
         env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
     else:
@@ -416,20 +415,26 @@ def launch_secret(args: argparse.Namespace) -> bytes:
     the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
     per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
     --job-id (a shared home directory; docs/security.md)."""
-    if os.environ.get(sealing.SECRET_ENV) or os.environ.get(sealing.SECRET_FILE_ENV):
+    if sealing.handed() or os.environ.get(sealing.SECRET_FILE_ENV):
         secret = sealing.job_secret()
     elif args.nnodes == 1:
         secret = bytes.fromhex(sealing.new_secret())
     else:
-        scope = {
-            "MASTER_ADDR": args.master_addr,
-            "MASTER_PORT": str(args.master_port),
-            "INPROCESS_STORE": args.store or "",
-            "INPROCESS_JOB_ID": args.job_id or "",
-        }
-        secret = sealing.job_secret({**os.environ, **scope}, create=args.node_rank == 0)
+        secret = sealing.job_secret(_shared_scope(args), create=args.node_rank == 0)
     assert secret is not None  # a scope is always given above
     return secret
+
+
+def _shared_scope(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that names this job's per-user secret file (several nodes, no secret
+    given): every node's launcher derives the same one from the same flags."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": args.master_addr,
+        "MASTER_PORT": str(args.master_port),
+        "INPROCESS_STORE": args.store or "",
+        "INPROCESS_JOB_ID": args.job_id or "",
+    }
 
 
 def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
@@ -443,7 +448,6 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         secret = launch_secret(args)
     except (OSError, ValueError) as exc:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
-    args.secret = secret.hex()  # rank_env hands it to every rank
     try:
         control = _job_control(args, secret)
     except Exception as exc:
@@ -451,8 +455,12 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
         )
     jr.start(control.launch_id)
-    with _warm_pool(args) as pool:
-        return _rounds(args, control, jr, pool)
+    try:
+        with _warm_pool(args) as pool:
+            return _rounds(args, control, jr, pool)
+    finally:
+        if args.node_rank == 0 and args.nnodes > 1:  # the shared file dies with its launch
+            sealing.forget_shared_secret(_shared_scope(args))
 
 
 def _warm_pool(args: argparse.Namespace) -> contextlib.AbstractContextManager[WarmPool | None]:

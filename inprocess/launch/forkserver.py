@@ -31,6 +31,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from checkpoint import sealing
+
 READY_LINE = b"ready\n"
 MAX_REQUEST = 1 << 20  # bytes of one request (the environment dominates: tens of KB)
 _REAP_S = 0.02  # how often the server looks for ranks that ended
@@ -116,6 +118,7 @@ def _run_rank(request: dict[str, object], out_fd: int) -> int:
         argv = [str(a) for a in request["argv"]]  # type: ignore[attr-defined]
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})  # type: ignore[attr-defined]
+        sealing.take_from_environ()  # before the script: its children never inherit it
         os.chdir(str(request["cwd"]))
         sys.argv = argv
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py`

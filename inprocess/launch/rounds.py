@@ -6,7 +6,10 @@ The control keys live under ``launch/`` (``<ns>`` below) in the control store. W
 (round 0's ranks use that store too; every later round gets a fresh store, so no key of an
 earlier round is ever read again):
 
-* ``<ns>id``               the launch id (node 0 draws it; RESTARTABLE_LAUNCH_ID of every rank)
+* ``launch/token``         the launch id and when node 0 drew it (JSON; sealed with the job's
+                           secret; RESTARTABLE_LAUNCH_ID of every rank). Every other value is
+                           sealed with a key derived from that id (``launch_sealer``), each
+                           round's ranks with one derived from it and the round
 * ``<ns>r{k}/port``        the port of round ``k``'s store (node 0 publishes it)
 * ``<ns>r{k}/arrived``     launchers ready to start round ``k`` (all must arrive)
 * ``<ns>r{k}/action``      what ends round ``k`` for every node: JSON ``{"kind": "restart" |
@@ -44,7 +47,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.sealing import ForgedValueError, Sealer
+from checkpoint.sealing import SECRET_ENV, ForgedValueError, Sealer
 from inprocess.clock import SYSTEM, Clock
 from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
 from inprocess.protocol.sealed_store import seal
@@ -58,6 +61,12 @@ TOKEN_KEY = "launch/token"  # with etcd: {"id": launch id, "t": time.time() when
 def new_launch_id() -> str:
     """A fresh launch id, readable in a directory listing: ``20261122-203815-1a2b3c``."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+def launch_sealer(root: Sealer, launch_id: str) -> Sealer:
+    """The key of one launch's control values, derived from the job's secret and the launch
+    id node 0 drew (``TOKEN_KEY``); each round's ranks get one derived from it in turn."""
+    return root.derive("launch", launch_id)
 
 
 class NodeLostError(Exception):
@@ -132,6 +141,7 @@ class JobControl:
             self.store = seal(open_store(store_url, job_id=job_id, timeout=node_timeout), sealer)
             self.launch_id = self._settle_token(launch_id)
             self.ns = f"launch/{self.launch_id}/"
+            self._bind_to_launch()
             return
         if node_rank == 0:
             # Outside every training process: losing any rank loses no coordination state.
@@ -139,24 +149,35 @@ class JobControl:
                 listening_server(addr, port or 0, wait_for_workers=False, use_libuv=True), sealer
             )
             self.port = int(self.store.port)
-            self.launch_id = launch_id or new_launch_id()
-            self.store.set(self._k("id"), self.launch_id)
         else:
             assert port is not None
-            self.store = seal(_client(addr, port, node_timeout), sealer)
-            self.port = port
             try:
-                self.store.wait([self._k("id")], datetime.timedelta(seconds=node_timeout))
-                self.launch_id = self.store.get(self._k("id")).decode()
+                self.store = seal(_client(addr, port, node_timeout), sealer)
             except Exception as exc:
                 raise _store_lost(exc) from exc
+            self.port = port
+        self.launch_id = self._settle_token(launch_id)
+        self._bind_to_launch()
+
+    def _bind_to_launch(self) -> None:
+        """From here on every value is sealed with this launch's own key (``launch_sealer``):
+        nothing another launch sealed, even one that shares the secret, verifies."""
+        if self._sealer is not None:
+            self._sealer = launch_sealer(self._sealer, self.launch_id)
+            self.store = seal(self.store.raw, self._sealer)
+
+    def round_sealer(self, k: int) -> Sealer | None:
+        """The key of round ``k``'s store and ranks (``round_store_env``); None without one."""
+        return None if self._sealer is None else self._sealer.derive("round", str(k))
 
     def _k(self, name: str) -> str:
         return self.ns + name
 
     def _settle_token(self, launch_id: str | None) -> str:
-        """With etcd: node 0 publishes the launch (after deleting stale keys); the others wait
-        for a token drawn after they started (less ``node_timeout`` for clock skew)."""
+        """Node 0 publishes the launch (with etcd after deleting stale keys), sealed with the
+        job's secret; the others wait for a token drawn after they started (less
+        ``node_timeout`` for clock skew), so a token replayed from an earlier launch that
+        shares the secret is not taken (the launch key derives from its id)."""
         if self.node_rank == 0:
             token = {"id": launch_id or new_launch_id(), "t": self.clock.wall()}
             self.store.set(TOKEN_KEY, json.dumps(token))
@@ -188,8 +209,11 @@ class JobControl:
             if self.store_url is not None:  # the ranks' store is on etcd; no server anywhere
                 round_store, port = self._etcd_round_store(k), self.port
             elif self.node_rank == 0:
-                round_store = self.store if k == 0 else self._new_round_store(k)
-                port = int(round_store.port)
+                if k == 0:  # round 0's ranks use the control store's server
+                    round_store, port = seal(self.store.raw, self.round_sealer(0)), self.port
+                else:
+                    round_store = self._new_round_store(k)
+                    port = int(round_store.port)
                 self.store.set(self._k(f"r{k}/port"), str(port))
             deadline = time.monotonic() + self.node_timeout
             while self.store.add(self._k(f"r{k}/arrived"), 0) < self.nnodes:
@@ -203,9 +227,8 @@ class JobControl:
             if self.node_rank != 0 and self.store_url is None:
                 self.store.wait([self._k(f"r{k}/port")], datetime.timedelta(seconds=30))
                 port = int(self.store.get(self._k(f"r{k}/port")))
-                round_store = (
-                    self.store if k == 0 else seal(_client(self.addr, port, 30.0), self._sealer)
-                )
+                raw = self.store.raw if k == 0 else _client(self.addr, port, 30.0)
+                round_store = seal(raw, self.round_sealer(k))
         except NodeLostError:
             raise
         except Exception as exc:
@@ -213,9 +236,9 @@ class JobControl:
         return port, round_store
 
     def _new_round_store(self, k: int) -> Any:
-
         store = seal(
-            listening_server(self.addr, 0, wait_for_workers=False, use_libuv=True), self._sealer
+            listening_server(self.addr, 0, wait_for_workers=False, use_libuv=True),
+            self.round_sealer(k),
         )
         # The previous round's processes are gone; its store goes (round 0's is the control).
         self._round_stores.pop(k - 1, None)
@@ -228,7 +251,7 @@ class JobControl:
         assert self.store_url is not None
         store = seal(
             open_store(self.store_url, job_id=self.job_id, timeout=self.node_timeout, round_=k),
-            self._sealer,
+            self.round_sealer(k),
         )
         old = self._round_stores.pop(k - 1, None)
         if old is not None:
@@ -237,15 +260,19 @@ class JobControl:
         return store
 
     def round_store_env(self, k: int) -> dict[str, str]:
-        """The ranks' store variables of round ``k``: none with the TCPStore; with etcd the
+        """The ranks' store variables of round ``k``: their key (RESTARTABLE_SECRET, the round's
+        own: a value of another launch or round never verifies); with etcd also the
         endpoints (INPROCESS_STORE) and the round's own key namespace (INPROCESS_JOB_ID), so a
         restarted round never reads a key of an earlier one."""
+        rs = self.round_sealer(k)
+        secret = {} if rs is None else {SECRET_ENV: rs.secret.hex()}
         if self.store_url is None:
-            return {}
+            return secret
         from inprocess.etcd.connect import job_prefix
         from inprocess.etcd.url import parse_url
 
         return {
+            **secret,
             "INPROCESS_STORE": parse_url(self.store_url).to_url(),
             "INPROCESS_JOB_ID": job_prefix(self.store_url, self.job_id, round_=k),
         }

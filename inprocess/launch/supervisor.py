@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from checkpoint.sealing import ForgedValueError
 from inprocess import journal
 from inprocess.launch.autoresume import VERDICT_STATUSES
 from inprocess.launch.pool import PooledProcess, WarmPool
 from inprocess.protocol import job_keys
 from inprocess.protocol.ranks import respawn_identity
-from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -171,14 +171,13 @@ class NodeSupervisor:
             time.sleep(self.cfg.monitor_interval)
             self.on_tick()
             self._reap()
-            state = job_keys.JOB_NOT_STARTED if self.store is None else _state(self.store)
+            state, why = self._look()
             action = self.poll_action()
             if action is not None:
                 return RoundEnd("action", action, self._codes())
             if state == job_keys.JOB_STOPPED and not stopped_told:
                 stopped_told = True
-                reason = job_keys.stop_reason(self.store) or "stopped"
-                self.on_stopped(f"the in-process restart gave up: {reason.splitlines()[0]}")
+                self.on_stopped(why or "the in-process restart gave up: stopped")
                 continue
             self._respawn_due(state)
             live = sum(c.proc.poll() is None for c in self.children.values())
@@ -192,6 +191,27 @@ class NodeSupervisor:
             if not stopped_told and self.job_gone():
                 stopped_told = True
                 self.on_stopped("every rank of the job is gone")
+
+    def _look(self) -> tuple[str, str | None]:
+        """The job's state (``job_keys.job_state``) and, when stopped, why in one line.
+
+        A value that fails to verify at any key read here stops the job like the in-process
+        path giving up, the reason naming the key: a decision (restart or status 75), never an
+        exception out of the launcher (found by issue 46: a raw ``restartable/stopped`` ended
+        the launcher with a traceback and status 1)."""
+        if self.store is None:
+            return job_keys.JOB_NOT_STARTED, None
+        try:
+            state = job_keys.job_state(self.store)
+            if state != job_keys.JOB_STOPPED:
+                return state, None
+            reason = job_keys.stop_reason(self.store) or "stopped"
+        except ForgedValueError as exc:
+            return job_keys.JOB_STOPPED, f"the job's control store cannot be trusted: {exc}"
+        except Exception as exc:  # the store host (node 0) is gone: poll_action() says so
+            log.debug("job state unreadable: %r", exc)
+            return job_keys.JOB_RUNNING, None
+        return state, f"the in-process restart gave up: {reason.splitlines()[0]}"
 
     def _end_of_round(self, state: str) -> RoundEnd | None:
         """No child of this node is left: how the round ended, or None to keep waiting (the
@@ -246,7 +266,8 @@ class NodeSupervisor:
                 )
                 return warm
         return subprocess.Popen(
-            [sys.executable, *self.cfg.script],
+            # The entry takes the job's secret out of the environment before the script runs.
+            [sys.executable, "-m", "inprocess.launch.entry", *self.cfg.script],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -263,7 +284,7 @@ class NodeSupervisor:
             lived = time.monotonic() - c.started
             if rc == 0 or self.interrupted:
                 continue
-            state = _state(self.store) if self.store is not None else job_keys.JOB_NOT_STARTED
+            state = self._look()[0]
             if state == job_keys.JOB_NOT_STARTED:
                 continue  # not a @restartable job (or not started yet): nothing to join
             # Peers learn of the death from its watchdog; a respawned process not yet admitted
@@ -342,14 +363,6 @@ class NodeSupervisor:
                 continue  # the job ended meanwhile: nobody to join
             slot.respawns += 1
             self._spawn(local, slot.respawns)
-
-
-def _state(store: Store) -> str:
-    try:
-        return job_keys.job_state(store)
-    except Exception as exc:  # the store host (node 0) is gone
-        log.debug("job state unreadable: %r", exc)
-        return job_keys.JOB_RUNNING
 
 
 def _describe_exit(rc: int) -> str:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -158,14 +159,19 @@ def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | No
     from checkpoint.sealing import Sealer
     from inprocess.launch.cli import launch_secret
     from inprocess.launch.cli import parse_args as launch_args
+    from inprocess.launch.rounds import TOKEN_KEY, launch_sealer
     from inprocess.protocol.sealed_store import seal
     from inprocess.store_server import client
 
     a = launch_args(list(launch_argv))
     if a.store is not None or a.nnodes == 1:
         return None
-    # The control store's values are sealed with the launchers' secret (found as they find it).
-    store = seal(client(a.master_addr, a.master_port, timeout=30.0), Sealer(launch_secret(a)))
+    # The control store's values are sealed with the launch's key, derived from the launchers'
+    # secret (found as they find it) and the launch id node 0 published under it.
+    root = Sealer(launch_secret(a))
+    raw = client(a.master_addr, a.master_port, timeout=30.0)
+    launch_id = json.loads(seal(raw, root).get(TOKEN_KEY))["id"]
+    store = seal(raw, launch_sealer(root, str(launch_id)))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

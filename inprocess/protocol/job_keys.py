@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from checkpoint.sealing import ForgedValueError, parse_count
 from inprocess import journal
 from inprocess.errors import RestartAbortedError, StoreTimeoutError
 from inprocess.protocol import keys
@@ -73,8 +74,10 @@ def start_iteration(
 
 
 def current_iteration(store: keys.StoreLike) -> int:
-    """The iteration the ranks last announced (0 before the first); never blocks."""
-    return int(store.get(ITERATION_KEY)) if store.check([ITERATION_KEY]) else 0
+    """The iteration the ranks last announced (0 before the first); never blocks. Raises
+    ``ForgedValueError`` naming the key when its value fails to verify or is not a number."""
+    raw = keys.peek(store, ITERATION_KEY)
+    return 0 if raw is None else parse_count(ITERATION_KEY, raw)
 
 
 def register_joiner(store: keys.StoreLike, identity: int) -> None:
@@ -157,8 +160,14 @@ def mark_stopped(store: keys.StoreLike, reason: str, *, origin: str = "") -> Non
 
 
 def stop_origin(store: keys.StoreLike) -> str:
-    """The origin ``mark_stopped`` was given ("application" or ""); never blocks."""
-    return store.get(STOPPED_ORIGIN_KEY).decode() if store.check([STOPPED_ORIGIN_KEY]) else ""
+    """The origin ``mark_stopped`` was given ("application" or ""); never blocks. One that
+    fails to verify (logged, naming the key) is "": the job restarts or is requeued, the
+    safe side (an "application" stop ends it for good)."""
+    try:
+        raw = keys.peek(store, STOPPED_ORIGIN_KEY)
+    except ForgedValueError:
+        return ""
+    return "" if raw is None else raw.decode()
 
 
 def job_state(store: keys.StoreLike) -> str:

@@ -8,7 +8,8 @@ of an earlier iteration is ever read again. Inside it:
                     returned); every monitor and every waiting rank blocks on this one key
 * ``join/*``        the barrier active ranks pass before creating the process group
 * ``ready/*``       the barrier they pass after it, before ``train()``; a fault breaks both
-* ``done/*``        the completion counter
+* ``done/*``        the completion counter (``n``) and every completed rank's token
+                    (``ranks``): the evidence behind "done"
 * ``restart/*``     the barrier after a fault (live ranks and death reports count once each:
                     ``counted/<rank>``, ``n``); ``full`` names who completed the count, who
                     takes the decision (``decider``: the claim when a death report
@@ -30,10 +31,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict
 
+from checkpoint.sealing import ForgedValueError
 from inprocess import journal
 from inprocess.errors import FaultRecord, StoreTimeoutError
 from inprocess.protocol.ranks import decode_ranks, encode_ranks
@@ -171,8 +174,15 @@ def gone_ranks(store: Store) -> set[int]:
 
 
 def outcome(store: Store, iteration: int) -> str | None:
-    """``"fault"``, ``"done"`` or None (the iteration is still running); never blocks."""
-    raw = peek(store, _key(iteration, "end"))
+    """``"fault"``, ``"done"`` or None (the iteration is still running); never blocks.
+
+    A value that fails to verify (``ForgedValueError``, already logged naming the key) is a
+    fault: someone broke the iteration, and every reader must end it alike, never stop
+    watching it (found by issue 46: a garbage ``end`` switched hang detection off)."""
+    try:
+        raw = peek(store, _key(iteration, "end"))
+    except ForgedValueError:
+        return OUTCOME_FAULT
     return None if raw is None else raw.decode()
 
 
@@ -196,6 +206,8 @@ def wait_outcome(
             return None
         try:
             return _wait_value(store, key, min(left, 3600.0)).decode()
+        except ForgedValueError:  # logged by the sealed store, naming the key: see outcome()
+            return OUTCOME_FAULT
         except Exception as exc:  # DistStoreError on timeout; anything else is fatal
             if not _is_timeout(exc):
                 raise
@@ -310,8 +322,18 @@ def initial_barrier(
 
 
 def mark_completed(store: Store, iteration: int, *, active: int) -> None:
-    """An active rank's ``train()`` returned; the last of ``active`` ends the iteration "done"."""
-    if store.add(_key(iteration, "done/n"), 1) >= active:
+    """An active rank's ``train()`` returned; the last of ``active`` ends the iteration "done".
+
+    "done" (what ends a job with status 0) needs evidence from every active rank: each appends
+    a sealed token of its own to ``done/ranks`` before it counts, and the rank whose count
+    completes writes "done" only when that list holds ``active`` distinct tokens. The counter
+    is a plain integer anyone on the store may add to; inflated, it only makes an earlier rank
+    look at an incomplete list and leave the write to the last one."""
+    store.append(_key(iteration, "done/ranks"), secrets.token_hex(8) + ",")
+    if store.add(_key(iteration, "done/n"), 1) < active:
+        return
+    tokens = {t for t in (peek(store, _key(iteration, "done/ranks")) or b"").decode().split(",")}
+    if len(tokens - {""}) >= active:
         store.compare_set(_key(iteration, "end"), "", OUTCOME_DONE)
 
 

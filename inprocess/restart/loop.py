@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
-from checkpoint.sealing import job_sealer
+from checkpoint.sealing import ForgedValueError, job_sealer
 from inprocess import journal
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
@@ -274,7 +274,9 @@ class _Job:
             value = self._run(args, kwargs)
             self.outcome = "done"
             return value
-        except (RestartAbortedError, StoreTimeoutError) as exc:
+        # A value that fails to verify where the restart path reads (a forged fault list or
+        # decision) stops the job like a give-up, naming the key: the launcher decides.
+        except (RestartAbortedError, StoreTimeoutError, ForgedValueError) as exc:
             self.outcome = "stopped"
             if self.store is not None:
                 job_keys.mark_stopped(
