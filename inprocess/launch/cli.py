@@ -44,6 +44,8 @@ from types import FrameType
 
 from checkpoint import sealing
 from inprocess import journal
+from inprocess.errors import ConfigError
+from inprocess.etcd.errors import EtcdStoreError
 from inprocess.faults.drill import FaultDrill
 from inprocess.launch import autoresume, doors
 from inprocess.launch.flags import parse_args as parse_args  # where tests and task.py look
@@ -252,9 +254,6 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
     except (OSError, ValueError) as exc:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
     args.secret = secret.hex()  # rank_env hands it to every rank
-    from inprocess.errors import ConfigError
-    from inprocess.etcd.errors import EtcdStoreError
-
     try:
         control = _job_control(args, secret)
     except (ConfigError, EtcdStoreError) as exc:  # a requeue would fail the same way

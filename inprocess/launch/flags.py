@@ -1,7 +1,8 @@
 """The launcher's flags: the parser, the value rules, and the job id with ``--store``.
 
-Torch-free, like ``inprocess.launch.doors``: a bad command line is answered before the launcher
-imports torch (2-6 s). torchrun's spellings are read too (``inprocess.launch.torchrun_flags``).
+Torch-free, like ``inprocess.launch.doors``, so a bad command line is answered before the
+launcher imports torch (2-6 s); only ``--store`` imports it (the etcd modules do). torchrun's
+spellings are read too (``inprocess.launch.torchrun_flags``).
 """
 
 from __future__ import annotations
