@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
 
 from inprocess.launch import autoresume
 from inprocess.launch.flags import parse_args
+from inprocess.protocol.reach import unreachable
 from inprocess.usage import EXIT_USAGE
 
 # How long the store's endpoints get to answer at the door. A live etcd member answers its
@@ -73,14 +73,14 @@ def _script(path: str) -> str | None:
 def _master(args: argparse.Namespace) -> str | None:
     if args.store or args.nnodes == 1:
         return None
-    try:
-        socket.getaddrinfo(args.master_addr, args.master_port)
-    except (OSError, UnicodeError) as exc:
-        return (
-            f"--master-addr ({args.master_addr}) does not resolve ({exc}): give node 0's host "
-            "name or address, the same on every node"
-        )
-    return None
+    # Resolving only: node 0's launcher may well start after this one.
+    why = unreachable([(args.master_addr, args.master_port)])
+    if why is None:
+        return None
+    return (
+        f"--master-addr ({args.master_addr}) does not resolve ({why}): give node 0's host name "
+        "or address, the same on every node"
+    )
 
 
 def _store(args: argparse.Namespace) -> str | None:
@@ -89,12 +89,11 @@ def _store(args: argparse.Namespace) -> str | None:
     from inprocess.errors import ConfigError
     from inprocess.etcd.endpoints import Endpoints
     from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
-    from inprocess.etcd.reach import unreachable
     from inprocess.etcd.url import parse_url
 
     url = args.store
     address = parse_url(url)  # checked by parse_args
-    why = unreachable(address, connect=_CONNECT_S)
+    why = unreachable(address.endpoints, connect=_CONNECT_S)
     if why is not None:
         return (
             f"--store ({url}): no endpoint can be reached ({why}): correct the hosts and "

@@ -18,9 +18,9 @@ from checkpoint.sealing import Sealer
 from inprocess.config import RestartConfig
 from inprocess.errors import ConfigError
 from inprocess.etcd.connect import open_store
-from inprocess.etcd.reach import unreachable
 from inprocess.etcd.url import parse_url
 from inprocess.protocol.environment import LaunchEnv, store_setting
+from inprocess.protocol.reach import unreachable
 from inprocess.protocol.sealed_store import seal
 from inprocess.restart.abort import GroupReaper
 from inprocess.restart.active import ClientPool, RankServices
@@ -43,7 +43,7 @@ def store_url(cfg: RestartConfig, env: LaunchEnv) -> str | None:
     if url is None:
         return None
     source = "INPROCESS_STORE" if cfg.store is None else "store="
-    why = unreachable(parse_url(url))
+    why = unreachable(parse_url(url).endpoints)
     if why is not None:
         raise ConfigError(
             f"{source} ({url}): no endpoint's host resolves ({why}): correct the host names "

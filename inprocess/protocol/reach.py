@@ -1,20 +1,22 @@
-"""Whether any endpoint of an etcd URL can be reached at all: the door checks of the launcher
-(``inprocess.launch.doors``) and of a rank's first connect (``inprocess.restart.startup``), so a
-mistyped host is one line at once instead of a store timeout of retries."""
+"""Whether any of a store's endpoints can be reached at all: the door checks of the launcher
+(``inprocess.launch.doors``: node 0's host, the etcd cluster) and of a rank's first connect to
+etcd (``inprocess.restart.startup``), so a mistyped host is one line at once instead of a store
+timeout of retries. Torch-free."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 
-from inprocess.etcd.url import EtcdAddress
 
-
-def unreachable(address: EtcdAddress, *, connect: float | None = None) -> str | None:
+def unreachable(
+    endpoints: Iterable[tuple[str, int]], *, connect: float | None = None
+) -> str | None:
     """None when some endpoint's host resolves (and, with ``connect`` seconds, accepts a TCP
     connection within that); otherwise what failed at each, ``host:port: why; ...``. Stops at
     the first endpoint that passes."""
     problems = []
-    for host, port in address.endpoints:
+    for host, port in endpoints:
         problem = _problem(host, port, connect)
         if problem is None:
             return None
