@@ -71,7 +71,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    # No abbreviations: `--fault demo` was taken as --faults.
+    p = _Parser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter, allow_abbrev=False
+    )
     p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     p.add_argument("--faults", default="demo", help=faults.plan_help() + "\n(default: demo)")
     p.add_argument(
@@ -174,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
             f"--active ({active}) must be <= the number of processes ({world}): lower --active "
             "or start more processes (--nproc-per-node)"
         )
+    respawns = int(os.environ.get("INPROCESS_MAX_RESPAWNS", "0"))
+    empty = faults.no_rank_left(plan, world_size=world, active=active, max_respawns=respawns)
+    if empty is not None:
+        raise UsageError(f"--faults: {empty}")
     if args.report_png is not None and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--report-png needs matplotlib: pip install -e '.[plot]'")
     if args.local_dir not in (None, "none") and not Path(args.local_dir).is_dir():
@@ -213,7 +220,6 @@ def run(args: argparse.Namespace) -> int:
     log_file = story.configure(run_dir / "logs" / launch, rank=initial_rank, debug=args.debug)
     if initial_rank == 0:
         log.info("details of every rank: %s", log_file.parent)
-        respawns = int(os.environ.get("INPROCESS_MAX_RESPAWNS", "0"))
         shrink = faults.shrink_warning(plan, world_size=world, active=active, max_respawns=respawns)
         if shrink is not None:
             log.warning("%s", shrink)

@@ -5,6 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Exceptions that report a numerical fault (NaN/Inf, a loss spike, a result that did not
+# reproduce): a float error, or a re-run verdict handed to the restart (``rerun.errors``).
+NUMERICAL_EXC_TYPES = ("FloatingPointError", "rerun.errors.RerunExit")
+
+
+def is_numerical(exc_type: str) -> bool:
+    """True when an exception of type ``exc_type`` (``module.QualName``) is a numerical fault."""
+    return any(exc_type == t or exc_type.endswith("." + t) for t in NUMERICAL_EXC_TYPES)
+
 
 @dataclass(frozen=True)
 class FaultRecord:
@@ -33,13 +42,22 @@ class FaultRecord:
     after_fault: bool = False
     section: str = ""
 
+    @property
+    def label(self) -> str:
+        """The fault's name in restart lines, reports and attribution alike: its ``kind``, but
+        "numerical" for an exception that reports a numerical fault (``is_numerical``); the
+        restart policy keeps reading ``kind``."""
+        return (
+            "numerical" if self.kind == "exception" and is_numerical(self.exc_type) else self.kind
+        )
+
     def summary(self) -> str:
         """One line for logs and error messages."""
         at = f" at {self.where}" if self.where else ""
         at += f" in section {self.section!r}" if self.section else ""
         step = f" (step {self.step})" if self.step is not None else ""
         return (
-            f"iteration {self.iteration}: rank {self.initial_rank} {self.kind}{step}{at}: "
+            f"iteration {self.iteration}: rank {self.initial_rank} {self.label}{step}{at}: "
             f"{self.detail}"
         )
 

@@ -208,7 +208,7 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--idle-timeout", type=float, default=3600.0)

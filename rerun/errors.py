@@ -51,8 +51,8 @@ class RerunExit(RerunError):
         message: str,
     ) -> None:
         super().__init__(
-            f"exit code {exit_code}: {message} (verdict={verdict}, suspect ranks="
-            f"{list(suspect_ranks)}, rank action={restartable_rank_action})"
+            f"{message} (verdict={verdict}, suspect ranks={list(suspect_ranks)}, rank "
+            f"action={restartable_rank_action}, exit status {exit_code})"
         )
         self.exit_code = exit_code
         self.verdict = verdict

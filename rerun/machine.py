@@ -270,10 +270,14 @@ class RerunStateMachine:
         restart, not as faulty.
         """
         exc = self.exit_exception()
-        logger.info("rank %d: %s", self._rank(), exc)
+        standalone = not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT
+        # What happens next, not only the status: in a job the verdict is raised to the restart
+        # and nothing exits (the line said "exit code 17" there).
+        then = f"exiting with status {exc.exit_code}" if standalone else "raised to the restart"
+        logger.info("rank %d: %s; %s", self._rank(), exc, then)
         exits.leave(
             exc,
-            standalone=not self.in_job or self.verdict is Diagnostic.CORRECT_RESULT,
+            standalone=standalone,
             suspect=self._rank() in self._suspects.ranks,
             close=close,
             close_timeout=close_timeout,

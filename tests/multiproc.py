@@ -51,6 +51,18 @@ def slow(why: str) -> pytest.MarkDecorator:
     )
 
 
+def startup_s() -> float:
+    """Seconds a fresh interpreter takes now to import ``torch.distributed``: the start-up of
+    one rank, measured under the machine's present load (it grows with the load: 6.4 s at load
+    6 on the 2-core host).
+
+    For a deadline derived from what a test waits for: the waits it has by design plus the
+    start-up of its ranks, instead of one fixed guess that a loaded machine overruns."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True, timeout=300)
+    return time.monotonic() - t0
+
+
 @dataclass
 class RankOutput:
     """What one rank process did."""

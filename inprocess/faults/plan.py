@@ -115,3 +115,32 @@ def shrink_warning(
         f"reserve(s) and respawn off: the job will shrink below {active} ranks and restore onto "
         "the smaller world (lower --active, or launch with --max-respawns 1, to keep its size)"
     )
+
+
+def no_rank_left(
+    plan: list[PlannedFault], *, world_size: int, active: int, max_respawns: int
+) -> str | None:
+    """One line when ``plan`` kills every training rank: each fault that loses its rank takes a
+    warm reserve (``world_size - active``) or, with none left and respawn off, shrinks the
+    training ranks by one (a fault on a rank the smaller job no longer has never fires). None
+    when a rank is always left, or respawn refills the pool."""
+    if max_respawns > 0:
+        return None
+    reserves, training = world_size - active, active
+    lost: list[str] = []
+    for fault in sorted(plan, key=lambda f: f.step or 0):
+        if not fault.loses_rank or fault.rank >= training:
+            continue
+        lost.append(fault.name)
+        if reserves:
+            reserves -= 1
+        else:
+            training -= 1
+        if training == 0:
+            return (
+                f"the fault plan loses {len(lost)} rank(s) ({', '.join(lost)}), every one of "
+                f"the {world_size} process(es), and respawn is off: no rank would be left to "
+                f"finish; start {world_size + 1} processes (--nproc-per-node) or launch with "
+                "--max-respawns 1"
+            )
+    return None

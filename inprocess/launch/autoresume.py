@@ -1,6 +1,9 @@
 """The launcher's exit statuses and the autoresume flag file a batch script reads to requeue.
 
     status 0   the job finished                      -> flag removed (never requeued)
+    status 2   the job cannot start as configured (a bad flag, a missing script, an unreachable
+               store, an impossible world): one line before any rank starts, or the script's
+               own usage error                       -> flag removed (it would fail again)
     status 17  results failed validation (rerun)     -> flag removed (a model issue: requeueing
                                                         would fail again)
     status 70  an application fault: the in-process restart stopped on the same exception at

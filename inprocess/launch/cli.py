@@ -22,8 +22,10 @@ every launcher restarts all its ranks, which resume from their newest checkpoint
 (``--max-restarts``); (4) job retry: the job ends with status 75 and writes the
 ``--autoresume-file`` flag while ``--num-job-retries-on-failure`` allows.
 
-Exit status (``inprocess.launch.autoresume``): 0 the job finished; 17 a result failed validation; 75
-requeue (in-job restarts exhausted, a node lost, preempted). For a script without
+Exit status (``inprocess.launch.autoresume``): 0 the job finished; 2 the job cannot start as
+configured (a bad or unknown flag, a missing script, an unreachable store: one line, within
+seconds, before any rank starts; or the script's own usage error); 17 a result failed
+validation; 75 requeue (in-job restarts exhausted, a node lost, preempted). For a script without
 ``@restartable``: 0 when at least one rank exited 0 and no rank exited with a non-zero status of
 its own (a rank killed by a signal while the others finished is a rank the job survived);
 otherwise the status of the first rank that failed, or 1 if every rank was killed.
@@ -34,209 +36,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
-import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from checkpoint import sealing
 from checkpoint.private_files import private_dir
 from inprocess import journal
-from inprocess.faults.drill import FAULT_TYPES, FaultDrill
-from inprocess.launch import autoresume
+from inprocess.errors import ConfigError
+from inprocess.etcd.errors import EtcdStoreError
+from inprocess.faults.drill import FaultDrill
+from inprocess.launch import autoresume, doors
+from inprocess.launch.flags import parse_args as parse_args  # where tests and task.py look
 from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
 from inprocess.protocol import environment, job_keys
 from inprocess.protocol.store import Store
+from inprocess.usage import EXIT_USAGE
 
 log = logging.getLogger("inprocess.launch")
-
-_DEFAULT_PORT = 29500  # torchrun's default, for multi-node jobs that name no port
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The launcher's flags; a bad value exits with the flag, the value and the fix."""
-    p = _parser()
-    args = p.parse_args(argv)
-    _check_args(p, args)
-    return args
-
-
-def _parser() -> argparse.ArgumentParser:
-    """Every flag of the launcher (``parse_args`` checks their values)."""
-    p = argparse.ArgumentParser(
-        prog="python -m inprocess.launch",
-        description="Start the ranks of one node; host the coordination store on node 0; "
-        "respawn lost processes, restart the job in place, ask the scheduler for a requeue.",
-    )
-    p.add_argument("--nproc-per-node", type=int, required=True, help="ranks on this node")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="host of the store (node 0)")
-    p.add_argument(
-        "--master-port",
-        type=int,
-        default=None,
-        help="store port (default: a free port on one node, 29500 with several nodes)",
-    )
-    p.add_argument(
-        "--store",
-        default=os.environ.get("INPROCESS_STORE") or None,
-        metavar="URL",
-        help="the ranks' coordination store on an etcd cluster, etcd://h1:2379,h2:2379,h3:2379 "
-        "(default: $INPROCESS_STORE; none: node 0's launcher hosts a TCPStore); docs/etcd.md",
-    )
-    p.add_argument(
-        "--job-id",
-        default=os.environ.get("INPROCESS_JOB_ID") or None,
-        help="with --store: the job's key namespace, the same on every node (default: "
-        "$INPROCESS_JOB_ID, $SLURM_JOB_ID.$SLURM_STEP_ID, or a new uuid with --nnodes 1)",
-    )
-    _add_recovery_flags(p)
-    d = p.add_argument_group("fault drill (FaultToleranceConfig names)")
-    d.add_argument("--simulated-fault-type", choices=FAULT_TYPES, default=None)
-    d.add_argument("--simulated-fault-rank", type=int, default=None)
-    d.add_argument("--simulated-fault-base-delay", type=float, default=0.0)
-    p.add_argument("script", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
-    return p
-
-
-def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
-    r = p.add_argument_group("recovery (for @restartable scripts; all off by default)")
-    r.add_argument(
-        "--max-respawns",
-        type=int,
-        default=0,
-        help="fresh processes started in the slot of a rank that died, per slot and round; "
-        "the new process joins the reserve pool (default 0: off)",
-    )
-    r.add_argument(
-        "--respawn-backoff",
-        type=float,
-        default=1.0,
-        help="seconds before respawning a slot whose process died at start-up twice in a row; "
-        "doubled each further time (default 1.0)",
-    )
-    r.add_argument(
-        "--max-restarts",
-        "--num-in-job-restarts",
-        dest="max_restarts",
-        type=int,
-        default=0,
-        help="in-job restarts (every rank restarted from its newest checkpoint) when the "
-        "in-process restart gives up (default 0: the job ends with status 75)",
-    )
-    r.add_argument(
-        "--num-job-retries-on-failure",
-        type=int,
-        default=2,
-        help="job attempts the autoresume flag may ask the scheduler for (default 2)",
-    )
-    r.add_argument(
-        "--autoresume-file",
-        default=None,
-        help="flag file written when the job should be requeued (status 75), removed otherwise",
-    )
-    _add_pool_flags(r)
-    r.add_argument(
-        "--monitor-interval",
-        type=float,
-        default=0.1,
-        help="seconds between two looks at the ranks and the store (default 0.1)",
-    )
-    r.add_argument(
-        "--node-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to wait for the other nodes' launchers before a round (default 60)",
-    )
-    r.add_argument(
-        "--stop-grace",
-        type=float,
-        default=5.0,
-        help="SIGTERM -> SIGKILL delay when the launcher stops its ranks (default 5)",
-    )
-
-
-def _add_pool_flags(r: argparse._ArgumentGroup) -> None:
-    r.add_argument(
-        "--no-warm-pool",
-        dest="warm_pool",
-        action="store_false",
-        help="start respawned and restarted ranks cold (python, imports, script) instead of "
-        "forking them from the node's pre-started fork server (docs/launching.md#warm-pool)",
-    )
-    r.add_argument(
-        "--preload",
-        default="",
-        metavar="MODULES",
-        help="comma-separated modules the warm pool imports before forking, besides "
-        f"{','.join(DEFAULT_PRELOAD)}: only modules whose import starts no thread, no CUDA "
-        "context and no socket",
-    )
-
-
-def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit (``p.error``) on a bad value, naming the flag, the value and the rule."""
-    for name in ("nproc_per_node", "nnodes"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
-    for name in ("max_respawns", "max_restarts", "num_job_retries_on_failure"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0: give 0 "
-                    "to turn this level off")  # fmt: skip
-    # Finite too: an infinite --stop-grace would never SIGKILL, an infinite --node-timeout
-    # never notice a lost node.
-    for name in ("monitor_interval", "node_timeout"):
-        if not 0 < getattr(args, name) < math.inf:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds "
-                    "and finite")  # fmt: skip
-    for name in ("respawn_backoff", "stop_grace", "simulated_fault_base_delay"):
-        if not 0 <= getattr(args, name) < math.inf:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds "
-                    "and finite")  # fmt: skip
-    if not 0 <= args.node_rank < args.nnodes:
-        p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
-    world = args.nnodes * args.nproc_per_node
-    if args.simulated_fault_rank is not None and not 0 <= args.simulated_fault_rank < world:
-        p.error(
-            f"--simulated-fault-rank ({args.simulated_fault_rank}) must be in [0, {world}): "
-            "name a rank of the job, or omit it for a random one"
-        )
-    if args.nnodes > 1 and args.master_port is None:
-        args.master_port = _DEFAULT_PORT
-    if args.store is not None:
-        _check_store(p, args)
-
-
-def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Validate --store and settle the job id (every launcher of the job must find the same)."""
-    from inprocess.errors import ConfigError
-    from inprocess.etcd.url import check_job_id, parse_url
-
-    try:
-        address = parse_url(args.store)
-        if args.job_id is not None:
-            args.job_id = check_job_id(args.job_id, where="--job-id")
-    except ConfigError as exc:
-        p.error(str(exc))
-    if address.prefix is not None or args.job_id is not None:
-        return
-    step = environment.slurm_job_step()
-    if step is not None:  # the job step: two srun steps of one allocation never share keys
-        args.job_id = step
-    elif args.nnodes == 1:
-        args.job_id = f"launch-{uuid.uuid4().hex}"
-    else:
-        p.error(
-            "--job-id is required with --store and --nnodes > 1 (outside Slurm): give every "
-            "node's launcher the same id, for example --job-id $(date +%s)-myjob"
-        )
 
 
 def rank_env(
@@ -344,7 +165,11 @@ def job_status(returncodes: Sequence[int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the job's rounds on this node; returns the exit status (module docstring)."""
-    args = parse_args(argv)
+    return run(doors.admit(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job of ``args`` (admitted: ``doors.admit``) on this node; the exit status."""
     _log_to_stdout(args.node_rank)
     _omp_notice(args.nproc_per_node)
     jr = _LauncherJournal(args.node_rank)
@@ -450,6 +275,8 @@ def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
         return _finish(args, 1, f"cannot settle the job's secret: {exc}")
     try:
         control = _job_control(args, secret)
+    except (ConfigError, EtcdStoreError) as exc:  # a requeue would fail the same way
+        return doors.refuse(args, str(exc))
     except Exception as exc:
         return _finish(
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
@@ -636,15 +463,17 @@ def _finish(args: argparse.Namespace, status: int, reason: str) -> int:
     )
     what = {
         0: "finished",
+        EXIT_USAGE: "configuration error (not requeued)",
         17: "failed validation (not requeued)",
         autoresume.EXIT_APPLICATION: "application fault (not requeued)",
         75: "requeue",
     }.get(status, "failed")
     # A clean finish says nothing: the job's own output ends the story (each recovery action
-    # was logged when it happened).
+    # was logged when it happened). Nor does status 2: the script's usage error is the one
+    # line that says why (train.py prints it once per node).
     journal.record("launcher_exit", status=status, reason=reason, requeue_flag=flagged, why=what)
     log.log(
-        logging.DEBUG if status == 0 else logging.WARNING,
+        logging.DEBUG if status in (0, EXIT_USAGE) else logging.WARNING,
         "exit %d (%s): %s%s",
         status,
         what,

@@ -141,7 +141,7 @@ def _exit_code(code: object) -> int:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inprocess.launch.forkserver")
+    p = argparse.ArgumentParser(prog="python -m inprocess.launch.forkserver", allow_abbrev=False)
     p.add_argument("--socket", required=True)
     p.add_argument("--launcher-pid", type=int, required=True)
     p.add_argument("--preload", default="")

@@ -70,6 +70,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         i += 2 if argv[i] in _VALUED else 1
     p = argparse.ArgumentParser(
         prog="python -m inprocess.launch.task",
+        allow_abbrev=False,
         description="Run one rank as a child; exit with the job's outcome (module docstring).",
     )
     p.add_argument(

@@ -115,7 +115,7 @@ class Decision:
     def cause(self, limit: int = 4) -> str:
         """One line for logs: the counted faults, then how many were collateral."""
         text = "; ".join(
-            f"{f.kind}{f' ({f.section})' if f.section else ''} on rank {f.initial_rank}"
+            f"{f.label}{f' ({f.section})' if f.section else ''} on rank {f.initial_rank}"
             for f in self.counted[:limit]
         )
         if len(self.counted) > limit:
@@ -325,7 +325,7 @@ def _collateral_reason(
     if evidence is None:
         return None
     others = [g for g in roots if g.initial_rank != f.initial_rank]
-    blame = [f"{g.kind} on rank {g.initial_rank}" for g in others]
+    blame = [f"{g.label} on rank {g.initial_rank}" for g in others]
     blame += [f"rank {r} gone" for r in sorted(gone - {f.initial_rank})]
     if f.after_fault and not blame:  # the fault that ended the iteration is not recorded yet
         blame.append("the iteration had already faulted")

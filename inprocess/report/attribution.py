@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from inprocess.errors import is_numerical
 from inprocess.report.evidence import Fault, Window, faults_of
 
 __all__ = ["Fault", "Finding", "analyse", "attribute", "classify", "faults_of", "text_origin"]
@@ -131,7 +132,7 @@ def text_origin(text: str) -> str | None:
 
 def classify(f: Fault) -> str:
     """kill | hang | exception | numerical | straggler | unhealthy."""
-    if f.kind.startswith("rerun:") or f.exc_type.endswith("FloatingPointError"):
+    if f.kind.startswith("rerun:") or is_numerical(f.exc_type):
         return "numerical"
     if f.kind in HANG_KINDS:
         return "hang"

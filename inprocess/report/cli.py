@@ -9,7 +9,6 @@ torch.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 from inprocess import journal
 from inprocess.report import attribution, downtime, job_view
+from inprocess.usage import UsageParser
 
 EXIT_NO_PLOT = 3  # --png without matplotlib: the text and the JSON were written, the PNG not
 
@@ -165,7 +165,7 @@ def plot(reps: list[downtime.LaunchReport], records: list[dict[str, Any]], out: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = UsageParser(
         prog="python -m inprocess.report",
         description="Downtime report and fault attribution from restartable's run journal.",
     )

@@ -16,9 +16,11 @@ from typing import Any
 
 from checkpoint.sealing import Sealer
 from inprocess.config import RestartConfig
+from inprocess.errors import ConfigError
 from inprocess.etcd.connect import open_store
 from inprocess.etcd.url import parse_url
 from inprocess.protocol.environment import LaunchEnv, store_setting
+from inprocess.protocol.reach import unreachable
 from inprocess.protocol.sealed_store import seal
 from inprocess.restart.abort import GroupReaper
 from inprocess.restart.active import ClientPool, RankServices
@@ -34,10 +36,20 @@ log = logging.getLogger(__name__)
 
 def store_url(cfg: RestartConfig, env: LaunchEnv) -> str | None:
     """The etcd store (docs/etcd.md) when the config or INPROCESS_STORE names one, else None
-    (the TCPStore). Raises ``ConfigError`` for timeouts the store cannot serve; warns when the
-    launcher cannot see the store the config names."""
+    (the TCPStore). Raises ``ConfigError`` for timeouts the store cannot serve and for a URL
+    none of whose hosts resolves (at once, not after ``barrier_timeout`` of retries); warns
+    when the launcher cannot see the store the config names."""
     url = store_setting(cfg.store, env)
-    if url is not None and cfg.store is None:
+    if url is None:
+        return None
+    source = "INPROCESS_STORE" if cfg.store is None else "store="
+    why = unreachable(parse_url(url).endpoints)
+    if why is not None:
+        raise ConfigError(
+            f"{source} ({url}): no endpoint's host resolves ({why}): correct the host names "
+            "(docs/etcd.md)"
+        )
+    if cfg.store is None:
         cfg.check_store_timeouts(url, source="INPROCESS_STORE")
     if cfg.store is not None and env.launcher_pid is not None and not env.store_url:
         log.warning(

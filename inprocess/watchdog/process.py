@@ -243,7 +243,7 @@ def _report(
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inprocess.watchdog")
+    p = argparse.ArgumentParser(prog="python -m inprocess.watchdog", allow_abbrev=False)
     p.add_argument("--store-host", required=True)
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--initial-rank", type=int, required=True)

@@ -112,6 +112,15 @@ def test_faulty_run_recovers_reports_consistently_and_matches_clean_loss(
     # The NaN is re-run in place, found not reproducible, then rolled back (a restart).
     verdicts = [r["verdict"] for r in records if r["event"] == "rerun_verdict"]
     assert "transient_error" in verdicts, verdicts
+    # Named as attribution names it, in the restart line and the report (issue 48: both said
+    # "exception"); and its rank's log says the verdict was raised to the restart, not an exit.
+    nan = next(w for w in windows if w["fault"].startswith("nan@"))
+    assert nan["kind"] == "numerical" and nan["cause"].startswith("numerical on rank"), nan
+    restarts = [ln for ln in faulty.output.splitlines() if "INFO train: restart " in ln]
+    assert sum(": numerical on rank" in ln for ln in restarts) == 1, restarts
+    logs = "".join(p.read_text() for p in (tmp_path / "faulty" / "logs").glob("*/rank*.log"))
+    assert "result validation failed" in logs and "raised to the restart" in logs, logs
+    assert "exit code 17" not in logs, logs
     summed = rep["checkpoint_s"] + sum(w["downtime_s"] for w in windows)
     assert rep["downtime_s"] == pytest.approx(summed, abs=1e-6)
     parts = rep["startup_s"] + rep["productive_s"] + rep["downtime_s"]

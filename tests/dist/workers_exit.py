@@ -24,13 +24,21 @@ def _manager(root: str) -> Any:
     )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    return CheckpointManager(root, persistent_every=1, keep=2, timeout=30.0)
+    return CheckpointManager(root, persistent_every=1, keep=2, timeout=SAVE_TIMEOUT_S)
+
+
+SAVE_TIMEOUT_S = 30.0  # the manager's; the exit hang waited this long
+# How long rank 0 stays up for rank 1's exit: the whole hang and then some, so the test measures
+# a hang's exit too instead of stopping at a guess.
+PEER_WAIT_S = SAVE_TIMEOUT_S + 10.0
 
 
 def abandoned_by_peer(root: str) -> dict[str, Any]:
     """The issue's exit hang: rank 1's save waits on rank 0, which abandons it (a restart took
     its group) and stays alive; rank 1 never closes its manager and returns. It must exit at
-    once, saying the save was abandoned, not wait out the save timeout (30 s here)."""
+    once, saying the save was abandoned, not wait out the save timeout (``SAVE_TIMEOUT_S``).
+    Rank 1's file ``rank1.exited`` is touched at its exit (its mtime: when), its result says
+    when it returned."""
     done = Path(root) / "rank1.exited"
     # Registered before the manager's exit hook, so it runs after it (atexit is LIFO).
     atexit.register(lambda: done.touch() if dist.is_initialized() and dist.get_rank() else None)
@@ -46,7 +54,7 @@ def abandoned_by_peer(root: str) -> dict[str, Any]:
         mgr._persistent.settle_after_restart()  # the abandon point of the next save/load
         release.set()
         mgr.close()
-        end = time.monotonic() + 20  # keep the store (and this rank) up while rank 1 exits
+        end = time.monotonic() + PEER_WAIT_S  # the store (and this rank) up while rank 1 exits
         while not done.exists() and time.monotonic() < end:
             time.sleep(0.05)
         return {"rank1_exited": done.exists()}

@@ -245,3 +245,23 @@ def test_a_plan_that_loses_a_rank_without_reserve_or_respawn_warns_in_one_line()
     assert shrink_warning(plan, world_size=4, active=4, max_respawns=1) is None
     assert shrink_warning(parse_plan("exception@rank0:step5", steps=9), world_size=2, active=2,
                           max_respawns=0) is None  # fmt: skip
+
+
+def test_a_plan_that_kills_every_process_without_respawn_is_named() -> None:
+    from inprocess.faults import no_rank_left, parse_plan
+
+    def left(text: str, *, world: int, active: int, respawns: int = 0) -> str | None:
+        plan = parse_plan(text, steps=30)
+        return no_rank_left(plan, world_size=world, active=active, max_respawns=respawns)
+
+    # The issue's case: one process, no reserve, its kill planned.
+    line = left("kill@rank0:step10", world=1, active=1)
+    assert line is not None and "\n" not in line and "kill@rank0:step10" in line
+    assert "no rank would be left" in line and "--max-respawns 1" in line
+    assert left("kill@rank0:step5,hang_gil@rank0:step9", world=2, active=2) is not None
+    # The first kill shrinks the job to one rank: rank 1's kill never fires.
+    assert left("kill@rank0:step5,kill@rank1:step9", world=2, active=2) is None
+    # A reserve takes the first kill's place; respawn refills the pool; an exception loses none.
+    assert left("kill@rank0:step5,kill@rank0:step9", world=3, active=2) is None
+    assert left("kill@rank0:step10", world=1, active=1, respawns=1) is None
+    assert left("exception@rank0:step10", world=1, active=1) is None
