@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from checkpoint.sealing import SECRET_ENV, Sealer
 from inprocess import RestartConfig, restartable
 from inprocess.errors import ConfigError
 from inprocess.etcd.url import parse_url
@@ -121,6 +122,7 @@ def test_two_srun_steps_of_one_allocation_get_two_namespaces() -> None:
 def test_each_round_of_the_launcher_gets_its_own_namespace() -> None:
     control = JobControl.__new__(JobControl)  # the env helper needs no store
     control.store_url, control.job_id = URL, "j1"
+    control._sealer = None  # no key: this test is about the namespaces
     assert control.round_store_env(0) == {
         "INPROCESS_STORE": "etcd://10.0.0.1:2379,10.0.0.2:2379,[::1]:2380",
         "INPROCESS_JOB_ID": "j1",
@@ -131,6 +133,10 @@ def test_each_round_of_the_launcher_gets_its_own_namespace() -> None:
     assert parse_url(control.round_store_env(1)["INPROCESS_STORE"]).prefix is None
     control.store_url = None
     assert control.round_store_env(1) == {}
+    # With the job's key, each round's ranks get a key of their own, never the job's.
+    control._sealer = Sealer(bytes(range(32)))
+    keys = {control.round_store_env(k)[SECRET_ENV] for k in (0, 1)}
+    assert len(keys) == 2 and bytes(range(32)).hex() not in keys
 
 
 @pytest.mark.parametrize("bad", ["team/exp1", "x/round1", "", "a b"])
