@@ -34,6 +34,7 @@ from inprocess.restart.leaving import close_quietly, leave_store
 from inprocess.restart.process_group import check_no_default_group
 from inprocess.restart.reserve import wait_as_reserve
 from inprocess.restart.story import RestartStory
+from inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,8 @@ class _Job:
         self.agreement = RestartAgreement(cfg, me=self.me, node_of=self.node_of)
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
+        # A reserve's imports of what DDP / FSDP2 need first (inprocess.restart.warmup).
+        self.first_use = FirstUseImports()
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
         self.story = RestartStory()
@@ -205,7 +208,7 @@ class _Job:
         owners = (
             (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
         )
-        close_quietly(*owners, self.watchdog, self.health)
+        close_quietly(*owners, self.watchdog, self.health, self.first_use)
         if self.store is not None:
             leave_store(
                 self.store,
@@ -370,10 +373,10 @@ class _Job:
         )
 
     def _reserve_phase(self, iteration: int) -> Outcome:
-        """A reserve prewarms once, then waits until the iteration ends."""
+        """A reserve warms up and prewarms once, then waits until the iteration ends."""
         assert self.svc is not None
         prewarm, self.prewarmed = (None if self.prewarmed else self.cfg.prewarm), True
-        return wait_as_reserve(self.svc, iteration, prewarm=prewarm)
+        return wait_as_reserve(self.svc, iteration, imports=self.first_use, prewarm=prewarm)
 
     def _active_phase(
         self,
@@ -387,6 +390,9 @@ class _Job:
         """Run ``train()`` as ``rank`` (see ``inprocess.restart.active``); log the restart that led
         here once the group exists, so its ``reinit`` phase is measured."""
         assert self.svc is not None
+        # A reserve taking a place: its first DDP(...) must not import what the background
+        # imports are importing at the same time (see FirstUseImports.wait).
+        self.first_use.wait()
 
         def on_started(reinit_s: float) -> RestartRecord | None:
             if pending is None:
