@@ -33,6 +33,7 @@ from inprocess.restart.health import HealthChecker, check_and_report
 from inprocess.restart.leaving import close_quietly, leave_store
 from inprocess.restart.process_group import check_no_default_group
 from inprocess.restart.reserve import wait_as_reserve
+from inprocess.restart.restored import TierBoard
 from inprocess.restart.story import RestartStory
 from inprocess.restart.warmup import FirstUseImports
 
@@ -397,10 +398,7 @@ class _Job:
         def on_started(reinit_s: float) -> RestartRecord | None:
             if pending is None:
                 return None
-            record = self._log_restart(pending, reinit_s=reinit_s)
-            if rank == 0:  # one console line per restart, by the new rank 0 (restart.story)
-                self.story.restarted(record, fault_time=pending.fault_time)
-            return record
+            return self._restarted(pending, iteration, assignment, rank=rank, reinit_s=reinit_s)
 
         # The torchrun contract (RANK, LOCAL_RANK, ...) of this iteration, before train() runs.
         torchrun_env.export(
@@ -425,6 +423,30 @@ class _Job:
             )
         finally:
             self.story.end_iteration()
+
+    def _restarted(
+        self,
+        pending: _PendingRestart,
+        iteration: int,
+        assignment: Assignment,
+        *,
+        rank: int,
+        reinit_s: float,
+    ) -> RestartRecord:
+        """Log the restart that led to ``iteration`` (its group exists) and start its console
+        line: written by the new rank 0 (restart.story), naming the tier each active rank
+        restored from (restart.restored)."""
+        assert self.svc is not None
+        record = self._log_restart(pending, reinit_s=reinit_s)
+        board = TierBoard(
+            self.svc.store,
+            self.svc.new_client,
+            iteration=iteration,
+            me=self.me,
+            active=assignment.active,
+        )
+        self.story.restarted(record, fault_time=pending.fault_time, lead=rank == 0, board=board)
+        return record
 
     def _restart_phase(
         self, iteration: int, assignment: Assignment, target: int, out: Outcome

@@ -77,7 +77,7 @@ def test_the_minimal_example_survives_a_fault(tmp_path: Path) -> None:
         deadline=120,
     )
     assert job.returncode == 0, job.output
-    assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d from", job.output), (
+    assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d: memory on 2 ranks ", job.output), (
         job.output
     )
     assert re.search(r"\[rank 0\] done: loss \d", job.output), job.output

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from inprocess import journal, report
 from tests.multiproc import run_job
 
 SCRIPT = "tests/dist/workers_words.py"
@@ -25,3 +28,35 @@ def test_an_error_of_the_ranks_own_code_inside_torch_distributed_is_its_error_wi
     assert job.output.count(", in user_code") == 1, job.output
     assert "Sharding propagation failed" in job.output, job.output
     assert "iteration 1 rank 0: done" in job.output, job.output
+
+
+def test_after_a_kill_the_restart_line_names_each_ranks_tier(tmp_path: Path) -> None:
+    # Found by a user: "resumed step 16 from the memory tier" after a SIGKILL: the reserve that
+    # took the killed rank's place restored from the node-local copy (the journal said so).
+    job = run_job(
+        [
+            "-m",
+            "inprocess.launch",
+            "--nproc-per-node",
+            "3",
+            "examples/ddp_tutorial.py",
+            "2",
+            "1",
+            "--kill-at",
+            "16",
+            "--ckpt",
+            str(tmp_path),
+        ],
+        deadline=150,
+        env={journal.ENV_DIR: str(tmp_path / "journal")},
+    )
+    assert job.returncode == 0, job.output
+    assert (
+        "[rank 2] restart 1: dead on rank 0 (collateral, not counted: rank(s) 1); ranks 0,1 -> "
+        "2,1 (reserve: -); resumed step 15: memory on 1 rank, node-local on 1 rank (the reserve) "
+    ) in job.output, job.output
+    assert "[rank 2] done: loss" in job.output, job.output
+    (rep,) = report.reports(tmp_path / "journal")
+    (w,) = rep.windows
+    assert w.tiers == "memory on 1 rank, node-local on 1 rank (the reserve)", w
+    assert "node-local on 1 rank (the reserve)" in report.format_report(rep)
