@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from checkpoint.errors import CheckpointConfigError
 
@@ -87,6 +88,18 @@ class LocalConfig:
                 "the default, unless the state marks its replicated part with ReplicatedState)"
             )
         _positive_int("local_keep", self.keep, "keep at least one local step")
+
+
+def tiers_record(local: LocalConfig | None, persistent: PersistentConfig) -> dict[str, Any]:
+    """What a killed rank's state survives in, for the run journal's ``tiers`` record (written
+    once per manager, at its first save): the restart loop warns when its job replaces killed
+    ranks but their state was in their process's memory only (``inprocess.restart.advice``)."""
+    return {
+        "local": local is not None,
+        "local_dir": local is not None and local.dir is not None,
+        "replication_factor": 1 if local is None else local.replication_factor,
+        "persistent_every": persistent.every,
+    }
 
 
 def _positive_int(name: str, value: object, fix: str) -> None:

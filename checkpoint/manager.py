@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from checkpoint import optimizers
-from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks
+from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks, tiers_record
 from checkpoint.errors import CheckpointConfigError, CheckpointError, ShardingMismatchError
 from checkpoint.group import BackgroundGroup
 from checkpoint.local import LocalTier
@@ -105,6 +105,7 @@ class CheckpointManager:
         self._local: LocalTier | None = None
         self._local_group: BackgroundGroup | None = None
         self._closed = False
+        self._told_tiers = False  # the journal's one "tiers" record (config.tiers_record)
         self.last_restore: Restore | None = None
         # A persistent save that was due but never committed (a fault cancelled it): the next
         # save() writes the persistent tier whatever its interval (see _owe_persistent).
@@ -201,6 +202,9 @@ class CheckpointManager:
             _journal.debug(
                 "save", extra={"journal": {"step": step, "tiers": tiers, "stall_s": stall}}
             )
+        if not self._told_tiers and _journal.handlers:
+            self._told_tiers = True
+            _journal.debug("tiers", extra={"journal": tiers_record(self._local_cfg, self._cfg)})
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Fill ``state`` in place from the newest checkpoint of any tier; its step, or None.

@@ -28,6 +28,7 @@ from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ran
 from inprocess.restart import joining, startup, torchrun_env
 from inprocess.restart.abort import GroupReaper, abort_process_groups
 from inprocess.restart.active import Outcome, RankServices, run_active
+from inprocess.restart.advice import KillAdvice
 from inprocess.restart.agreement import RestartAgreement
 from inprocess.restart.health import HealthChecker, check_and_report
 from inprocess.restart.leaving import close_quietly, leave_store
@@ -129,11 +130,12 @@ class _PendingRestart:
         )
 
     def log(self, *, me: int, reinit_s: float) -> RestartRecord:
-        """Journal and log this restart once (``inprocess.restart.loop: restart {...}``, which
-        benchmarks and docs read); returns its record."""
+        """Journal and log this restart once (``inprocess.restart.loop: restart {...}``); returns
+        its record. DEBUG: every rank writes it, and the console's INFO line of a restart is
+        the new rank 0's (``inprocess.restart.story``); the journal has the same record."""
         record = self.record(reinit_s=reinit_s)
         journal.record("restart", **asdict(record))
-        log.info(
+        log.debug(
             "restart %s",
             json.dumps({**asdict(record), "rank": me}, sort_keys=True),
             extra={"restart": asdict(record), "rank": me, "iteration": record.iteration},
@@ -179,6 +181,7 @@ class _Job:
         self.prewarmed = False
         # A reserve's imports of what DDP / FSDP2 need first (inprocess.restart.warmup).
         self.first_use = FirstUseImports()
+        self.advice: KillAdvice | None = KillAdvice()  # None once started (restart.advice)
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
         self.story = RestartStory()
@@ -410,6 +413,8 @@ class _Job:
             )
         )
 
+        if self.advice is not None and rank == 0:  # the job's first rank 0, once
+            self.advice.start(reserves=len(assignment.reserve), max_respawns=self.env.max_respawns)
         try:
             return run_active(
                 self.svc,
@@ -423,6 +428,9 @@ class _Job:
             )
         finally:
             self.story.end_iteration()
+            if self.advice is not None and rank == 0:
+                self.advice.stop()
+                self.advice = None
 
     def _restarted(
         self,

@@ -56,7 +56,23 @@ def test_after_a_kill_the_restart_line_names_each_ranks_tier(tmp_path: Path) -> 
         "2,1 (reserve: -); resumed step 15: memory on 1 rank, node-local on 1 rank (the reserve) "
     ) in job.output, job.output
     assert "[rank 2] done: loss" in job.output, job.output
+    assert "replaces a killed rank" not in job.output  # its node-local copy survives a kill
     (rep,) = report.reports(tmp_path / "journal")
     (w,) = rep.windows
     assert w.tiers == "memory on 1 rank, node-local on 1 rank (the reserve)", w
     assert "node-local on 1 rank (the reserve)" in report.format_report(rep)
+
+
+def test_a_memory_only_checkpoint_with_a_reserve_warns_once_at_start(tmp_path: Path) -> None:
+    # Found by a user: examples/minimal.py's configuration (the local tier in memory only) with
+    # a reserve said "no checkpoint to resume from (started over)" after a SIGKILL, and nothing
+    # had warned.
+    job = run_job(
+        ["-m", "inprocess.launch", "--nproc-per-node", "3", "examples/minimal.py", "--steps",
+         "5", "--ckpt", str(tmp_path)],
+        deadline=120,
+    )
+    assert job.returncode == 0, job.output
+    warnings = [ln for ln in job.output.splitlines() if "replaces a killed rank" in ln]
+    assert len(warnings) == 1 and warnings[0].startswith("[rank 0] "), job.output
+    assert "Fix: give CheckpointManager a node-local directory" in warnings[0]
