@@ -68,11 +68,30 @@ def test_a_memory_only_checkpoint_with_a_reserve_warns_once_at_start(tmp_path: P
     # a reserve said "no checkpoint to resume from (started over)" after a SIGKILL, and nothing
     # had warned.
     job = run_job(
-        ["-m", "inprocess.launch", "--nproc-per-node", "3", "examples/minimal.py", "--steps",
-         "5", "--ckpt", str(tmp_path)],
+        [
+            "-m",
+            "inprocess.launch",
+            "--nproc-per-node",
+            "3",
+            "examples/minimal.py",
+            "--steps",
+            "5",
+            "--ckpt",
+            str(tmp_path),
+        ],
         deadline=120,
     )
     assert job.returncode == 0, job.output
     warnings = [ln for ln in job.output.splitlines() if "replaces a killed rank" in ln]
     assert len(warnings) == 1 and warnings[0].startswith("[rank 0] "), job.output
     assert "Fix: give CheckpointManager a node-local directory" in warnings[0]
+
+
+def test_with_the_root_logger_at_info_a_restart_is_one_line_not_every_ranks_json() -> None:
+    # Found by a user: with logging at INFO (the TP example sets it) every rank printed the
+    # restart's raw JSON (~600 characters).
+    job = run_job(_launch("info"), deadline=120)
+    assert job.returncode == 0, job.output
+    assert "restart {" not in job.output, job.output
+    lines = [ln for ln in job.output.splitlines() if "restart 1: exception on rank 1" in ln]
+    assert len(lines) == 1, job.output

@@ -4,11 +4,12 @@
 
 Modes: ``dtensor`` (iteration 0: every rank calls an operator DTensor cannot shard, which
 raises inside torch.distributed's code, the rank's own bug; ``user_code`` names the user's
-frame).
+frame); ``info`` (the root logger at INFO, as the TP example sets it; rank 1 raises once).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -44,5 +45,18 @@ def dtensor_mode() -> None:
     train()
 
 
+def info_mode() -> None:
+    logging.basicConfig(level=logging.INFO)
+
+    @restartable(**FAST)
+    def train() -> None:
+        ctx = context()
+        if ctx.iteration == 0 and ctx.rank == 1:
+            raise RuntimeError("once")
+        ctx.ping(1)
+
+    train()
+
+
 if __name__ == "__main__":
-    {"dtensor": dtensor_mode}[sys.argv[1]](*sys.argv[2:])
+    {"dtensor": dtensor_mode, "info": info_mode}[sys.argv[1]](*sys.argv[2:])
