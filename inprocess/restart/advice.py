@@ -7,7 +7,8 @@ newest persistent checkpoint, or from step 0 before the first one ("no checkpoin
 from (started over)"), the configuration of ``examples/minimal.py``. The CheckpointManager says
 what its tiers are in one journal-channel record (``tiers``, at its first save:
 ``checkpoint.config.tiers_record``); the restart loop of the first active rank 0 listens for it
-during its first iteration only (steps pay nothing after).
+during its first iteration only, for at most ``_MAX_RECORDS`` records (steps pay nothing
+after).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from typing import Any
 from inprocess import journal
 
 log = logging.getLogger(__name__)
+
+# Journal records (a step's is one) heard before giving up on the manager's first save: each
+# costs a LogRecord while listening.
+_MAX_RECORDS = 1000
 
 
 class KillAdvice(logging.Handler):
@@ -33,6 +38,7 @@ class KillAdvice(logging.Handler):
         self._replaces = ""
         self._thread = threading.get_ident()
         self._listening = False
+        self._heard = 0
 
     def start(self, *, reserves: int, max_respawns: int) -> None:
         """Listen on this thread's journal channel when this job replaces killed ranks
@@ -54,6 +60,10 @@ class KillAdvice(logging.Handler):
             journal.unlisten(self)
 
     def emit(self, rec: logging.LogRecord) -> None:
+        self._heard += 1
+        if self._heard > _MAX_RECORDS:  # no save yet: steps stop paying for the listener
+            self.stop()
+            return
         if rec.msg != "tiers" or rec.thread != self._thread:
             return
         self.stop()
