@@ -2,6 +2,10 @@
 
 import sys
 
-from inprocess.launch.cli import main
+from inprocess.launch.torch_log import import_torch_quietly
+
+import_torch_quietly()  # before anything imports torch: see inprocess/launch/torch_log.py
+
+from inprocess.launch.cli import main  # noqa: E402
 
 sys.exit(main())
