@@ -37,11 +37,15 @@ def plain_values(state: Any, path: str = "state") -> list[tuple[str, Any]]:
         return out
     if isinstance(state, (list, tuple)):
         return [x for i, v in enumerate(state) for x in plain_values(v, f"{path}[{i}]")]
-    if type(state) is torch.Tensor and state.nbytes <= _MAX_BYTES:  # not a DTensor
+    if type(state) is torch.Tensor and _fingerprintable(state):  # not a DTensor
         return [(path, state)]
     if isinstance(state, _SCALARS):
         return [(path, state)]
     return []
+
+
+def _fingerprintable(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.device.type != "meta" and t.nbytes <= _MAX_BYTES
 
 
 def _digest(data: bytes) -> int:
@@ -52,7 +56,7 @@ def _fingerprint(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         header = str((t.dtype, tuple(t.shape))).encode()
-        return _digest(header + t.view(torch.uint8).numpy().tobytes())
+        return _digest(header + t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return _digest(repr(value).encode())
 
 
