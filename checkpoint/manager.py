@@ -31,7 +31,7 @@ from checkpoint.persistent import (
     list_committed,
     load_latest,
 )
-from checkpoint.rank_values import warn_differing
+from checkpoint.rank_values import RankValuesCheck
 
 log = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).
@@ -113,7 +113,7 @@ class CheckpointManager:
         self._local_group: BackgroundGroup | None = None
         self._closed = False
         self._told_tiers = False  # the journal's one "tiers" record (config.tiers_record)
-        self._checked_values = False  # rank_values.warn_differing, at the first persistent save
+        self._rank_values = RankValuesCheck()  # plain values that differ between ranks
         self.last_restore: Restore | None = None
         # A persistent save that was due but never committed (a fault cancelled it): the next
         # save() writes the persistent tier whatever its interval (see _owe_persistent).
@@ -200,9 +200,7 @@ class CheckpointManager:
             tiers.append("local")
         owed = self._persistent_owed is not None and step >= self._persistent_owed
         persistent_due = force_persistent or step % self._cfg.every == 0 or owed
-        if persistent_due and not self._checked_values:  # once per manager: collectives
-            self._checked_values = True
-            warn_differing(state)
+        self._rank_values.at_save(state, step=step, persistent=persistent_due)
         if persistent_due:
             with keyed_by_rank(state, _rank()):
                 if self._persistent.save(step, state):

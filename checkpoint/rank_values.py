@@ -5,25 +5,27 @@ so a per-rank value put in the state without ``PerRank`` (``torch.get_rng_state(
 loader's position) comes back identical on every rank, silently. At the first persistent save
 of a manager, every rank fingerprints the plain tensors and Python scalars of the state (in
 dicts and lists, outside ``PerRank``; modules, optimizers and sharded tensors are their own
-business) and the ranks compare the fingerprints: 8 bytes per value, in two small collectives
-on the default group, once.
+business): 8 bytes per value, put in the store; rank 0 compares them at a later save.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from checkpoint import _torch_private
 from checkpoint.per_rank import PerRank
 
 log = logging.getLogger(__name__)
 
 _MAX_BYTES = 16 << 20  # larger tensors are not fingerprinted (a model-sized value is not a RNG)
 _SCALARS = (bool, int, float, str, bytes)
+_MAX_LOOKS = 100  # saves after the first persistent one at which rank 0 looks for the others'
 
 
 def plain_values(state: Any, path: str = "state") -> list[tuple[str, Any]]:
@@ -60,37 +62,72 @@ def _fingerprint(value: Any) -> int:
     return _digest(repr(value).encode())
 
 
-def differing_plain_values(state: dict[str, Any]) -> list[str]:
-    """The paths of the plain values that differ between the ranks of the default group.
+class RankValuesCheck:
+    """Names, once, the plain values of the state that differ between ranks (owned by a
+    ``CheckpointManager``; its ``save`` calls ``at_save`` on the training thread).
 
-    COLLECTIVE on the default group (every rank, same call order); [] without one, with one
-    rank, or when the ranks' states do not have the same plain values (nothing to compare).
+    Never waits on a peer (a save blocks only while it stages): at the first persistent save
+    every rank puts its fingerprints in the default group's store (one ``set``); at each later
+    save rank 0 looks (one non-blocking ``check``) whether every rank's are there, then
+    compares them and warns. It gives up after ``_MAX_LOOKS`` saves (a peer that never got
+    there, or a restart: the keys of the next iteration's store are elsewhere).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return []
-    values = plain_values(state)
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    paths = _digest("\n".join(p for p, _ in values).encode())
-    mine = torch.tensor([paths, *(_fingerprint(v) for _, v in values)], dtype=torch.int64)
-    shape = torch.tensor([len(values), -len(values)], device=device)
-    dist.all_reduce(shape, op=dist.ReduceOp.MAX)
-    if int(shape[0]) != -int(shape[1]) or not values:
-        return []
-    everyone = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine.to(device))
-    rows = torch.stack([t.cpu() for t in everyone])
-    if bool((rows[:, 0] != rows[0, 0]).any()):
-        return []  # different paths on different ranks
-    differs = (rows[:, 1:] != rows[0, 1:]).any(dim=0)
-    return [values[i][0] for i in range(len(values)) if bool(differs[i])]
+
+    def __init__(self) -> None:
+        self._done = False
+        self._looks = 0
+        self._keys: list[str] = []
+        self._paths: list[str] = []
+
+    def at_save(self, state: dict[str, Any], *, step: int, persistent: bool) -> None:
+        """Publish at the first persistent save (``persistent``), then (rank 0) look."""
+        if self._done:
+            return
+        if not self._keys:
+            if persistent:
+                self._publish(state, step)
+            return
+        self._looks += 1
+        store = _torch_private.default_store()
+        if self._looks > _MAX_LOOKS or not store.check(self._keys):
+            self._done = self._looks > _MAX_LOOKS
+            return
+        self._done = True
+        rows = [_parse(store.get(k)) for k in self._keys]
+        _warn(_differing(self._paths, rows))
+
+    def _publish(self, state: dict[str, Any], step: int) -> None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            self._done = True
+            return
+        values = plain_values(state)
+        self._paths = [p for p, _ in values]
+        mine = [_digest("\n".join(self._paths).encode()), *(_fingerprint(v) for _, v in values)]
+        prefix = f"restartable-rank-values/{step}/"
+        _torch_private.default_store().set(prefix + str(dist.get_rank()), json.dumps(mine))
+        self._keys = [prefix + str(r) for r in range(dist.get_world_size())]
+        self._done = dist.get_rank() != 0 or not values
 
 
-def warn_differing(state: dict[str, Any]) -> None:
-    """``differing_plain_values``, then one WARNING (rank 0) naming them and ``PerRank``."""
-    paths = differing_plain_values(state)
-    if paths and dist.get_rank() == 0:
+def _parse(raw: bytes) -> list[int]:
+    """A rank's fingerprints; [] for anything else (the store's values are not trusted)."""
+    try:
+        row = json.loads(raw)
+    except ValueError:
+        return []
+    return row if isinstance(row, list) and all(type(x) is int for x in row) else []
+
+
+def _differing(paths: list[str], rows: list[list[int]]) -> list[str]:
+    """The paths whose fingerprints differ between ``rows`` (rank 0's first); [] when the
+    ranks' plain values are not the same ones."""
+    if any(len(r) != len(paths) + 1 or r[0] != rows[0][0] for r in rows):
+        return []
+    return [p for i, p in enumerate(paths) if len({r[i + 1] for r in rows}) > 1]
+
+
+def _warn(paths: list[str]) -> None:
+    if paths:
         log.warning(
             "checkpoint: %s differ%s between ranks but %s not under PerRank: the persistent "
             "tier keeps one copy and every rank restores the same value. Fix: put per-rank "

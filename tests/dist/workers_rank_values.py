@@ -30,7 +30,8 @@ def save_twice(*, root: str, per_rank: bool) -> dict[str, Any]:
     own: dict[str, Any] = {"own": PerRank(rng=rng)} if per_rank else {"rng": rng}
     state = {"model": model, "lr": 0.1, **own}
     with CheckpointManager(os.path.join(root, "ckpt"), persistent_every=1) as mgr:
-        mgr.save(1, state)
+        mgr.save(1, state)  # every rank leaves its fingerprints in the store
+        dist.barrier()  # so that rank 0 finds them all at the next save
         mgr.save(2, state)
     dist.destroy_process_group()
     return {"warnings": seen}
