@@ -16,7 +16,7 @@ _LINE = re.compile(
 
 def test_a_reserve_has_imported_what_ddp_needs_before_it_takes_a_killed_ranks_place() -> None:
     job = run_job(
-        ["-m", "inprocess.launch", "--nproc-per-node", "3", SCRIPT, "--train-s", "6"],
+        ["-m", "inprocess.launch", "--nproc-per-node", "3", SCRIPT, "--train-s", "4"],
         deadline=150,
     )
     assert job.returncode == 0, job.output
