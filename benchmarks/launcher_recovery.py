@@ -109,11 +109,7 @@ def refill_once(warm: bool = True) -> dict[str, float]:
     if not ready:
         raise RuntimeError(f"no respawned process became ready:\n{out[-4000:]}")
     killed = _lines(d / "kills.jsonl")[0]["time"]
-    restart = next(
-        json.loads(line.split("restart ", 1)[1])
-        for line in out.splitlines()
-        if "inprocess.restart.loop: restart {" in line
-    )
+    restart = next(r for r in journal.read(d / "journal") if r["event"] == "restart")
     return {
         "kill_to_ready_reserve_s": min(ready) - killed,
         "in_process_restart_s": sum(restart["phases"].values()),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from checkpoint.errors import CheckpointConfigError
 
@@ -98,6 +99,18 @@ class LocalConfig:
             )
 
 
+def tiers_record(local: LocalConfig | None, persistent: PersistentConfig) -> dict[str, Any]:
+    """What a killed rank's state survives in, for the run journal's ``tiers`` record (written
+    once per manager, at its first save): the restart loop warns when its job replaces killed
+    ranks but their state was in their process's memory only (``inprocess.restart.advice``)."""
+    return {
+        "local": local is not None,
+        "local_dir": local is not None and local.dir is not None,
+        "replication_factor": 1 if local is None else local.replication_factor,
+        "persistent_every": persistent.every,
+    }
+
+
 def _positive_int(name: str, value: object, fix: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise CheckpointConfigError(f"{name} ({value!r}) must be an integer >= 1: {fix}")
@@ -118,3 +131,51 @@ def read_test_hooks() -> TestHooks:
     crash_at = os.environ.get(ENV_CRASH_AT) or None
     rank = os.environ.get(ENV_CRASH_RANK)
     return TestHooks(crash_at=crash_at, crash_rank=int(rank) if rank else None)
+
+
+def local_config(
+    local: LocalConfig | None,
+    *,
+    local_every: int | None,
+    local_dir: str | os.PathLike[str] | None,
+    replication_factor: int | None,
+    local_algo: str | None,
+    local_keep: int | None,
+) -> LocalConfig | None:
+    """The local tier's settings from ``CheckpointManager``'s ``local`` or from its loose keyword
+    arguments (not both); None when the local tier is off (no ``local`` and
+    ``local_every=None``)."""
+    loose = {
+        "local_every": local_every,
+        "local_dir": local_dir,
+        "replication_factor": replication_factor,
+        "local_algo": local_algo,
+        "local_keep": local_keep,
+    }
+    given = {name: value for name, value in loose.items() if value is not None}
+    if local is not None:
+        if not isinstance(local, LocalConfig):
+            raise CheckpointConfigError(
+                f"local ({type(local).__name__}) must be a LocalConfig or None: pass e.g. "
+                "local=LocalConfig(every=1, dir='/dev/shm/ckpt')"
+            )
+        if given:
+            names = ", ".join(f"{name}={value!r}" for name, value in given.items())
+            raise CheckpointConfigError(
+                f"local ({local!r}) and {names} both configure the local tier: pass its "
+                "settings in one place, inside local=LocalConfig(...) or as keyword arguments"
+            )
+        return local
+    if local_every is None:
+        # As before LocalConfig existed: without local_every the other local settings are unused.
+        return None
+    default = LocalConfig()  # an argument left out (None) takes LocalConfig's default
+    return LocalConfig(
+        every=local_every,
+        dir=local_dir,
+        replication_factor=(
+            default.replication_factor if replication_factor is None else replication_factor
+        ),
+        algo=default.algo if local_algo is None else local_algo,
+        keep=default.keep if local_keep is None else local_keep,
+    )

@@ -12,7 +12,13 @@ from typing import Any
 import torch.distributed as dist
 
 from checkpoint import optimizers
-from checkpoint.config import LocalConfig, PersistentConfig, read_test_hooks
+from checkpoint.config import (
+    LocalConfig,
+    PersistentConfig,
+    local_config,
+    read_test_hooks,
+    tiers_record,
+)
 from checkpoint.errors import CheckpointConfigError, CheckpointError, ShardingMismatchError
 from checkpoint.group import BackgroundGroup
 from checkpoint.local import LocalTier
@@ -25,6 +31,7 @@ from checkpoint.persistent import (
     list_committed,
     load_latest,
 )
+from checkpoint.rank_values import RankValuesCheck
 
 log = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).
@@ -90,7 +97,7 @@ class CheckpointManager:
             fallback_on_corruption=fallback_on_corruption,
             on_busy=on_busy,
         )
-        self._local_cfg = _local_config(
+        self._local_cfg = local_config(
             local,
             local_every=local_every,
             local_dir=local_dir,
@@ -105,6 +112,8 @@ class CheckpointManager:
         self._local: LocalTier | None = None
         self._local_group: BackgroundGroup | None = None
         self._closed = False
+        self._told_tiers = False  # the journal's one "tiers" record (config.tiers_record)
+        self._rank_values = RankValuesCheck()  # plain values that differ between ranks
         self.last_restore: Restore | None = None
         # A persistent save that was due but never committed (a fault cancelled it): the next
         # save() writes the persistent tier whatever its interval (see _owe_persistent).
@@ -192,6 +201,7 @@ class CheckpointManager:
             tiers.append("local")
         owed = self._persistent_owed is not None and step >= self._persistent_owed
         persistent_due = force_persistent or step % self._cfg.every == 0 or owed
+        self._rank_values.at_save(state, step=step, persistent=persistent_due)
         if persistent_due:
             with keyed_by_rank(state, _rank()):
                 if self._persistent.save(step, state):
@@ -202,6 +212,9 @@ class CheckpointManager:
             _journal.debug(
                 "save", extra={"journal": {"step": step, "tiers": tiers, "stall_s": stall}}
             )
+        if not self._told_tiers and _journal.handlers:
+            self._told_tiers = True
+            _journal.debug("tiers", extra={"journal": tiers_record(self._local_cfg, self._cfg)})
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Fill ``state`` in place from the newest checkpoint of any tier; its step, or None.
@@ -351,50 +364,3 @@ class CheckpointManager:
 def _rank() -> int:
     """This rank in the default group (0 without torch.distributed): the key of its PerRank."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _local_config(
-    local: LocalConfig | None,
-    *,
-    local_every: int | None,
-    local_dir: str | os.PathLike[str] | None,
-    replication_factor: int | None,
-    local_algo: str | None,
-    local_keep: int | None,
-) -> LocalConfig | None:
-    """The local tier's settings from ``local`` or from the loose keyword arguments (not both);
-    None when the local tier is off (no ``local`` and ``local_every=None``)."""
-    loose = {
-        "local_every": local_every,
-        "local_dir": local_dir,
-        "replication_factor": replication_factor,
-        "local_algo": local_algo,
-        "local_keep": local_keep,
-    }
-    given = {name: value for name, value in loose.items() if value is not None}
-    if local is not None:
-        if not isinstance(local, LocalConfig):
-            raise CheckpointConfigError(
-                f"local ({type(local).__name__}) must be a LocalConfig or None: pass e.g. "
-                "local=LocalConfig(every=1, dir='/dev/shm/ckpt')"
-            )
-        if given:
-            names = ", ".join(f"{name}={value!r}" for name, value in given.items())
-            raise CheckpointConfigError(
-                f"local ({local!r}) and {names} both configure the local tier: pass its "
-                "settings in one place, inside local=LocalConfig(...) or as keyword arguments"
-            )
-        return local
-    if local_every is None:
-        # As before LocalConfig existed: without local_every the other local settings are unused.
-        return None
-    default = LocalConfig()  # an argument left out (None) takes LocalConfig's default
-    return LocalConfig(
-        every=local_every,
-        dir=local_dir,
-        replication_factor=(
-            default.replication_factor if replication_factor is None else replication_factor
-        ),
-        algo=default.algo if local_algo is None else local_algo,
-        keep=default.keep if local_keep is None else local_keep,
-    )

@@ -5,8 +5,10 @@ once."""
 import sys
 
 from inprocess.launch.doors import admit
+from inprocess.launch.torch_log import import_torch_quietly
 
 _args = admit()
+import_torch_quietly()  # the first import of torch: see inprocess/launch/torch_log.py
 from inprocess.launch.cli import run  # noqa: E402 (after the door: it imports torch)
 
 sys.exit(run(_args))

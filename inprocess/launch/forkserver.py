@@ -12,8 +12,12 @@ Protocol, one AF_UNIX SOCK_SEQPACKET connection per rank: the launcher sends one
 ``{"argv": [...], "env": {...}, "cwd": ...}`` with the write end of the rank's output pipe
 attached (SCM_RIGHTS); the server answers ``pid <n>`` once forked, then ``exit <status>`` when
 the rank ended (negative: killed by that signal, as ``subprocess``), and closes the connection.
-The server is single-threaded (a fork from it is safe) and dies with the launcher
-(PR_SET_PDEATHSIG); each rank binds itself to the server the same way (INPROCESS_LAUNCHER_PID).
+Once ready, the server also imports what a rank's first DDP / FSDP2 imports
+(``inprocess.restart.warmup``, about 2 s of one core), on a thread of the lowest CPU priority so
+that it takes only what the first round's ranks leave; the first request waits for that thread
+to end, so every fork happens while the server is single-threaded (a fork from it is safe). The
+server dies with the launcher (PR_SET_PDEATHSIG); each rank binds itself to the server the same
+way (INPROCESS_LAUNCHER_PID).
 """
 
 from __future__ import annotations
@@ -49,14 +53,19 @@ def main(argv: Sequence[str]) -> int:
             importlib.import_module(name)
         except Exception as exc:  # a rank that needs it imports it again and fails there
             print(f"warm pool: cannot preload {name}: {exc!r}", file=sys.stderr, flush=True)
+    from inprocess.restart.warmup import FirstUseImports
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(args.socket)
     listener.listen(64)
     os.write(1, READY_LINE)
+    imports = FirstUseImports()
+    imports.start()
     ranks: dict[int, socket.socket] = {}
     while os.getppid() == args.launcher_pid:
         readable, _, _ = select.select([listener], [], [], _REAP_S)
         if readable:
+            imports.wait()  # fork only single-threaded: the child would miss the thread
             _serve_one(listener, ranks)
         _reap(ranks)
     return 0

@@ -68,7 +68,7 @@ def _window_rows(windows: list[downtime.Window]) -> list[str]:
         f"{'initial rank':>12} "
         f"{'lost-before [s]':>15} {'detect [s]':>10} {'restart [s]':>11} {'reload [s]':>10} "
         f"{'redo [s]':>8} {'downtime [s]':>12}  {'tier':9} {'from step':>9} "
-        f"{'back at step':>12}"
+        f"{'back at step':>12}  restored from"
     ]
     for w in windows:
         t = w.terms
@@ -79,15 +79,16 @@ def _window_rows(windows: list[downtime.Window]) -> list[str]:
             f"{initial:>12} "
             f"{t['lost_before']:15.3f} {t['detection']:10.3f} {t['restart']:11.3f} "
             f"{t['reload']:10.3f} {t['redo']:8.3f} {t['downtime']:12.3f}  "
-            f"{w.tier or '-':9} {from_step:>9} {w.reached_step:>12}"
+            f"{w.tier or '-':9} {from_step:>9} {w.reached_step:>12}  {w.tiers or '-'}"
         )
     return [
         *lines,
         "  (level: in-process restart, or in-job (the launcher restarted every rank); it: the "
         "iteration that faulted; rank: the blamed rank as the fault plan and ctx.rank name it; "
         "initial rank: its RANK at launch, as the restart's cause names it;",
-        "   from step: the checkpoint restored; back at step: the step reached before the fault, "
-        "reached again where the window ends; each row's terms add up to its downtime)",
+        "   tier: rank 0's restore; restored from: every active rank's; from step: the checkpoint "
+        "restored; back at step: the step reached before the fault, reached again where the "
+        "window ends; each row's terms add up to its downtime)",
     ]
 
 

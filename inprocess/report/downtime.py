@@ -59,6 +59,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from inprocess.restart.restored import phrase
+
 IN_PROCESS = "in-process"
 IN_JOB = "in-job"
 # Injected faults (inprocess.faults, inprocess.faults.drill) after which the process is gone: the
@@ -91,6 +93,9 @@ class Window:
     # The blamed ranks' training ranks in the faulted iteration (what a fault plan and
     # ``ctx.rank`` call them), in the order of ``faulting_ranks``; None where unknown.
     training_ranks: list[int | None] = field(default_factory=list)
+    # The tier each active rank restored from, e.g. "memory on 1 rank, node-local on 1 rank (the
+    # reserve)" (``inprocess.restart.restored.phrase``); None without the ranks' restores.
+    tiers: str | None = None
 
     @property
     def terms(self) -> dict[str, float]:
@@ -315,6 +320,8 @@ class _Candidate:
     fired: list[tuple[float, str | None]]
     reentered: float
     restores: list[dict[str, Any]]
+    # Every active rank's restore of the new iteration (``restores``: rank 0's alone).
+    all_restores: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _windows(
@@ -407,7 +414,19 @@ def _window(
         round=c.round,
         resumed=resumed,
         training_ranks=_training_ranks(c.rec, in_job_level),
+        tiers=_tiers(c),
     )
+
+
+def _tiers(c: _Candidate) -> str | None:
+    """Each active rank's restored tier, grouped (the restart line's words), or None."""
+    if not c.all_restores:
+        return None
+    newcomers = {int(r) for r in c.rec.get("active_after", [])} - {
+        int(r) for r in c.rec.get("active_before", [])
+    }
+    by_rank = {int(r["rank"]): r.get("tier") for r in c.all_restores if "rank" in r}
+    return phrase(by_rank, newcomers) or None
 
 
 def _training_ranks(rec: dict[str, Any], in_job: bool) -> list[int | None]:
@@ -469,6 +488,7 @@ def _in_process(ev: dict[str, list[dict[str, Any]]], k: int) -> list[_Candidate]
                 fired=_fired_before(ev, faulted, detected),
                 reentered=reentered,
                 restores=_restores(ev, new_it),
+                all_restores=[r for r in ev.get("restore", []) if r.get("iteration") == new_it],
             )
         )
     return out

@@ -21,14 +21,15 @@ import torch.distributed as dist
 
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
-from inprocess.errors import FaultRecord, RestartInterrupt
+from inprocess.errors import RestartInterrupt
 from inprocess.protocol import keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.sealed_store import unsealed
 from inprocess.protocol.store import Store
-from inprocess.restart.monitor import Interrupter, Monitor, waits_on_peers
+from inprocess.restart.monitor import Interrupter, Monitor
 from inprocess.restart.process_group import init_iteration_group, own_group_misuse
 from inprocess.restart.progress import ProgressTracker
+from inprocess.restart.raised import raise_site, raised_in_collective, report_raised
 from inprocess.restart.rendezvous import Rendezvous
 from inprocess.timeouts.sections import SectionClock
 
@@ -118,10 +119,7 @@ class _Call:
     exc: Exception | None = None
     where: str = ""  # file:line of the raise, read before the traceback's frames are dropped
     trace: str = ""  # the formatted traceback (the rank's own exception only), read then too
-    # Raised by a collective: a torch.distributed error type, or raised in the code where a rank
-    # waits on its peers. Only the raise site counts: a user's error in a model's forward passes
-    # through DDP's forward too, but is raised in the model.
-    in_collective: bool = False
+    in_collective: bool = False  # a failed communication (raised.raised_in_collective)
     interrupted: bool = False
     delivered: bool = False
     t_unwind: float = 0.0
@@ -338,8 +336,8 @@ def _call_train(
             _drop_frames(ri)
             call.t_unwind = time.monotonic()
         except Exception as e:
-            call.exc, call.where = e, _raise_site(e)
-            call.in_collective = isinstance(e, dist.DistError) or waits_on_peers(call.where)
+            call.exc, call.where = e, raise_site(e)
+            call.in_collective = raised_in_collective(e)
             if not call.in_collective:  # logged with it by _settle; a peer's echo is one line
                 call.trace = "".join(traceback.format_exception(e)).rstrip()
             _drop_frames(e)
@@ -378,38 +376,19 @@ def _settle(
 
 
 def _report_raised(svc: RankServices, ctx: RestartContext, call: _Call) -> None:
-    """Record the fault of the exception ``train()`` raised, logged once at the level its kind
-    deserves (a peer's fault in a collective: WARNING; a verdict: INFO; else ERROR)."""
+    """Log the exception ``train()`` raised (``inprocess.restart.raised``), record its fault."""
     assert call.exc is not None
-    store, iteration = svc.store, ctx.iteration
-    record = exception_record(
+    record = report_raised(
+        svc.store,
         call.exc,
-        iteration=iteration,
-        initial_rank=svc.me,
+        me=svc.me,
+        iteration=ctx.iteration,
         step=ctx.step,
         where=call.where,
+        trace=call.trace,
         in_collective=call.in_collective,
-        after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
     )
-    if record.in_collective:  # most likely a peer's fault; the restart decision judges
-        log.warning(
-            "rank %d: a collective failed in iteration %d: %s",
-            svc.me,
-            iteration,
-            record.detail,
-        )
-    elif hasattr(call.exc, "restartable_rank_action"):
-        # A verdict handed to the restart on purpose (rerun's RerunExit: a NaN re-run and
-        # judged): the designed path, not a failure to log with a traceback.
-        log.info(
-            "rank %d: train() handed a verdict to the restart in iteration %d: %s",
-            svc.me,
-            iteration,
-            record.detail,
-        )
-    else:
-        _log_raised(call, rank=svc.me, iteration=iteration)
-    keys.record_fault(store, record)
+    keys.record_fault(svc.store, record)
 
 
 def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
@@ -436,59 +415,6 @@ def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
     return False
 
 
-def _log_raised(call: _Call, *, rank: int, iteration: int) -> None:
-    """ERROR with the traceback of the exception ``train()`` raised on this rank (once: peers
-    that fail in a collective because of it log one WARNING line each).
-
-    The traceback's frames are already dropped (``_drop_frames``: they hold the process
-    group), so the text formatted before goes in as the record's ``exc_text``, which every
-    ``logging.Formatter`` prints (Python's last-resort handler too, when the script configured
-    no logging); ``exc_info`` still carries the exception for formatters that print one line.
-    """
-    exc = call.exc
-    assert exc is not None
-    record = log.makeRecord(
-        log.name,
-        logging.ERROR,
-        __file__,
-        0,
-        "rank %d: train() raised in iteration %d",
-        (rank, iteration),
-        (type(exc), exc, None),
-    )
-    record.exc_text = call.trace or None
-    if log.isEnabledFor(logging.ERROR):
-        log.handle(record)
-
-
-def exception_record(
-    exc: BaseException,
-    *,
-    iteration: int,
-    initial_rank: int,
-    step: int | None,
-    where: str,
-    in_collective: bool,
-    after_fault: bool,
-) -> FaultRecord:
-    """The fault record of an exception raised out of ``train()``, with the evidence the restart
-    policy uses to tell the rank's own fault from a consequence of a peer's."""
-    action = getattr(exc, "restartable_rank_action", "")
-    return FaultRecord(
-        iteration=iteration,
-        initial_rank=initial_rank,
-        kind="exception",
-        detail=f"{type(exc).__name__}: {exc}"[:500],
-        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        where=where,
-        step=step,
-        action=action if action in ("demote", "retire") else "",
-        time=time.time(),
-        in_collective=in_collective,
-        after_fault=after_fault,
-    )
-
-
 def _break_if_gone(store: Store, iteration: int, active: tuple[int, ...]) -> bool:
     """Join recheck: an active rank that died during the restart breaks the barrier."""
     dead = keys.gone_ranks(store) & set(active)
@@ -510,14 +436,6 @@ def disarm(interrupter: Interrupter) -> bool:
             return interrupter.disarm()
         except RestartInterrupt:
             continue
-
-
-def _raise_site(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``exc``'s traceback (the raise)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
 
 
 def _drop_frames(exc: BaseException) -> None:

@@ -28,12 +28,15 @@ from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ran
 from inprocess.restart import joining, startup, torchrun_env
 from inprocess.restart.abort import GroupReaper, abort_process_groups
 from inprocess.restart.active import Outcome, RankServices, run_active
+from inprocess.restart.advice import KillAdvice
 from inprocess.restart.agreement import RestartAgreement
 from inprocess.restart.health import HealthChecker, check_and_report
 from inprocess.restart.leaving import close_quietly, leave_store
 from inprocess.restart.process_group import check_no_default_group
 from inprocess.restart.reserve import wait_as_reserve
+from inprocess.restart.restored import TierBoard
 from inprocess.restart.story import RestartStory
+from inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)
 
@@ -127,11 +130,12 @@ class _PendingRestart:
         )
 
     def log(self, *, me: int, reinit_s: float) -> RestartRecord:
-        """Journal and log this restart once (``inprocess.restart.loop: restart {...}``, which
-        benchmarks and docs read); returns its record."""
+        """Journal and log this restart once (``inprocess.restart.loop: restart {...}``); returns
+        its record. DEBUG: every rank writes it, and the console's INFO line of a restart is
+        the new rank 0's (``inprocess.restart.story``); the journal has the same record."""
         record = self.record(reinit_s=reinit_s)
         journal.record("restart", **asdict(record))
-        log.info(
+        log.debug(
             "restart %s",
             json.dumps({**asdict(record), "rank": me}, sort_keys=True),
             extra={"restart": asdict(record), "rank": me, "iteration": record.iteration},
@@ -175,6 +179,9 @@ class _Job:
         self.agreement = RestartAgreement(cfg, me=self.me, node_of=self.node_of)
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
+        # A reserve's imports of what DDP / FSDP2 need first (inprocess.restart.warmup).
+        self.first_use = FirstUseImports()
+        self.advice: KillAdvice | None = KillAdvice()  # None once started (restart.advice)
         self.closed = False
         self.reaper = GroupReaper(rank=self.me)
         self.story = RestartStory()
@@ -205,7 +212,7 @@ class _Job:
         owners = (
             (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
         )
-        close_quietly(*owners, self.watchdog, self.health)
+        close_quietly(*owners, self.watchdog, self.health, self.first_use)
         if self.store is not None:
             leave_store(
                 self.store,
@@ -372,10 +379,10 @@ class _Job:
         )
 
     def _reserve_phase(self, iteration: int) -> Outcome:
-        """A reserve prewarms once, then waits until the iteration ends."""
+        """A reserve warms up and prewarms once, then waits until the iteration ends."""
         assert self.svc is not None
         prewarm, self.prewarmed = (None if self.prewarmed else self.cfg.prewarm), True
-        return wait_as_reserve(self.svc, iteration, prewarm=prewarm)
+        return wait_as_reserve(self.svc, iteration, imports=self.first_use, prewarm=prewarm)
 
     def _active_phase(
         self,
@@ -389,14 +396,14 @@ class _Job:
         """Run ``train()`` as ``rank`` (see ``inprocess.restart.active``); log the restart that led
         here once the group exists, so its ``reinit`` phase is measured."""
         assert self.svc is not None
+        # A reserve taking a place: its first DDP(...) must not import what the background
+        # imports are importing at the same time (see FirstUseImports.wait).
+        self.first_use.wait()
 
         def on_started(reinit_s: float) -> RestartRecord | None:
             if pending is None:
                 return None
-            record = self._log_restart(pending, reinit_s=reinit_s)
-            if rank == 0:  # one console line per restart, by the new rank 0 (restart.story)
-                self.story.restarted(record, fault_time=pending.fault_time)
-            return record
+            return self._restarted(pending, iteration, assignment, rank=rank, reinit_s=reinit_s)
 
         # The torchrun contract (RANK, LOCAL_RANK, ...) of this iteration, before train() runs.
         torchrun_env.export(
@@ -408,6 +415,8 @@ class _Job:
             )
         )
 
+        if self.advice is not None and rank == 0:  # the job's first rank 0, once
+            self.advice.start(reserves=len(assignment.reserve), max_respawns=self.env.max_respawns)
         try:
             return run_active(
                 self.svc,
@@ -421,6 +430,33 @@ class _Job:
             )
         finally:
             self.story.end_iteration()
+            if self.advice is not None and rank == 0:
+                self.advice.stop()
+                self.advice = None
+
+    def _restarted(
+        self,
+        pending: _PendingRestart,
+        iteration: int,
+        assignment: Assignment,
+        *,
+        rank: int,
+        reinit_s: float,
+    ) -> RestartRecord:
+        """Log the restart that led to ``iteration`` (its group exists) and start its console
+        line: written by the new rank 0 (restart.story), naming the tier each active rank
+        restored from (restart.restored)."""
+        assert self.svc is not None
+        record = self._log_restart(pending, reinit_s=reinit_s)
+        board = TierBoard(
+            self.svc.store,
+            self.svc.new_client,
+            iteration=iteration,
+            me=self.me,
+            active=assignment.active,
+        )
+        self.story.restarted(record, fault_time=pending.fault_time, lead=rank == 0, board=board)
+        return record
 
     def _restart_phase(
         self, iteration: int, assignment: Assignment, target: int, out: Outcome

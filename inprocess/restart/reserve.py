@@ -1,4 +1,4 @@
-"""One iteration of a warm reserve: prewarm once, then wait until the iteration ends.
+"""One iteration of a warm reserve: warm up and prewarm once, then wait until the iteration ends.
 
 Called by the restart loop (``inprocess.restart.loop``) on the main thread, once per iteration in
 which this rank is a reserve. ``wait_as_reserve`` blocks until the iteration's outcome is
@@ -16,15 +16,24 @@ from typing import Any
 from inprocess.errors import RestartInterrupt
 from inprocess.protocol import keys
 from inprocess.restart.active import Outcome, RankServices, disarm
+from inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)
 
 
 def wait_as_reserve(
-    svc: RankServices, iteration: int, *, prewarm: Callable[[], Any] | None
+    svc: RankServices,
+    iteration: int,
+    *,
+    imports: FirstUseImports,
+    prewarm: Callable[[], Any] | None,
 ) -> Outcome:
-    """Run ``prewarm`` (None: not this iteration), then wait for ``iteration``'s outcome."""
+    """Start importing what a rank's first DDP / FSDP2 needs in the background (``imports``;
+    once per process), run ``prewarm`` (None: not this iteration) once they are done, then
+    wait for ``iteration``'s outcome."""
+    imports.start()
     if prewarm is not None:
+        imports.wait()  # the user's prewarm may import the same package: never both at once
         run_prewarm(svc, iteration, prewarm)
     with svc.progress.paused():
         result = keys.wait_outcome(svc.store, iteration, timeout=None, clock=time.monotonic)

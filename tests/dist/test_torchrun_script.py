@@ -76,7 +76,7 @@ def test_the_minimal_example_survives_a_fault_and_runs_twice(tmp_path: Path) -> 
                str(REPO_ROOT / "examples" / "minimal.py"), "--fail-at", "30"]  # fmt: skip
     job = run_job(command, deadline=120, cwd=tmp_path)
     assert job.returncode == 0, job.output
-    assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d from", job.output), (
+    assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d: memory on 2 ranks ", job.output), (
         job.output
     )
     assert re.search(r"\[rank 0\] done: loss \d", job.output), job.output

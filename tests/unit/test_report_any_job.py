@@ -94,7 +94,8 @@ def test_a_nan_seen_first_on_rank_1_is_back_at_the_restored_step() -> None:
     assert w.back == pytest.approx(2.5) and w.training_ranks == [1]
     _adds_up(r)
     (row,) = [x for x in report.format_report(r).splitlines() if "nan@rank1" in x]
-    assert row.split()[-3:] == ["memory", "200", "200"]  # tier, from step, back at step
+    # tier, from step, back at step, restored from (these records do not name the ranks)
+    assert row.split()[-4:] == ["memory", "200", "200", "-"]
     assert row.split()[4:6] == ["1", "3"]  # rank 1 as the plan says, initial rank 3
 
 

@@ -76,3 +76,43 @@ def test_without_any_logging_the_line_goes_to_stderr(capsys: pytest.CaptureFixtu
     finally:
         root.handlers[:] = saved
     assert "restart 2: exception on rank 1" in capsys.readouterr().err
+
+
+def test_the_line_names_the_tier_each_rank_restored_from(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by a user: "resumed step 16 from the memory tier" after a SIGKILL, where the reserve
+    # that replaced the killed rank restored from the node-local copy (memory cannot survive a
+    # kill); the line said only what rank 0 saw.
+    import torch.distributed as dist
+
+    from inprocess.protocol.store import as_store
+    from inprocess.restart.restored import TierBoard
+
+    store = as_store(dist.HashStore())
+
+    def board(me: int) -> TierBoard:
+        return TierBoard(store, lambda: store, iteration=2, me=me, active=(2, 1))
+
+    board(1).publish("memory", 30)  # the survivor, on its own thread in a real job
+    story = RestartStory()
+    with caplog.at_level(logging.INFO, logger="inprocess.restart.story"):
+        story.restarted(REC, fault_time=0.0, lead=True, board=board(2))
+        logging.getLogger(journal.CHANNEL).debug(
+            "restore", extra={"journal": {"step": 30, "tier": "local_dir"}}
+        )
+        story.close()  # waits for the line
+    lines = [r.getMessage() for r in caplog.records if r.name == "inprocess.restart.story"]
+    assert len(lines) == 1, lines
+    assert "resumed step 30: memory on 1 rank, node-local on 1 rank (the reserve) " in lines[0]
+
+
+def test_the_tiers_phrase_groups_ranks_and_names_reserves() -> None:
+    from inprocess.restart.restored import phrase
+
+    assert phrase({0: "memory", 1: "memory", 3: "peer"}, newcomers={3}) == (
+        "memory on 2 ranks, a peer's copy on 1 rank (the reserve)"
+    )
+    assert phrase({0: "persistent", 4: "persistent"}, newcomers={4}) == (
+        "persistent on 2 ranks (1 of them a reserve)"
+    )

@@ -72,6 +72,25 @@ def test_a_forked_rank_runs_the_script_with_torch_already_imported(
     assert proc.poll() == 3
 
 
+def test_a_forked_rank_has_what_its_first_ddp_imports_and_only_its_own_thread(
+    pool: WarmPool, tmp_path: Path
+) -> None:
+    # Issue 47: a rank forked for a restart or a respawn paid the first DDP's torch._dynamo
+    # import (1.1-5.9 s measured) between the fault and its first step. The server imports it
+    # on a thread of its own, which has ended before any fork (a fork copies one thread only).
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys, threading\n"
+        "print('dynamo', 'torch._dynamo' in sys.modules, 'fsdp', "
+        "'torch.distributed.fsdp' in sys.modules, 'threads', threading.active_count())\n"
+    )
+    proc = pool.spawn([str(script)], env=dict(os.environ))
+    assert proc is not None and proc.stdout is not None
+    assert proc.wait(60) == 0
+    out = proc.stdout.read().decode()
+    assert "dynamo True fsdp True threads 1" in out, out
+
+
 def test_a_killed_rank_reads_as_killed_by_its_signal(pool: WarmPool, tmp_path: Path) -> None:
     proc = pool.spawn([_script(tmp_path), "sleep"], env={**os.environ, "X": "1"})
     assert proc is not None and proc.stdout is not None

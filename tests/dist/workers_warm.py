@@ -1,0 +1,61 @@
+"""A DDP script whose rank 0 is SIGKILLed while a reserve waits (tests/dist/test_warm_reserve.py).
+
+    python -m inprocess.launch --nproc-per-node 3 tests/dist/workers_warm.py
+
+Every iteration prints, per rank, whether ``torch._dynamo`` (what the first ``DDP(...)``
+imports) was imported before its ``DDP(...)`` and how long that took. Rank 0 trains for
+``--train-s`` seconds of iteration 0, then SIGKILLs itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from inprocess import context, restartable
+
+p = argparse.ArgumentParser()
+p.add_argument("--train-s", type=float, default=6.0)
+args = p.parse_args()
+
+
+@restartable(
+    backend="gloo",
+    soft_timeout=5.0,
+    hard_timeout=10.0,
+    barrier_timeout=60.0,
+    completion_timeout=60.0,
+    active_world_size=2,
+)
+def train() -> None:
+    ctx = context()
+    imported = "torch._dynamo" in sys.modules
+    t0 = time.perf_counter()
+    model = DDP(torch.nn.Linear(8, 8))
+    ddp_s = time.perf_counter() - t0
+    print(
+        f"iteration {ctx.iteration} initial rank {ctx.initial_rank}: torch._dynamo imported "
+        f"before DDP: {imported}; DDP() took {ddp_s:.3f} s",
+        flush=True,
+    )
+    end = time.monotonic() + args.train_s
+    for step in range(1, 1_000_000):
+        model(torch.randn(4, 8)).sum().backward()
+        ctx.ping(step)
+        if ctx.iteration > 0 or time.monotonic() > end:
+            break
+        time.sleep(0.05)
+    dist.barrier()
+    if ctx.iteration == 0 and ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+train()
