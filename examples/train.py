@@ -413,7 +413,8 @@ def _tell_restart(
             return f"on rank {before.index(r)} (initial {r})" if r in before else m[0]
 
         log.info(
-            "restart %d: %s; back at step %d from the %s tier, %.2f s after the fault",
+            # rank 0's tier: the report's "restored from" names every rank's
+            "restart %d: %s; back at step %d, rank 0 from the %s tier, %.2f s after the fault",
             record.iteration,
             re.sub(r"on rank (\d+)", both, record.cause),
             step or 0,
