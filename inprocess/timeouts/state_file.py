@@ -13,17 +13,15 @@ one that another user could have written (``checkpoint.private_files.untrusted``
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from checkpoint.private_files import untrusted
+from checkpoint.private_files import replace_private, untrusted
 from inprocess.timeouts.estimator import KEYS
 
 log = logging.getLogger(__name__)
@@ -86,8 +84,9 @@ def write_state(
 ) -> None:
     """Replace ``path`` atomically with ``timeouts`` (readers see the old or the new file).
 
-    Written to a temporary file in the same directory, flushed to disk, then renamed over the
-    target: a crash at any moment leaves a whole file (or none). Raises ``OSError``.
+    Written 0600 to a new name in the same directory, flushed to disk, then renamed over the
+    target (``checkpoint.private_files.replace_private``): a crash at any moment leaves a whole
+    file (or none). Raises ``OSError``.
     """
     p = Path(path)
     p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -100,14 +99,4 @@ def write_state(
         },
         indent=1,
     )
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    replace_private(p, body.encode())
