@@ -49,7 +49,8 @@ def _waiting_joiners(active: tuple[int, ...]) -> int:
 def main(opts: dict[str, Any]) -> None:
     """``opts``: dir, steps, step_time, ckpt_every, config (RestartConfig keywords),
     kills ([{iteration, rank, step}]: SIGKILL ctx.rank at that step, waiting first until a
-    respawned process waits in the pool when ``refill``), raise_at ({step, rank, once}: raise at
+    respawned process waits in the pool when ``refill``, and until the reserve's warm-up ended
+    (its prewarm ran: ``warm`` marker) when ``after_warm``), raise_at ({step, rank, once}: raise at
     that step; rank None: on every rank), crash_respawned (a respawned process exits 3 at start-up), plain (no
     ``@restartable``: one process group from the environment, as under torchrun)."""
     if opts.get("crash_respawned") and os.environ.get("INPROCESS_RESPAWN_GENERATION"):
@@ -77,6 +78,11 @@ def main(opts: dict[str, Any]) -> None:
             for k in opts.get("kills", []):
                 if (k["iteration"], k["rank"], k["step"]) == (ctx.iteration, ctx.rank, step):
                     waiting = 0
+                    if k.get("after_warm"):
+                        end = time.monotonic() + 120
+                        while not (d / "warm").exists():
+                            assert time.monotonic() < end, "the reserve did not warm up in 120 s"
+                            time.sleep(0.05)
                     if k.get("refill"):
                         end = time.monotonic() + 60
                         while (waiting := _waiting_joiners(ctx.active_ranks)) < 1:
@@ -122,7 +128,9 @@ def main(opts: dict[str, Any]) -> None:
         dist.destroy_process_group()
     else:
         # CPU tensors: gloo, also on a host with a GPU (the default is nccl there).
-        result = restartable(**{"backend": "gloo", **opts["config"]})(train)()
+        # The reserve's prewarm runs after its first-use imports (inprocess.restart.warmup).
+        warm = {"prewarm": lambda: (d / "warm").touch()} if opts.get("mark_warm") else {}
+        result = restartable(**{"backend": "gloo", **warm, **opts["config"]})(train)()
     if result is not None:
         (d / f"result.{result['initial_rank']}.json").write_text(json.dumps(result))
 
