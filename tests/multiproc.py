@@ -78,6 +78,18 @@ class RanksFailed(AssertionError):
     """A multi-process test failed; the message holds every rank's status and output."""
 
 
+def wait_for_output(
+    log: Path, text: str, proc: subprocess.Popen[bytes], *, deadline: float
+) -> None:
+    """Poll ``log`` (a running job's output file) until it holds ``text``; fail with the output
+    when ``proc`` ended first or ``deadline`` seconds passed."""
+    end = time.monotonic() + deadline
+    while text not in log.read_text(errors="replace"):
+        assert proc.poll() is None, log.read_text(errors="replace")
+        assert time.monotonic() < end, f"no {text!r} in time:\n{log.read_text(errors='replace')}"
+        time.sleep(0.02)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports on localhost that were free a moment ago.
 

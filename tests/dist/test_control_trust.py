@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.dist.workers_control import SOFT_TIMEOUT_S
-from tests.multiproc import REPO_ROOT, free_port, slow
+from tests.multiproc import REPO_ROOT, free_port, slow, wait_for_output
 
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
 END_KEY = "restartable/it0/end"
@@ -49,14 +49,6 @@ def _launch(
             cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     return proc, log
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + _DEADLINE_S
-    while text not in log.read_text(errors="replace"):
-        assert proc.poll() is None, log.read_text(errors="replace")
-        assert time.monotonic() < end, f"no {text!r} in time:\n{log.read_text(errors='replace')}"
-        time.sleep(0.02)
 
 
 def _finish(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
@@ -100,7 +92,7 @@ def test_a_raw_stopped_value_stops_the_job_with_75_and_one_line(tmp_path: Path) 
     port = free_port()
     proc, log = _launch(tmp_path, port, steps=60)
     with _killed_on_failure(proc):
-        _wait_for(log, "[rank 1] iteration 0 step 3", proc)
+        wait_for_output(log, "[rank 1] iteration 0 step 3", proc, deadline=_DEADLINE_S)
         _client(port).set("restartable/stopped", "a stranger says stop")
     rc, output = _finish(proc, log)
     assert rc == 75, output
@@ -121,7 +113,7 @@ def test_garbage_where_the_restart_reads_stops_the_job_naming_the_key(
     port = free_port()
     proc, log = _launch(tmp_path, port, steps=12, hang_at=6)
     with _killed_on_failure(proc):
-        _wait_for(log, "[rank 1] hanging", proc)
+        wait_for_output(log, "[rank 1] hanging", proc, deadline=_DEADLINE_S)
         _client(port).set(key, b"garbage")  # read by the restart that the hang starts
     rc, output = _finish(proc, log)
     assert rc == 75, output
@@ -159,7 +151,7 @@ def test_a_done_replayed_from_an_earlier_job_never_ends_a_failed_job_with_succes
     port = free_port()
     proc, log = _launch(tmp_path, port, steps=60, name="later", **shared)
     with _killed_on_failure(proc):
-        _wait_for(log, "[rank 1] iteration 0 step 3", proc)
+        wait_for_output(log, "[rank 1] iteration 0 step 3", proc, deadline=_DEADLINE_S)
         _client(port).set(END_KEY, captured)  # the earlier job's genuine "done"
         for pid in _ranks_of(proc.pid):
             os.kill(pid, signal.SIGKILL)
@@ -173,10 +165,10 @@ def test_garbage_at_the_end_key_during_a_hang_still_ends_the_hang(tmp_path: Path
     port = free_port()
     proc, log = _launch(tmp_path, port, steps=8, hang_at=4)
     with _killed_on_failure(proc):
-        _wait_for(log, "[rank 1] hanging", proc)
+        wait_for_output(log, "[rank 1] hanging", proc, deadline=_DEADLINE_S)
         written = time.monotonic()
         _client(port).set(END_KEY, b"\x00garbage")
-        _wait_for(log, "[rank 1] iteration 1 step 1", proc)
+        wait_for_output(log, "[rank 1] iteration 1 step 1", proc, deadline=_DEADLINE_S)
         ended = time.monotonic() - written
     rc, output = _finish(proc, log)
     print(f"hang ended {ended:.2f} s after the garbage write")
@@ -195,7 +187,7 @@ def test_a_flood_of_connections_and_keys_does_not_stop_a_restart(tmp_path: Path)
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         with _killed_on_failure(proc):
-            _wait_for(log, "[rank 1] iteration 0 step 3", proc)
+            wait_for_output(log, "[rank 1] iteration 0 step 3", proc, deadline=_DEADLINE_S)
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(limits[1], _FLOOD + 1000), limits[1]))
             # Connections that never speak the store's protocol, held open through the hang
             # and the restart (which opens new clients of its own), and junk keys.
@@ -204,7 +196,7 @@ def test_a_flood_of_connections_and_keys_does_not_stop_a_restart(tmp_path: Path)
             for i in range(_FLOOD_KEYS):
                 probe.set(f"restartable/flood/{i}", b"x" * 100)
             assert probe.num_keys() >= _FLOOD_KEYS
-            _wait_for(log, "[rank 1] iteration 1 step 1", proc)
+            wait_for_output(log, "[rank 1] iteration 1 step 1", proc, deadline=_DEADLINE_S)
         rc, output = _finish(proc, log)
     finally:
         for s in held:

@@ -20,19 +20,10 @@ import zlib
 from pathlib import Path
 
 from tests.multiproc import REPO_ROOT, free_port, slow
+from tests.payload import Payload
 from tests.stranger import as_stranger, stranger_dir
 
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
-
-
-class _Payload:
-    """Creates ``path`` when unpickled."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return (open, (self.path, "w"))
 
 
 def _launch(job: Path, journal: Path) -> subprocess.CompletedProcess[str]:
@@ -51,7 +42,7 @@ def _craft_newest(root: Path, marker: Path) -> Path:
     in it, and fix up ``_COMMITTED.json`` to match (what anyone who can write it can do)."""
     newest = sorted(root.glob("step_*"))[-1]
     metadata = pickle.loads((newest / ".metadata").read_bytes())
-    metadata.planner_data = {"x": _Payload(marker)}
+    metadata.planner_data = {"x": Payload(marker)}
     crafted = pickle.dumps(metadata)
     (newest / ".metadata").write_bytes(crafted)
     commit = newest / "_COMMITTED.json"

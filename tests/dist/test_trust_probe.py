@@ -23,22 +23,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.multiproc import REPO_ROOT, free_port, slow
+from tests.multiproc import REPO_ROOT, free_port, slow, wait_for_output
+from tests.payload import Payload
 
 # 0.2 s each: the job is still training when the probe has written for 3 s (it starts at step
 # 3), and a job that never meets a forged key trains to its end in ~12 s.
 STEPS = 60
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
-
-
-class _Payload:
-    """Creates ``path`` when unpickled: the proof that something ran code from the store."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return (open, (self.path, "w"))
 
 
 def _launch(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
@@ -58,14 +49,6 @@ def _launch(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
             cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     return proc, log
-
-
-def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + _DEADLINE_S
-    while text not in log.read_text(errors="replace"):
-        assert proc.poll() is None, log.read_text(errors="replace")
-        assert time.monotonic() < end, f"no {text!r} in time:\n{log.read_text(errors='replace')}"
-        time.sleep(0.05)
 
 
 def _finish(proc: subprocess.Popen[bytes], log: Path) -> int:
@@ -97,7 +80,7 @@ def test_a_stranger_on_the_store_runs_no_code_and_never_ends_the_job_with_succes
     port = free_port()
     proc, log = _launch(tmp_path, port)
     try:
-        _wait_for(log, "[rank 1] step 3", proc)
+        wait_for_output(log, "[rank 1] step 3", proc, deadline=_DEADLINE_S)
         probe = dist.TCPStore(
             "127.0.0.1", port, is_master=False, wait_for_workers=False,
             timeout=datetime.timedelta(seconds=10),
@@ -108,7 +91,7 @@ def test_a_stranger_on_the_store_runs_no_code_and_never_ends_the_job_with_succes
         assert listening in ([], [f"127.0.0.1:{port}"]), listening  # [] where ss is missing
         listed = probe.list_keys()
         assert any(k.startswith("restartable/") for k in listed), listed  # a stranger sees them
-        crafted = pickle.dumps(_Payload(tmp_path / "pwned"))
+        crafted = pickle.dumps(Payload(tmp_path / "pwned"))
         end = time.monotonic() + 3.0
         written = 0
         while time.monotonic() < end and proc.poll() is None:

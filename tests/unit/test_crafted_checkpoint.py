@@ -22,16 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from checkpoint import CheckpointManager
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.persistent.safe_reader import UnsafeCheckpointError, load_metadata
-
-
-class _Payload:
-    """Creates ``path`` when unpickled (what an attacker's ``__reduce__`` would do)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = str(path)
-
-    def __reduce__(self) -> tuple[object, tuple[str, str]]:
-        return (open, (self.path, "w"))
+from tests.payload import Payload
 
 
 def _fix_up_marker(ckpt: Path) -> None:
@@ -57,7 +48,7 @@ def _crafted_metadata(real: bytes, marker: Path) -> bytes:
     """DCP's real metadata with a payload riding in it: a plain ``pickle.load`` returns a valid
     ``Metadata`` (the load would go on) and has created ``marker`` on the way."""
     metadata = pickle.loads(real)
-    metadata.planner_data = {"x": _Payload(marker)}
+    metadata.planner_data = {"x": Payload(marker)}
     return pickle.dumps(metadata)
 
 
@@ -86,7 +77,7 @@ def test_a_crafted_metadata_without_fallback_stops_with_one_line_naming_it(
 ) -> None:
     marker = tmp_path / "pwned"
     _, newest = _save_two(tmp_path / "ckpt")
-    (newest / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (newest / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     _fix_up_marker(newest)
     mgr = CheckpointManager(str(tmp_path / "ckpt"), fallback_on_corruption=False)
     with mgr, pytest.raises(UnsafeCheckpointError) as info:
@@ -99,7 +90,7 @@ def test_a_crafted_metadata_without_fallback_stops_with_one_line_naming_it(
 def test_crafted_metadata_in_every_checkpoint_stops_with_one_line(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     for ckpt in _save_two(tmp_path / "ckpt"):
-        (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+        (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
         _fix_up_marker(ckpt)
     mgr = CheckpointManager(str(tmp_path / "ckpt"))
     with mgr, pytest.raises(CheckpointCorruptError, match="every committed checkpoint") as info:
@@ -116,7 +107,7 @@ def test_a_crafted_value_in_a_data_file_runs_no_code(tmp_path: Path) -> None:
     for f in newest.iterdir():
         if not f.name.startswith("_"):
             f.unlink()
-    dcp.save({"w": torch.full((4,), 9.0), "n": _Payload(marker)}, checkpoint_id=str(newest))
+    dcp.save({"w": torch.full((4,), 9.0), "n": Payload(marker)}, checkpoint_id=str(newest))
     _fix_up_marker(newest)
     state: dict[str, Any] = {"w": torch.zeros(4), "n": 0}
     with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
