@@ -4,6 +4,7 @@ first DDP's imports (``torch._dynamo``, seconds) between the fault and its first
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from tests.multiproc import run_job
 
@@ -14,11 +15,12 @@ _LINE = re.compile(
 )
 
 
-def test_a_reserve_has_imported_what_ddp_needs_before_it_takes_a_killed_ranks_place() -> None:
-    job = run_job(
-        ["-m", "inprocess.launch", "--nproc-per-node", "3", SCRIPT, "--train-s", "4"],
-        deadline=150,
-    )
+def test_a_reserve_has_imported_what_ddp_needs_before_it_takes_a_killed_ranks_place(
+    tmp_path: Path,
+) -> None:
+    marker = str(tmp_path / "warm")
+    args = ["--nproc-per-node", "3", SCRIPT, "--train-s", "4", "--warm-marker", marker]
+    job = run_job(["-m", "inprocess.launch", *args], deadline=150)
     assert job.returncode == 0, job.output
     seen = {
         (int(it), int(r)): (warm == "True", float(s))
@@ -28,6 +30,7 @@ def test_a_reserve_has_imported_what_ddp_needs_before_it_takes_a_killed_ranks_pl
     assert seen[(0, 0)][0] is False and seen[(0, 1)][0] is False, job.output
     # The reserve (initial rank 2) imported it while it waited: its DDP() after the kill is
     # the cheap second one (0.01 s measured; the first costs 1.1-5.9 s on this VM).
+    assert (1, 2) in seen, job.output
     warm, ddp_s = seen[(1, 2)]
     assert warm is True, job.output
     assert ddp_s < 0.5, job.output
