@@ -30,10 +30,14 @@ args = p.parse_args()
 marker = Path(args.warm_marker)
 
 
+# soft_timeout 20 s: gloo's timeout is 1.25 x soft_timeout, and the active ranks' first DDP()
+# imports torch._dynamo before its broadcast (5.9 s on a loaded machine): with 5 s, the faster
+# rank timed out waiting for the slower one, iteration 0 ended without the kill, and no reserve
+# ever took a place (CI: no "iteration 1 initial rank 2" line).
 @restartable(
     backend="gloo",
-    soft_timeout=5.0,
-    hard_timeout=10.0,
+    soft_timeout=20.0,
+    hard_timeout=40.0,
     barrier_timeout=60.0,
     completion_timeout=60.0,
     active_world_size=2,
