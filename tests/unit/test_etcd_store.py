@@ -412,13 +412,13 @@ def test_multi_set_and_try_get_many_are_one_transaction_each(s: EtcdStore) -> No
     from inprocess.protocol import keys
 
     calls: list[str] = []
-    txn = s._txn
+    txn = s._keys.txn
 
     def counted(payload: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
         calls.append(what)
         return txn(payload, deadline, what)
 
-    s._txn = counted  # type: ignore[method-assign]
+    s._keys.txn = counted  # type: ignore[method-assign]
     keys.set_many(s, {"a": "1", "b": "", "c": "3"})
     assert keys.peek_many(s, ["a", "b", "missing", "c"]) == [b"1", b"", None, b"3"]
     assert calls == ["multi_set", "try_get_many"]
