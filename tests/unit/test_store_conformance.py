@@ -226,7 +226,7 @@ def test_delete_all_deletes_the_jobs_keys_where_the_backend_can(backend: Backend
 def test_the_torch_store_under_it_serves_a_prefix_store(backend: Backend, s: Store) -> None:
     if backend.kind == "tcp-client":  # torch-free by design: nothing of torch under it
         assert as_store(s) is s
-        with pytest.raises(TypeError, match="no torch.distributed.Store"):
+        with pytest.raises(TypeError, match=r"no torch\.distributed\.Store"):
             s.torch_store()
         return
     torch_store = s.torch_store()
