@@ -4,6 +4,11 @@ The public names below are imported on first use (PEP 562), so that importing on
 submodule (``checkpoint.exchange``, which every ``@restartable`` rank and its etcd store import)
 does not pay for torch.distributed.checkpoint (about 1 s of CPU per process, measured with
 ``python -X importtime``).
+
+Two submodules are public API of every process of a job, the torch-free ones included (the
+launcher, the watchdog): ``checkpoint.sealing`` (sealed store values and the job's secret) and
+``checkpoint.private_files`` (directories and files only this user may write). Neither imports
+torch; import them by their module names.
 """
 
 from __future__ import annotations

@@ -19,11 +19,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from checkpoint import _torch_private, plain
+from checkpoint import _torch_private, plain, store_delete
 from checkpoint.errors import CheckpointAbandoned, CheckpointError
 from checkpoint.sealing import ForgedValueError, Sealer, job_sealer, parse_count
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +38,6 @@ _POLL_FAST_MAX_S = 0.004
 _FAST_WINDOW_S = 0.2
 _POLL_MAX_S = 0.05
 _ABANDONED = "abandoned"  # the key a rank sets when it abandons an attempt (see abandon())
-# torch's C++ store wrappers (the default group's PrefixStore) do not pass delete_key on to a
-# store written in Python (inprocess.etcd.EtcdStore): "Tried to call pure virtual function
-# ::c10d::Store::deleteKey". They do pass set on, so such a store deletes a key that is set to
-# this value (EtcdStore.set); without it every exchange key would stay until the job's end.
-DELETE_VALUE = b"\x00restartable:delete-key\x00"
 # Job-wide bound of the polls every waiting rank sends together (per second): each rank's pause
 # is at least world / this, so a job of thousands of ranks cannot flood the store server (one
 # poll is one small request) and the waits grow linearly with the job, not faster
@@ -60,7 +58,7 @@ class StoreExchange:
 
     def __init__(
         self,
-        store: Any,
+        store: dist.Store | None,
         namespace: str,
         *,
         rank: int,
@@ -96,10 +94,9 @@ class StoreExchange:
             return None
         keys = [self._key(name, r) for r in range(self.world)]
         self._wait(
-            keys, name, ready=lambda: parse_count(count, self._store.get(count)) >= self.world
+            keys, name, ready=lambda: parse_count(count, self._peers.get(count)) >= self.world
         )
-        multi_get = getattr(self._store, "multi_get", None)
-        blobs = multi_get(keys) if multi_get is not None else [self._store.get(k) for k in keys]
+        blobs = self._store.multi_get(keys)
         # Deleted at rank 0's next receive(), after it published the answer: the deletes are
         # one call per rank (c10d has no multi-delete), and made here they kept every peer
         # waiting for the answer (at 1,024 ranks most of a step agreement's time).
@@ -142,7 +139,7 @@ class StoreExchange:
         if self._store is None:
             return
         try:
-            self._store.set(self._key(_ABANDONED, None), b"1")
+            self._store.set(self._key(_ABANDONED, None), "1")
         except Exception as e:  # the store's host is gone: nothing to tell anyone
             log.debug("checkpoint: could not publish the abandon of %s: %s", self.namespace, e)
 
@@ -153,7 +150,8 @@ class StoreExchange:
 
     def _put(self, key: str, obj: Any) -> None:
         data = plain.dumps(obj)
-        self._store.set(key, data if self._sealer is None else self._sealer.seal(key, data))
+        value = data if self._sealer is None else self._sealer.seal(key, data)
+        self._peers.set(key, value)  # type: ignore[arg-type]  # torch's stub: str; bytes work
 
     def _decode(self, key: str, raw: bytes) -> Any:
         """A value read from ``key``: verified first (never decoded when forged), then decoded
@@ -166,10 +164,7 @@ class StoreExchange:
             raise CheckpointError(f"save exchange: {exc}") from exc
 
     def _delete(self, key: str) -> None:
-        try:
-            self._store.delete_key(key)
-        except RuntimeError:  # a Python store behind a C++ wrapper: see DELETE_VALUE
-            self._store.set(key, DELETE_VALUE)
+        store_delete.delete_key(self._peers, key)
 
     def _key(self, name: str, rank: int | None) -> str:
         return f"{self.namespace}/{name}" if rank is None else f"{self.namespace}/{name}/{rank}"
@@ -189,12 +184,12 @@ class StoreExchange:
         floor = self.world / _JOB_POLLS_PER_S
         abandoned = [self._key(_ABANDONED, None)]
         if ready is None:
-            ready = functools.partial(self._store.check, keys)
+            ready = functools.partial(self._peers.check, keys)
         while not ready():
             if self.cancel.is_set():
                 raise CheckpointAbandoned(f"abandoned while waiting for '{name}'")
             # Only in the slow phase: a peer's abandon is rare, a per-step agreement is not.
-            if pause >= _POLL_MAX_S and self._store.check(abandoned):
+            if pause >= _POLL_MAX_S and self._peers.check(abandoned):
                 raise CheckpointAbandoned(f"a peer abandoned the save while waiting for '{name}'")
             if time.monotonic() > end:
                 missing = [from_rank] if from_rank is not None else self._missing(keys)
@@ -208,7 +203,13 @@ class StoreExchange:
             pause = min(pause * 2, _POLL_FAST_MAX_S if fast else _POLL_MAX_S)
 
     def _missing(self, keys: list[str]) -> list[int]:
-        return [r for r, k in enumerate(keys) if not self._store.check([k])]
+        return [r for r, k in enumerate(keys) if not self._peers.check([k])]
+
+    @property
+    def _peers(self) -> dist.Store:
+        """The store of a multi-rank exchange (a single process never polls nor writes)."""
+        assert self._store is not None
+        return self._store
 
 
 class Attempts:

@@ -9,13 +9,14 @@ import secrets
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from checkpoint import _torch_private
 from checkpoint.errors import CheckpointConfigError, CheckpointError
 from checkpoint.sealing import parse_count
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ _ARRIVE_POLL_MAX_S = 0.05
 _JOB_POLLS_PER_S = 20_000.0
 
 
-def _arrive(store: Any, key: str, *, world: int, timeout: float) -> None:
+def _arrive(store: dist.Store, key: str, *, world: int, timeout: float) -> None:
     """Wait, in Python, until every rank of the default group has arrived at ``key``.
 
     Why: ``new_group`` is a store rendezvous in C++ that blocks for the group's whole timeout

@@ -7,6 +7,11 @@ belongs to this user and neither group nor others may write it. Only then can no
 planted a file or a symbolic link in it, and only then is opening a name inside it safe. Files
 are opened with ``O_NOFOLLOW`` besides (a link in a private directory is this user's own
 mistake, not an attack, but it is still refused) and created 0600.
+
+Public API of every process of a job (launcher, ranks, watchdogs, the fault drill, the journal):
+stdlib only, no torch import. It lives in ``checkpoint``, the lower layer that ``inprocess``
+depends on; the names in ``__all__`` are the contract. docs/security.md ("Files and
+checkpoints") says which directories follow the rule.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
+
+__all__ = ["NotPrivateError", "open_private", "private_dir", "replace_private", "untrusted"]
 
 _NEW_FILE = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -20,9 +20,16 @@ frames an appended value holds, so frames of one key may be dropped, repeated or
 someone with write access (they can delete the key anyway: every reader treats that as a fault).
 Sealing is deterministic, so ``compare_set`` can compare sealed values.
 
-``inprocess`` uses this module through ``inprocess.protocol.sealed_store``;
-``checkpoint.exchange`` seals its own values (it talks to the default process group's store
-directly).
+Public API of every process of a job (launcher, fork server, srun task, ranks, watchdogs, store
+servers): stdlib only, no torch import, so the light processes import it too. It lives in
+``checkpoint``, the lower layer that ``inprocess`` depends on. The names in ``__all__`` are the
+contract: ``Sealer`` and ``ForgedValueError`` (seal, open); the secret's hand-over
+(``job_secret``, ``job_sealer``, ``new_secret``, ``take_from_environ``, ``handed``,
+``child_env``, ``forget_shared_secret`` and the ``*_ENV`` variable names); ``parse_count`` (a
+counter read back, which cannot be sealed); ``private_dir`` (the secret file's 0700 directory,
+which the watchdog's kill notice uses too). ``inprocess`` seals store values through
+``inprocess.protocol.sealed_store``; ``checkpoint.exchange`` seals its own values (it talks to
+the default process group's store directly).
 """
 
 from __future__ import annotations
@@ -36,6 +43,23 @@ import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
+
+__all__ = [
+    "SECRETS_DIR_ENV",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
+    "ForgedValueError",
+    "Sealer",
+    "child_env",
+    "forget_shared_secret",
+    "handed",
+    "job_sealer",
+    "job_secret",
+    "new_secret",
+    "parse_count",
+    "private_dir",
+    "take_from_environ",
+]
 
 MAGIC = b"RSM1"
 _HEAD = struct.Struct(">4sI16s")  # magic, payload length, truncated MAC

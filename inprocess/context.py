@@ -6,13 +6,15 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from inprocess import journal
 from inprocess.errors import ContextError
 from inprocess.restart.progress import ProgressTracker
 
 if TYPE_CHECKING:  # the monitor imports torch; what train() may call does not need it
+    import torch.distributed as dist
+
     from inprocess.restart.monitor import Interrupter
     from inprocess.timeouts.sections import SectionClock
 
@@ -52,7 +54,7 @@ class RestartContext:
     world_size: int
     initial_rank: int
     active_ranks: tuple[int, ...]
-    store: Any
+    store: dist.Store
     last_restart: RestartRecord | None
     _progress: ProgressTracker = field(repr=False)
     _interrupter: Interrupter = field(repr=False)

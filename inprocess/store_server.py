@@ -24,12 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch.distributed as dist
 
 from checkpoint.sealing import ForgedValueError, child_env, job_sealer
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ConfigError
 from inprocess.protocol.environment import LaunchEnv
 from inprocess.protocol.keys import GONE_KEY, ROOT, StoreLike, parse_ranks, peek
@@ -62,8 +62,8 @@ def connect(env: LaunchEnv, *, timeout: float) -> dist.TCPStore:
         )
     store = client(env.master_addr, env.master_port, timeout=timeout)
     if started_here and env.launch:
-        check_token(store, env.launch, where=f"{env.master_addr}:{env.master_port}",
-                    timeout=timeout)  # fmt: skip
+        where = f"{env.master_addr}:{env.master_port}"
+        check_token(store, env.launch, where=where, timeout=timeout)
     return store
 
 
@@ -108,8 +108,12 @@ def listening_server(host: str, port: int, **kw: Any) -> dist.TCPStore:
         sock.listen(1024)
     except OSError as exc:
         sock.close()
-        log.warning("cannot listen on %s:%d only (%s): the store listens on every interface",
-                    host, port, exc)  # fmt: skip
+        log.warning(
+            "cannot listen on %s:%d only (%s): the store listens on every interface",
+            host,
+            port,
+            exc,
+        )
         return dist.TCPStore("0.0.0.0", port, is_master=True, **kw)
     port = sock.getsockname()[1]
     return dist.TCPStore(host, port, is_master=True, master_listen_fd=sock.detach(), **kw)
@@ -182,9 +186,10 @@ def serve(
     host: str = "0.0.0.0",
     token: str | None = None,
     wait_for_tasks: bool = False,
+    clock: Clock = SYSTEM,
 ) -> None:
     """Run a server until the job is over (module docstring) or nothing changed for
-    ``idle_timeout`` seconds."""
+    ``idle_timeout`` seconds of ``clock``, looking every ``_POLL_S``."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # see the module docstring
     server = listening_server(host, port, wait_for_workers=False)
     if token:
@@ -192,9 +197,9 @@ def serve(
     # The ranks seal what they append to the "left" and "gone" lists; the rank that started this
     # server made the job's secret before (its environment or the job's private file).
     view = seal(server, job_sealer(create=False))
-    last_keys, last_change = -1, time.monotonic()
+    last_keys, last_change = -1, clock.monotonic()
     while True:
-        time.sleep(_POLL_S)
+        clock.sleep(_POLL_S)
         try:
             if all_left(view, world_size, count_gone=not wait_for_tasks):
                 return
@@ -202,8 +207,8 @@ def serve(
             pass
         n = server.num_keys()
         if n != last_keys:
-            last_keys, last_change = n, time.monotonic()
-        elif time.monotonic() - last_change > idle_timeout:
+            last_keys, last_change = n, clock.monotonic()
+        elif clock.monotonic() - last_change > idle_timeout:
             return
 
 

@@ -10,7 +10,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from straggler import scores
 from straggler.config import DetectorConfig
@@ -19,6 +19,9 @@ from straggler.gather import StoreRounds
 from straggler.report import Report
 from straggler.schedule import Plan, first_plan, next_plan
 from straggler.timing import Section, cuda_timing
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name: straggler does not import it).
@@ -52,7 +55,7 @@ class Detector:
         /,
         *,
         context: Any = None,
-        store: Any = None,
+        store: dist.Store | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         host: str | None = None,
@@ -296,7 +299,12 @@ def _config_from(config: DetectorConfig | None, options: dict[str, Any]) -> Dete
 
 
 def _check_membership(
-    config: DetectorConfig, store: Any, rank: int, world_size: int, *, can_demote: bool
+    config: DetectorConfig,
+    store: dist.Store | None,
+    rank: int,
+    world_size: int,
+    *,
+    can_demote: bool,
 ) -> None:
     """Reject a rank outside the world or a multi-rank detector without a store; warn when
     ``replace_if_detected`` cannot act."""

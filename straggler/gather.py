@@ -17,7 +17,10 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 PREFIX = "straggler/"
 # A blocked wait re-checks this often whether a peer already published the round's answer
@@ -35,7 +38,7 @@ class StoreRounds:
 
     def __init__(
         self,
-        store: Any,
+        store: dist.Store,
         *,
         rank: int,
         world_size: int,
@@ -88,7 +91,7 @@ class StoreRounds:
         return _first_wins(self.store, answer, decide(present, tuple(missing)))
 
 
-def _first_wins(store: Any, key: str, value: str) -> str:
+def _first_wins(store: dist.Store, key: str, value: str) -> str:
     return _text(store.compare_set(key, "", value))
 
 

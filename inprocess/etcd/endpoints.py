@@ -12,10 +12,10 @@ import functools
 import importlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ConfigError
 from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
 from inprocess.etcd.security import ENV_CA, ENV_CERT, EtcdCredentials, credentials_from_env
@@ -76,6 +76,7 @@ class Endpoints:
         *,
         request_timeout: float,
         credentials: EtcdCredentials | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         mod = _client_module()
         creds = credentials_from_env() if credentials is None else credentials
@@ -86,6 +87,7 @@ class Endpoints:
             )
         self.address = address
         self.request_timeout = request_timeout
+        self.clock = clock
         self._creds = creds
         self._clients: list[Etcd3Client] = [
             mod.Etcd3Client(
@@ -126,7 +128,7 @@ class Endpoints:
 
     def call(self, what: str, op: Callable[[Etcd3Client], T], *, deadline: float) -> T:
         """Run ``op`` against a live endpoint; retry on the next endpoint until ``deadline``
-        (``time.monotonic()`` seconds). ``op`` must be safe to repeat (the store makes its
+        (``clock.monotonic()`` seconds). ``op`` must be safe to repeat (the store makes its
         non-idempotent writes so). Raises ``EtcdTimeoutError`` naming every endpoint, the
         bound and the last error; ``EtcdStoreError`` for a non-transient refusal."""
         backoff = _BACKOFF_FIRST_S
@@ -153,7 +155,7 @@ class Endpoints:
                     ) from exc
                 self.failed(index, exc)
                 tried += 1
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if now >= deadline:
                 raise EtcdTimeoutError(
                     f"etcd {what}: no endpoint of {self.address.describe()} answered within the "
@@ -161,7 +163,7 @@ class Endpoints:
                     "cluster is up and reachable, or raise the store timeout"
                 ) from last.__cause__
             if tried % len(self._clients) == 0:  # a full round failed: back off
-                time.sleep(min(backoff, deadline - now))
+                self.clock.sleep(min(backoff, deadline - now))
                 backoff = min(max(2 * backoff, 0.01), _BACKOFF_MAX_S)
 
     def authenticate(self, index: int, client: Etcd3Client) -> None:

@@ -5,7 +5,8 @@ the store's ``timeout``), ``add`` is an atomic counter, ``compare_set`` with an 
 value means "set if absent". A wait reads the key; when it is missing, it opens a watch and reads
 the key again once etcd confirmed the watch, so no write between the two is missed
 (``inprocess.etcd.watch``). It implements ``inprocess.protocol.store.Store``, the fast paths in
-one transaction each.
+one transaction each. The job's keys and requests are ``inprocess.etcd.keyspace``'s, the
+read-modify-writes ``inprocess.etcd.atomic``'s.
 
 Keys of a job live under ``restartable/jobs/<prefix>/k/``: a new job with another prefix never
 sees a key of an earlier one, and ``delete_all()`` removes a finished job's keys in one request.
@@ -14,27 +15,22 @@ sees a key of an earlier one, and ``delete_all()`` removes a finished job's keys
 from __future__ import annotations
 
 import datetime
-import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from checkpoint.exchange import DELETE_VALUE
+from checkpoint.store_delete import is_delete
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ConfigError
 from inprocess.etcd import txn as t
+from inprocess.etcd.atomic import AtomicWrites
 from inprocess.etcd.endpoints import Endpoints
-from inprocess.etcd.errors import EtcdTimeoutError
-from inprocess.etcd.guard import WriteGuard
+from inprocess.etcd.keyspace import JobKeys
 from inprocess.etcd.url import EtcdAddress, check_prefix, parse_url
-from inprocess.etcd.watch import KeyWait
 from inprocess.protocol.store import Store, StoreBase
 
-if TYPE_CHECKING:
-    from etcd3gw.client import Etcd3Client
-
-ROOT = "restartable/jobs/"
 DEFAULT_TIMEOUT_S = 300.0  # c10d's default store timeout
 # One request's bound before the next endpoint is tried. A follower that lost its leader holds a
 # write until a new leader is elected or this passes; a request itself takes milliseconds.
@@ -50,10 +46,11 @@ class EtcdStore(StoreBase, dist.Store):
     job's namespace (a job id); required here or in the URL. ``timeout``: bound of every call,
     blocking ``get`` and ``wait`` included (c10d's ``set_timeout`` changes it).
     ``request_timeout``: bound of one HTTP request before the next endpoint is tried.
-    Connecting checks (one request) that some endpoint is an etcd with the v3 API; raises
-    ``ConfigError`` for a bad URL or prefix, ``EtcdTimeoutError`` when no endpoint answers
-    within ``timeout``, ``EtcdStoreError`` when one answers without the v3 API. Safe to use
-    from several threads; ``close()`` releases the HTTP connections.
+    ``clock``: where deadlines and backoffs take their time. Connecting checks (one request)
+    that some endpoint is an etcd with the v3 API; raises ``ConfigError`` for a bad URL or
+    prefix, ``EtcdTimeoutError`` when no endpoint answers within ``timeout``,
+    ``EtcdStoreError`` when one answers without the v3 API. Safe to use from several threads;
+    ``close()`` releases the HTTP connections.
     """
 
     def __init__(
@@ -64,6 +61,7 @@ class EtcdStore(StoreBase, dist.Store):
         timeout: float = DEFAULT_TIMEOUT_S,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         connect_timeout: float | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         super().__init__()
         address = parse_url(url)
@@ -74,104 +72,61 @@ class EtcdStore(StoreBase, dist.Store):
                     f"EtcdStore {name} ({value}) must be > 0 seconds: pass a positive duration"
                 )
         self.address = EtcdAddress(address.endpoints, self.prefix, tls=address.tls)
-        self._root = f"{ROOT}{self.prefix}/"
-        self._data = self._root + "k/"
-        self._endpoints = Endpoints(address, request_timeout=min(request_timeout, timeout))
+        self._clock = clock
+        self._endpoints = Endpoints(
+            address, request_timeout=min(request_timeout, timeout), clock=clock
+        )
+        where = f"{self.address.describe()} (prefix {self.prefix!r})"
+        self._keys = JobKeys(self._endpoints, self.prefix, where=where)
+        self._atomic = AtomicWrites(self._keys)  # non-idempotent writes (add, append, batch)
         self.set_timeout(datetime.timedelta(seconds=timeout))
-        self._guard = WriteGuard(self._root)  # non-idempotent writes (add, append, batch)
         bound = timeout if connect_timeout is None else connect_timeout
-        self._endpoints.probe(deadline=time.monotonic() + bound)
-
-    # ----- plumbing ----------------------------------------------------------------------------
+        self._endpoints.probe(deadline=clock.monotonic() + bound)
 
     def _deadline(self, timeout: datetime.timedelta | None = None) -> float:
-        return time.monotonic() + self._bound(timeout)
+        return self._clock.monotonic() + self._bound(timeout)
 
     def _bound(self, timeout: datetime.timedelta | None = None) -> float:
         t_ = self.timeout if timeout is None else timeout  # type: ignore[attr-defined]
         return float(t_.total_seconds())
 
-    def _k(self, key: str | bytes) -> bytes:
-        return self._data.encode() + t.to_bytes(key)
-
-    def _call(self, what: str, op: Callable[[Etcd3Client], Any], deadline: float) -> Any:
-        return self._endpoints.call(what, op, deadline=deadline)
-
-    def _post(self, what: str, path: str, body: dict[str, Any], deadline: float) -> Any:
-        return self._call(what, lambda c: c.post(c.get_url(path), json=body), deadline)
-
-    def _txn(self, payload: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
-        return self._call(what, lambda c: c.transaction(payload), deadline)
-
-    def _read(self, key: str, deadline: float) -> bytes | None:
-        """The key's value (None when absent): one range request."""
-        r = self._post("get", "/kv/range", {"key": t.b64(self._k(key))}, deadline)
-        kvs = r.get("kvs") or []
-        return t.kv_value(kvs[0]) if kvs else None
-
-    def _await(self, key: str, deadline: float, bound: float) -> bytes:
-        where = f"{self.address.describe()} (prefix {self.prefix!r})"
-        wait = KeyWait(
-            self._endpoints, self._k(key), lambda d: self._read(key, d), name=key, where=where
-        )
-        return wait.value(deadline, bound)
-
     # ----- c10d Store API ----------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:
-        """Put ``value``; ``checkpoint.exchange.DELETE_VALUE`` deletes the key instead (the
+        """Put ``value``; ``checkpoint.store_delete.DELETE_VALUE`` deletes the key instead (the
         delete that torch's C++ wrappers of this store cannot pass on)."""
-        if value == DELETE_VALUE:
+        if is_delete(value):
             self.delete_key(key)
             return
-        body = {"key": t.b64(self._k(key)), "value": t.b64(t.to_bytes(value))}
-        self._post("set", "/kv/put", body, self._deadline())
+        body = {"key": t.b64(self._keys.k(key)), "value": t.b64(t.to_bytes(value))}
+        self._keys.post("set", "/kv/put", body, self._deadline())
 
     def get(self, key: str) -> bytes:
         """The key's value; blocks until it exists (at most the store's timeout)."""
-        return self._await(key, self._deadline(), self._bound())
+        return self._keys.await_value(key, self._deadline(), self._bound())
 
     def add(self, key: str, value: int) -> int:
         """Add ``value`` to the integer at ``key`` (0 when absent); return the new value."""
         n = int(value)
-        return int(self._update(key, lambda old: str(int(old or b"0") + n).encode(), "add", True))
+        new = self._atomic.update(
+            key,
+            lambda old: str(int(old or b"0") + n).encode(),
+            what="add",
+            record=True,
+            deadline=self._deadline(),
+        )
+        return int(new)
 
     def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the key's bytes (creating it); atomic, like ``add``."""
         tail = t.to_bytes(value)
-        self._update(key, lambda old: (old or b"") + tail, "append", False)
-
-    def _update(
-        self, key: str, modify: Callable[[bytes | None], bytes], what: str, record: bool
-    ) -> bytes:
-        """Atomically replace the key's value ``old`` (None: absent) by ``modify(old)``.
-
-        One transaction when the key is absent, else a compare-and-swap on the key's mod
-        revision: a failed compare returns the current value in the same round trip, and the
-        loop retries with it (contention costs one more). Applied once even across a lost
-        answer (``WriteGuard``); ``record``: the guard keeps the new value so that a retry can
-        return it (``add``'s result). Returns the value written (``b""`` for a retry that found
-        an unrecorded write already applied).
-        """
-        k = self._k(key)
-        deadline = self._deadline()
-        mod, old = 0, None  # guess: absent (etcd compares a missing key's mod revision as 0)
-        while True:
-            body = modify(old)
-
-            def build(seq: int, m: int = mod, body: bytes = body) -> dict[str, Any]:
-                success = [t.put(k, body), self._guard.put(seq, body if record else b"")]
-                return t.txn([t.unchanged(k, m)], success, [t.read(k)])
-
-            resp, done = self._guard.run(self._endpoints, build, deadline, what)
-            if done is not None:
-                return done
-            assert resp is not None
-            if resp.get("succeeded"):
-                return body
-            kv = t.failure_kv(resp)
-            mod, old = t.kv_mod(kv), t.kv_value(kv)
-            _check_contention(what, key, deadline)
+        self._atomic.update(
+            key,
+            lambda old: (old or b"") + tail,
+            what="append",
+            record=False,
+            deadline=self._deadline(),
+        )
 
     def compare_set(
         self, key: str, expected_value: str | bytes, desired_value: str | bytes
@@ -179,11 +134,11 @@ class EtcdStore(StoreBase, dist.Store):
         """c10d semantics: set ``desired`` when the current value equals ``expected`` (an empty
         ``expected`` matches an absent key) and return it; otherwise return the current value
         (``expected`` when the key is absent). Repeating it after a lost answer is harmless."""
-        k = self._k(key)
+        k = self._keys.k(key)
         expected, desired = t.to_bytes(expected_value), t.to_bytes(desired_value)
         compare = t.equals(k, expected) if expected else t.absent(k)
         payload = t.txn([compare], [t.put(k, desired)], [t.read(k)])
-        resp = self._txn(payload, self._deadline(), "compare_set")
+        resp = self._keys.txn(payload, self._deadline(), "compare_set")
         if resp.get("succeeded"):
             return desired
         current = t.kv_value(t.failure_kv(resp))
@@ -198,8 +153,8 @@ class EtcdStore(StoreBase, dist.Store):
         """True when every key exists (one request, never blocks on absent keys)."""
         if not keys:
             return True
-        payload = t.txn([], [t.read(self._k(k), count_only=True) for k in keys])
-        resp = self._txn(payload, self._deadline(), "check")
+        payload = t.txn([], [t.read(self._keys.k(k), count_only=True) for k in keys])
+        resp = self._keys.txn(payload, self._deadline(), "check")
         return all(
             int(r.get("response_range", {}).get("count", 0)) > 0 for r in resp.get("responses", [])
         )
@@ -209,27 +164,27 @@ class EtcdStore(StoreBase, dist.Store):
         store's timeout)."""
         deadline, bound = self._deadline(timeout), self._bound(timeout)
         for key in keys:
-            self._await(key, deadline, bound)
+            self._keys.await_value(key, deadline, bound)
 
     def delete_key(self, key: str) -> bool:
-        r = self._post(
-            "delete_key", "/kv/deleterange", {"key": t.b64(self._k(key))}, self._deadline()
-        )
+        body = {"key": t.b64(self._keys.k(key))}
+        r = self._keys.post("delete_key", "/kv/deleterange", body, self._deadline())
         return int(r.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         """How many keys this job holds (not counting the store's own bookkeeping)."""
-        start = self._data.encode()
+        start = self._keys.data.encode()
         body = {"key": t.b64(start), "range_end": t.b64(t.prefix_end(start)), "count_only": True}
-        return int(self._post("num_keys", "/kv/range", body, self._deadline()).get("count", 0))
+        answer = self._keys.post("num_keys", "/kv/range", body, self._deadline())
+        return int(answer.get("count", 0))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         """Put several keys in ONE transaction (c10d's ``multi_set``; the facts every rank
         publishes at the start of an iteration). ``DELETE_VALUE`` is not special here."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        puts = [t.put(self._k(k), t.to_bytes(v)) for k, v in zip(keys, values, strict=True)]
-        self._txn(t.txn([], puts), self._deadline(), "multi_set")
+        puts = [t.put(self._keys.k(k), t.to_bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._keys.txn(t.txn([], puts), self._deadline(), "multi_set")
 
     # ----- the protocol's fast paths (inprocess.protocol.store.Store) --------------------------
 
@@ -240,34 +195,13 @@ class EtcdStore(StoreBase, dist.Store):
         set_if_absent: Sequence[tuple[str, str | bytes]],
     ) -> None:
         """``append`` to each key and set each ``set_if_absent`` key unless present: ONE
-        transaction (one round trip when the appended keys did not change under this client).
+        transaction (``AtomicWrites.fault_batch``), applied once even across a lost answer.
 
         ``inprocess.protocol.keys.record_fault`` uses it: a fault's record, the gone list and
         the iteration's three release keys, which on etcd were five sequential requests
-        (docs/scale.md). The appends are a compare-and-swap on every appended key's mod
-        revision, retried with the values the failure branch read (as ``append``); the
-        set-if-absent puts are nested transactions, each with its own condition, so a key that
-        is already set (an earlier fault) does not fail the others. Applied once even across a
-        lost answer (``WriteGuard``). Keys must be distinct.
+        (docs/scale.md). Keys must be distinct.
         """
-        batch = _FaultBatch(
-            [self._k(k) for k, _ in append],
-            [t.to_bytes(v) for _, v in append],
-            [t.set_if_absent(self._k(k), t.to_bytes(v)) for k, v in set_if_absent],
-        )
-        deadline = self._deadline()
-        while True:
-            resp, done = self._guard.run(
-                self._endpoints,
-                lambda seq: batch.payload(self._guard.put(seq, b"")),
-                deadline,
-                "record_fault",
-            )
-            if done is not None or (resp is not None and resp.get("succeeded")):
-                return
-            assert resp is not None
-            batch.retry_with(resp)
-            _check_contention("record_fault", "the fault keys", deadline)
+        self._atomic.fault_batch(append, set_if_absent, deadline=self._deadline())
 
     def count_arrival(self, key: str, member: str | None = None) -> int:
         """Count ``member`` once under ``key`` and return how many members are counted: ONE
@@ -280,42 +214,38 @@ class EtcdStore(StoreBase, dist.Store):
         under ``<key>/`` (a count-only range). Repeating it (a lost answer) counts nothing
         twice.
         """
-        base = self._k(key) + b"/"
+        base = self._keys.k(key) + b"/"
         mine = base + (uuid.uuid4().hex if member is None else member).encode()
         count = t.count_prefix(base)
         payload = t.txn([t.absent(mine)], [t.put(mine, b"1"), count], [count])
-        resp = self._txn(payload, self._deadline(), "count_arrival")
+        resp = self._keys.txn(payload, self._deadline(), "count_arrival")
         return int(resp["responses"][-1].get("response_range", {}).get("count", 0))
 
     def try_get(self, key: str) -> bytes | None:
         """The key's value, or None when it is absent: one range request, never blocks."""
-        return self._read(key, self._deadline())
+        return self._keys.read(key, self._deadline())
 
     def try_get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """``try_get`` of several keys in ONE transaction (a consistent snapshot; the restart
         decision's inputs in one round trip); never blocks."""
         if not keys:
             return []
-        payload = t.txn([], [t.read(self._k(k)) for k in keys])
-        resp = self._txn(payload, self._deadline(), "try_get_many")
+        payload = t.txn([], [t.read(self._keys.k(k)) for k in keys])
+        resp = self._keys.txn(payload, self._deadline(), "try_get_many")
         return [t.kv_value(t.range_kv(r)) for r in resp.get("responses", [])]
 
     def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
         """``wait([key], timeout)`` then ``get(key)`` in one step: the read that finds the key,
         or the watch event that reports its put, carries the value (one round trip fewer per
         released waiter)."""
-        return self._await(key, self._deadline(timeout), timeout.total_seconds())
+        return self._keys.await_value(key, self._deadline(timeout), timeout.total_seconds())
 
     # ----- the job's lifetime ------------------------------------------------------------------
 
     def delete_all(self) -> int:
         """Delete every key of this job (the end of a job; any rank may call it once all have
         left). Returns how many keys were deleted. Other jobs' keys are untouched."""
-        start = self._root.encode()
-        body = {"key": t.b64(start), "range_end": t.b64(t.prefix_end(start))}
-        return int(
-            self._post("delete_all", "/kv/deleterange", body, self._deadline()).get("deleted", 0)
-        )
+        return self._keys.delete_range("delete_all", self._keys.root, self._deadline())
 
     def close(self) -> None:
         """Release the HTTP connections (idempotent); the keys stay (see ``delete_all``)."""
@@ -332,40 +262,6 @@ class EtcdStore(StoreBase, dist.Store):
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.address.describe()!r}, prefix={self.prefix!r})"
-
-
-class _FaultBatch:
-    """The transaction of one ``record_fault_batch``: a compare-and-swap of every appended key
-    (``keys``, ``tails``) plus the nested set-if-absent transactions, retried with the values
-    the failure branch read."""
-
-    def __init__(self, keys: list[bytes], tails: list[bytes], nested: list[dict[str, Any]]):
-        self.keys, self.tails, self.nested = keys, tails, nested
-        self.mods = [0] * len(keys)  # guess: absent (a missing key's mod revision is 0)
-        self.olds: list[bytes] = [b""] * len(keys)
-
-    def payload(self, guard_put: dict[str, Any]) -> dict[str, Any]:
-        compares = [t.unchanged(k, m) for k, m in zip(self.keys, self.mods, strict=True)]
-        puts = [
-            t.put(k, old + tail)
-            for k, old, tail in zip(self.keys, self.olds, self.tails, strict=True)
-        ]
-        return t.txn(compares, [*puts, *self.nested, guard_put], [t.read(k) for k in self.keys])
-
-    def retry_with(self, resp: dict[str, Any]) -> None:
-        """Take the current values of the appended keys from a failed attempt's answer."""
-        responses = resp.get("responses") or []
-        kvs = [t.range_kv(responses[i]) for i in range(len(self.keys))]
-        self.mods = [t.kv_mod(kv) for kv in kvs]
-        self.olds = [t.kv_value(kv) or b"" for kv in kvs]
-
-
-def _check_contention(what: str, key: str, deadline: float) -> None:
-    if time.monotonic() > deadline:
-        raise EtcdTimeoutError(
-            f"etcd {what}({key!r}): the key kept changing under this client until the "
-            "timeout: raise the store timeout"
-        )
 
 
 def _job_prefix(url: str, prefix: str | None) -> str:

@@ -50,7 +50,8 @@ from typing import Any
 from checkpoint.sealing import SECRET_ENV, ForgedValueError, Sealer
 from inprocess.clock import SYSTEM, Clock
 from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
-from inprocess.protocol.sealed_store import seal
+from inprocess.protocol.sealed_store import seal, under_seal
+from inprocess.protocol.store import Store
 from inprocess.store_server import listening_server
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class JobControl:
         self.store_url, self.job_id = store_url, job_id
         self.beat_stale = beat_stale  # a launcher whose beat is unchanged this long is gone
         self._round_stores: dict[int, Any] = {}
-        self.store: Any
+        self.store: Store
         self.ns = "launch/"
         if store_url is not None:
             from inprocess.etcd.connect import open_store
@@ -145,10 +146,9 @@ class JobControl:
             return
         if node_rank == 0:
             # Outside every training process: losing any rank loses no coordination state.
-            self.store = seal(
-                listening_server(addr, port or 0, wait_for_workers=False, use_libuv=True), sealer
-            )
-            self.port = int(self.store.port)
+            server = listening_server(addr, port or 0, wait_for_workers=False, use_libuv=True)
+            self.store = seal(server, sealer)
+            self.port = int(server.port)
         else:
             assert port is not None
             try:
@@ -164,7 +164,7 @@ class JobControl:
         nothing another launch sealed, even one that shares the secret, verifies."""
         if self._sealer is not None:
             self._sealer = launch_sealer(self._sealer, self.launch_id)
-            self.store = seal(self.store.raw, self._sealer)
+            self.store = seal(under_seal(self.store), self._sealer)
 
     def round_sealer(self, k: int) -> Sealer | None:
         """The key of round ``k``'s store and ranks (``round_store_env``); None without one."""
@@ -210,10 +210,12 @@ class JobControl:
                 round_store, port = self._etcd_round_store(k), self.port
             elif self.node_rank == 0:
                 if k == 0:  # round 0's ranks use the control store's server
-                    round_store, port = seal(self.store.raw, self.round_sealer(0)), self.port
+                    round_store, port = (
+                        seal(under_seal(self.store), self.round_sealer(0)),
+                        self.port,
+                    )
                 else:
-                    round_store = self._new_round_store(k)
-                    port = int(round_store.port)
+                    round_store, port = self._new_round_store(k)
                 self.store.set(self._k(f"r{k}/port"), str(port))
             deadline = time.monotonic() + self.node_timeout
             while self.store.add(self._k(f"r{k}/arrived"), 0) < self.nnodes:
@@ -227,7 +229,7 @@ class JobControl:
             if self.node_rank != 0 and self.store_url is None:
                 self.store.wait([self._k(f"r{k}/port")], datetime.timedelta(seconds=30))
                 port = int(self.store.get(self._k(f"r{k}/port")))
-                raw = self.store.raw if k == 0 else _client(self.addr, port, 30.0)
+                raw = under_seal(self.store) if k == 0 else _client(self.addr, port, 30.0)
                 round_store = seal(raw, self.round_sealer(k))
         except NodeLostError:
             raise
@@ -235,15 +237,13 @@ class JobControl:
             raise _store_lost(exc) from exc
         return port, round_store
 
-    def _new_round_store(self, k: int) -> Any:
-        store = seal(
-            listening_server(self.addr, 0, wait_for_workers=False, use_libuv=True),
-            self.round_sealer(k),
-        )
+    def _new_round_store(self, k: int) -> tuple[Any, int]:
+        server = listening_server(self.addr, 0, wait_for_workers=False, use_libuv=True)
+        store = seal(server, self.round_sealer(k))
         # The previous round's processes are gone; its store goes (round 0's is the control).
         self._round_stores.pop(k - 1, None)
         self._round_stores[k] = store
-        return store
+        return store, int(server.port)
 
     def _etcd_round_store(self, k: int) -> Any:
         from inprocess.etcd.connect import open_store
@@ -406,7 +406,7 @@ class JobControl:
         self._round_stores.clear()
         if self.store_url is not None and self.store is not None:
             self.store.close()
-        self.store = None
+        self.store = None  # type: ignore[assignment]  # dropped: node 0's server stops with it
 
 
 def restart_or_end(k: int, *, max_restarts: int, reason: str, origin: str = "") -> Action:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 from checkpoint.sealing import ForgedValueError
 from inprocess import journal
@@ -26,6 +26,7 @@ from inprocess.launch.autoresume import VERDICT_STATUSES
 from inprocess.launch.pool import PooledProcess, WarmPool
 from inprocess.protocol import job_keys
 from inprocess.protocol.ranks import respawn_identity
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class NodeSupervisor:
     """
 
     cfg: SupervisorConfig
-    store: Any
+    store: Store
     env_of: Callable[[int, int], Mapping[str, str]]
     out: IO[bytes]
     poll_action: Callable[[], str | None]

@@ -46,9 +46,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from inprocess.protocol.environment import ENV_TASK
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from inprocess.protocol.store import Store
 
 log = logging.getLogger("inprocess.launch.task")
 
@@ -197,7 +202,7 @@ def _job_done(timeout: float) -> bool | None:
     from inprocess.store_server import client, mark_left
 
     env = read_env()
-    store: Any
+    store: Store | dist.Store
     if env.store_url is not None:
         from inprocess.etcd.connect import open_store
 

@@ -17,36 +17,34 @@ import datetime
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from checkpoint.sealing import ForgedValueError, Sealer
 from inprocess.protocol.store import Store, StoreBase, as_store
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 log = logging.getLogger(__name__)
 
-__all__ = ["ForgedValueError", "SealedStore", "seal", "unsealed"]
+__all__ = ["ForgedValueError", "SealedStore", "seal", "under_seal", "unsealed"]
 
 
 class SealedStore(StoreBase):
     """A ``Store`` whose values are sealed with the job's secret (see the module docstring).
 
     Thread-safe as far as the inner client is. ``raw`` is the inner ``Store`` (``inner`` itself,
-    or a ``C10dStore`` around a torch store); ``add``,
-    ``check``, ``wait``, ``delete_key``, ``count_arrival`` and ``close`` are its own (they carry
-    no value to seal). Attributes outside ``Store`` (a TCPStore's ``port``, an EtcdStore's
-    ``delete_all``) are the torch store's (``__getattr__``).
+    or a ``C10dStore`` around a torch store); ``add``, ``check``, ``wait``, ``delete_key``,
+    ``count_arrival``, ``delete_all`` and ``close`` are its own (they carry no value to seal).
+    Nothing outside ``Store`` passes through: who needs more of the store under it (a
+    server's ``port``) keeps that store.
     """
 
-    def __init__(self, inner: Any, sealer: Sealer) -> None:
+    def __init__(self, inner: Store | dist.Store, sealer: Sealer) -> None:
         self.raw: Store = as_store(inner)  # a torch store is wrapped (C10dStore)
         self._sealer = sealer
         self._reported: set[str] = set()
         self._lock = threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_") or name == "raw":  # never reached for set attributes
-            raise AttributeError(name)
-        return getattr(self.raw.torch_store(), name)
 
     def __enter__(self) -> SealedStore:
         return self
@@ -137,14 +135,17 @@ class SealedStore(StoreBase):
     def count_arrival(self, key: str, member: str | None = None) -> int:
         return self.raw.count_arrival(key, member)
 
+    def delete_all(self) -> int:
+        return self.raw.delete_all()
+
     def close(self) -> None:
         self.raw.close()
 
-    def torch_store(self) -> Any:
+    def torch_store(self) -> dist.Store:
         return self.raw.torch_store()
 
 
-def seal(store: Any, sealer: Sealer | None) -> Store:
+def seal(store: Store | dist.Store, sealer: Sealer | None) -> Store:
     """``store`` (a ``Store`` or a torch store, see ``as_store``) with its values sealed
     (``sealer`` None: as it is, unauthenticated)."""
     if isinstance(store, SealedStore):
@@ -153,10 +154,16 @@ def seal(store: Any, sealer: Sealer | None) -> Store:
     return inner if sealer is None else SealedStore(inner, sealer)
 
 
-def unsealed(store: Any) -> Any:
+def under_seal(store: Store) -> Store:
+    """The ``Store`` under ``store``'s seal (``store`` itself when it is not sealed): what a
+    caller seals again with another key (``seal`` leaves a sealed store as it is)."""
+    return store.raw if isinstance(store, SealedStore) else store
+
+
+def unsealed(store: Store | dist.Store) -> dist.Store:
     """The torch store under ``store`` (for torch: process groups, ``ctx.store``); a torch
     store is returned as it is."""
-    return store.torch_store() if isinstance(store, StoreBase) else store
+    return as_store(store).torch_store()
 
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@ torch server, so a change in torch fails there loudly. Layout: a request is one 
 type) followed by its arguments; a string or byte value is a little-endian uint64 length and
 the bytes; an integer is a little-endian int64; every key gets torch's ``/`` prefix. A new
 connection sends VALIDATE with the magic number, then PING with a nonce that the server echoes.
-Only the calls ``inprocess.protocol.store.C10dStore`` makes are here (``as_store`` wraps it).
+The client is a ``inprocess.protocol.store.Store`` of its own (the protocol's operations from
+``StoreBase``), so tests/unit/test_store_conformance.py runs the same suite against it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import select
 import socket
 import struct
 import threading
-import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+from inprocess.clock import SYSTEM, Clock
+from inprocess.protocol.store import Store, StoreBase
 
 _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = range(7)
 _DELETE_KEY, _APPEND, _MULTI_GET, _MULTI_SET, _CANCEL_WAIT, _PING = 8, 9, 10, 11, 12, 13
@@ -33,27 +37,30 @@ class StoreClientError(RuntimeError):
     """The server broke the protocol or closed the connection."""
 
 
-class TCPStoreClient:
-    """A client connection to a ``torch.distributed.TCPStore`` server (``is_master=False``).
+class TCPStoreClient(StoreBase):
+    """A client connection to a ``torch.distributed.TCPStore`` server (``is_master=False``), as
+    a ``Store``.
 
-    Same call signatures as torch's store for ``set``, ``get``, ``add``, ``append``,
-    ``compare_set``, ``check``, ``wait``, ``multi_get``, ``multi_set``, ``delete_key`` (what
-    ``inprocess.protocol.store.C10dStore`` calls); ``timeout`` bounds the connection and
-    each call (``TimeoutError``). Calls are serialized by a lock; ``close()`` is idempotent.
+    Same call signatures and answers as torch's client for ``set``, ``get``, ``add``,
+    ``append``, ``compare_set``, ``check``, ``wait``, ``multi_get``, ``multi_set``,
+    ``delete_key``; the fast paths are ``StoreBase``'s, as for torch's client in a
+    ``C10dStore``. ``timeout`` bounds the connection and each call (``TimeoutError``); ``clock``
+    paces the retries of a refused connection. Calls are serialized by a lock; ``close()`` is
+    idempotent. There is no torch store under it (``torch_store`` raises ``TypeError``).
     """
 
-    def __init__(self, host: str, port: int, *, timeout: float) -> None:
+    def __init__(self, host: str, port: int, *, timeout: float, clock: Clock = SYSTEM) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        deadline = time.monotonic() + timeout
+        deadline = clock.monotonic() + timeout
         while True:  # the server may still be starting: retry refused connections
             try:
                 self._sock = socket.create_connection((host, port), timeout=timeout)
                 break
             except ConnectionRefusedError:
-                if time.monotonic() >= deadline:
+                if clock.monotonic() >= deadline:
                     raise
-                time.sleep(0.05)
+                clock.sleep(0.05)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.getpid() & 0xFFFFFFFF
         self._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
@@ -82,7 +89,9 @@ class TCPStoreClient:
         with self._lock:
             self._send(bytes([_APPEND]) + _str(_key(key)) + _str(_bytes(value)))
 
-    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
         with self._lock:
             self._send(
                 bytes([_COMPARE_SET])
@@ -92,12 +101,12 @@ class TCPStoreClient:
             )
             return self._recv_bytes()
 
-    def check(self, keys: list[str]) -> bool:
+    def check(self, keys: Sequence[str]) -> bool:
         with self._lock:
             self._send(bytes([_CHECK]) + _keys(keys))
             return self._recv(1)[0] == _READY
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """Waits (at most ``timeout``) for every key, as torch's client does, then reads them."""
         self.wait(keys, datetime.timedelta(seconds=self.timeout))
         with self._lock:
@@ -110,11 +119,13 @@ class TCPStoreClient:
             return int(struct.unpack("<q", self._recv(8))[0]) == 1
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
         pairs = b"".join(_str(_key(k)) + _str(_bytes(v)) for k, v in zip(keys, values, strict=True))
         with self._lock:
             self._send(bytes([_MULTI_SET]) + struct.pack("<Q", len(keys)) + pairs)
 
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         """Block until every key exists; ``TimeoutError`` after ``timeout`` (then the server is
         told to stop waiting, and its answer is read, so the connection stays in step)."""
         seconds = self.timeout if timeout is None else timeout.total_seconds()
@@ -134,6 +145,12 @@ class TCPStoreClient:
 
     def close(self) -> None:
         self._sock.close()
+
+    def torch_store(self) -> NoReturn:
+        raise TypeError(
+            "TCPStoreClient has no torch.distributed.Store under it (it exists so that the "
+            "watchdog never imports torch): open torch's TCPStore for a process group"
+        )
 
     # ----- bytes -----------------------------------------------------------------------------
 
@@ -173,3 +190,9 @@ def _str(data: bytes) -> bytes:
 
 def _keys(keys: Sequence[str]) -> bytes:
     return struct.pack("<Q", len(keys)) + b"".join(_str(_key(k)) for k in keys)
+
+
+if TYPE_CHECKING:
+
+    def _implements_store(store: TCPStoreClient) -> Store:  # mypy checks it against Store
+        return store

@@ -84,19 +84,19 @@ class ClientPool:
     Thread-safe.
     """
 
-    def __init__(self, open_client: Callable[[], Any]) -> None:
+    def __init__(self, open_client: Callable[[], Store]) -> None:
         self._open = open_client
-        self._idle: list[Any] = []
+        self._idle: list[Store] = []
         self._lock = threading.Lock()
 
-    def take(self) -> Any:
+    def take(self) -> Store:
         """An idle client, or a new one (may block on the connect, bounded by its timeout)."""
         with self._lock:
             if self._idle:
                 return self._idle.pop()
         return self._open()
 
-    def give(self, client: Any) -> None:
+    def give(self, client: Store) -> None:
         """Hand back a client with no call in flight."""
         with self._lock:
             self._idle.append(client)
@@ -106,9 +106,7 @@ class ClientPool:
         with self._lock:
             idle, self._idle = self._idle, []
         for c in idle:
-            close = getattr(c, "close", None)  # EtcdStore holds HTTP connections
-            if close is not None:
-                close()
+            c.close()  # EtcdStore holds HTTP connections
 
 
 @dataclass

@@ -10,13 +10,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord, RestartAbortedError
 from inprocess.protocol import capacity, keys
 from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment
+from inprocess.protocol.store import Store
 from inprocess.restart.progress import ProgressTracker
 
 
@@ -38,7 +38,7 @@ class RestartAgreement:
 
     def meet(
         self,
-        store: Any,
+        store: Store,
         progress: ProgressTracker,
         *,
         iteration: int,
@@ -69,7 +69,7 @@ class RestartAgreement:
 
     def _decide(
         self,
-        store: Any,
+        store: Store,
         iteration: int,
         assignment: Assignment,
         target: int,

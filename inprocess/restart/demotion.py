@@ -117,10 +117,11 @@ def _job_store(ctx: RestartContext) -> Store:
     """The job's store under ``ctx.store`` (the wrapper builds ``ctx.store`` as a PrefixStore
     of the iteration's user namespace over it; fault records live outside that namespace),
     with the job's values sealed (``inprocess.protocol.sealed_store``)."""
-    store = getattr(ctx.store, "underlying_store", None)
-    if store is None:
+    import torch.distributed as dist  # loaded already: ctx.store is torch's
+
+    if not isinstance(ctx.store, dist.PrefixStore):
         raise RuntimeError(
             "replace_rank needs the restart context that @restartable built (its store "
             f"is a PrefixStore over the job's store), not {type(ctx.store).__name__}"
         )
-    return seal(store, job_sealer(create=False))
+    return seal(ctx.store.underlying_store, job_sealer(create=False))

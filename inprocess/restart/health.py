@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from inprocess.protocol import keys
+from inprocess.protocol.store import Store
 from inprocess.restart.progress import ProgressTracker
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ def _optional(query: Callable[[], Any], nvml: Any) -> Any:
 
 
 def check_and_report(
-    health: HealthChecker, store: Any, progress: ProgressTracker, *, me: int, iteration: int
+    health: HealthChecker, store: Store, progress: ProgressTracker, *, me: int, iteration: int
 ) -> None:
     """The restart loop's health phase (main thread): before the first iteration and after
     every fault, before the restart barrier. An unhealthy rank records a fault of

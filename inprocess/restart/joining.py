@@ -13,12 +13,13 @@ from typing import Any
 
 from inprocess.config import RestartConfig
 from inprocess.protocol import job_keys
+from inprocess.protocol.store import Store
 from inprocess.restart.agreement import RestartAgreement
 
 log = logging.getLogger(__name__)
 
 
-def register(store: Any, watchdog: Any, *, me: int) -> int:
+def register(store: Store, watchdog: Any, *, me: int) -> int:
     """Start ``watchdog`` parked and register this process as a joiner; returns the iteration
     announced when it registered (``admit``'s ``since``)."""
     # Watched from now on, so that it is a ready reserve the moment it registers; until
@@ -36,7 +37,7 @@ def register(store: Any, watchdog: Any, *, me: int) -> int:
 
 
 def admit(
-    store: Any,
+    store: Store,
     watchdog: Any,
     agreement: RestartAgreement,
     cfg: RestartConfig,

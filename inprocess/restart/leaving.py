@@ -11,13 +11,14 @@ import logging
 from typing import Any
 
 from inprocess.protocol import keys
+from inprocess.protocol.store import Store
 from inprocess.store_server import mark_left
 
 log = logging.getLogger(__name__)
 
 
 def leave_store(
-    store: Any, *, me: int, world_size: int, owns_cleanup: bool, close: tuple[Any, ...]
+    store: Store, *, me: int, world_size: int, owns_cleanup: bool, close: tuple[Any, ...]
 ) -> None:
     """Mark ``me`` as left; the last rank out deletes the job's keys where ``owns_cleanup``.
     Then close each store of ``close`` (None entries skipped)."""

@@ -25,6 +25,7 @@ from inprocess.protocol import job_keys, keys
 from inprocess.protocol.environment import bind_to_launcher, read_env
 from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
+from inprocess.protocol.store import Store
 from inprocess.restart import joining, startup, torchrun_env
 from inprocess.restart.abort import GroupReaper, abort_process_groups
 from inprocess.restart.active import Outcome, RankServices, run_active
@@ -171,7 +172,7 @@ class _Job:
         self.node_of = node_of_ranks(
             world_size=self.env.world_size, local_world_size=self.env.local_world_size
         )
-        self.store: Any = None
+        self.store: Store | None = None
         self.watchdog: Any = None  # inprocess.watchdog.Watchdog
         self.health: HealthChecker | None = None
         self.svc: RankServices | None = None
@@ -294,6 +295,7 @@ class _Job:
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         startup.freeze_gc(self.cfg, self.me)
         self._start()
+        assert self.store is not None  # connected by _start
         # inprocess.launch's side: its journal joins this one (respawns and in-job restarts in
         # the report), and the config's fault drill starts, once per job (inprocess.faults.drill).
         job_keys.publish_journal_dir(self.store, self.journal)
@@ -349,6 +351,7 @@ class _Job:
         kwargs: dict[str, Any],
     ) -> Outcome:
         """Announce ``iteration``, then run it in this rank's role (active or reserve)."""
+        assert self.store is not None  # connected by _start
         # A reserve's death only marks it gone: it never interrupts the training (issue 35).
         self.watchdog.set_iteration(iteration, reserve=assignment.rank_of(self.me) is None)
         job_keys.start_iteration(
@@ -373,7 +376,7 @@ class _Job:
 
     def _health_phase(self, iteration: int) -> None:
         """Before the first iteration and after every fault (``health.check_and_report``)."""
-        assert self.health is not None and self.svc is not None
+        assert self.health is not None and self.svc is not None and self.store is not None
         check_and_report(
             self.health, self.store, self.svc.progress, me=self.me, iteration=iteration
         )
@@ -463,7 +466,7 @@ class _Job:
     ) -> _PendingRestart:
         """Meet at the restart barrier (``RestartAgreement.meet``: raises when the job stops);
         returns the restart decided, with the time each phase of the fault took."""
-        assert self.svc is not None
+        assert self.svc is not None and self.store is not None
         t_barrier = time.monotonic()
         decision = self.agreement.meet(
             self.store, self.svc.progress, iteration=iteration, assignment=assignment, target=target

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from inprocess.protocol import keys
+from inprocess.protocol.store import Store
 
 # How tiers are named to a user ("local_dir" and "peer" are the local tier's sources).
 TIER_NAMES = {
@@ -61,7 +62,7 @@ class TierBoard:
 
     def __init__(
         self,
-        store: Any,
+        store: Store,
         open_client: Callable[[], Any],
         *,
         iteration: int,

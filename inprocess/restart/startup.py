@@ -22,6 +22,7 @@ from inprocess.etcd.url import parse_url
 from inprocess.protocol.environment import LaunchEnv, store_setting
 from inprocess.protocol.reach import unreachable
 from inprocess.protocol.sealed_store import seal
+from inprocess.protocol.store import Store
 from inprocess.restart.abort import GroupReaper
 from inprocess.restart.active import ClientPool, RankServices
 from inprocess.restart.health import HealthChecker
@@ -112,7 +113,7 @@ def rank_services(
     env: LaunchEnv,
     *,
     me: int,
-    store: Any,
+    store: Store,
     new_client: Callable[[], Any],
     reaper: GroupReaper,
     url: str | None,

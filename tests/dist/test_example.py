@@ -159,7 +159,7 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
         faulty = _launch(tmp_path, nproc=3, faults=ETCD_PLAN, launcher=store, extra=ETCD_TIMEOUTS)
         assert faulty.returncode == 0, faulty.output
         # Every key of the job, the launcher's and the checkpoint exchanges' included (deleted
-        # through the default group's PrefixStore: checkpoint.exchange.DELETE_VALUE), was
+        # through the default group's PrefixStore: checkpoint.store_delete.DELETE_VALUE), was
         # deleted at the end.
         with EtcdStore(cluster.url, prefix="example", timeout=10) as after:
             assert after.delete_all() == 0

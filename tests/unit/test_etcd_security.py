@@ -87,8 +87,10 @@ def test_the_protocol_runs_over_tls_with_a_user(
 
     assert isinstance(secure, SecureEtcd)
     _env(monkeypatch, secure.client_env())
-    with EtcdStore(secure.url, prefix="tls-job", timeout=10.0) as a, \
-            EtcdStore(secure.url, prefix="tls-job", timeout=10.0) as b:  # fmt: skip
+    with (
+        EtcdStore(secure.url, prefix="tls-job", timeout=10.0) as a,
+        EtcdStore(secure.url, prefix="tls-job", timeout=10.0) as b,
+    ):
         a.set("k", "v")
         assert b.get("k") == b"v" and b.add("n", 2) == 2
         threading.Timer(0.2, a.set, args=("late", "w")).start()  # a watch over TLS

@@ -412,13 +412,13 @@ def test_multi_set_and_try_get_many_are_one_transaction_each(s: EtcdStore) -> No
     from inprocess.protocol import keys
 
     calls: list[str] = []
-    txn = s._txn
+    txn = s._keys.txn
 
     def counted(payload: dict[str, Any], deadline: float, what: str) -> dict[str, Any]:
         calls.append(what)
         return txn(payload, deadline, what)
 
-    s._txn = counted  # type: ignore[method-assign]
+    s._keys.txn = counted  # type: ignore[method-assign]
     keys.set_many(s, {"a": "1", "b": "", "c": "3"})
     assert keys.peek_many(s, ["a", "b", "missing", "c"]) == [b"1", b"", None, b"3"]
     assert calls == ["multi_set", "try_get_many"]
@@ -465,8 +465,15 @@ def test_advertised_host_is_the_interface_that_reaches_the_store() -> None:
 def _control(cluster: EtcdCluster, job_id: str, node: int, **kw: Any) -> Any:
     from inprocess.launch.rounds import JobControl
 
-    return JobControl(node_rank=node, nnodes=2, addr="127.0.0.1", port=None,
-                      store_url=cluster.url, job_id=job_id, **kw)  # fmt: skip
+    return JobControl(
+        node_rank=node,
+        nnodes=2,
+        addr="127.0.0.1",
+        port=None,
+        store_url=cluster.url,
+        job_id=job_id,
+        **kw,
+    )
 
 
 @needs_etcd
@@ -499,8 +506,14 @@ def test_the_last_launcher_out_never_judges_a_live_node_by_its_skewed_clock(
 
     job = f"skew-{uuid.uuid4().hex[:8]}"
     node0 = _control(cluster, job, 0, node_timeout=4.0, beat_stale=1.0)
-    node1 = _control(cluster, job, 1, node_timeout=4.0, beat_stale=1.0,
-                     clock=Clock(wall=lambda: time.time() - 3.0))  # fmt: skip
+    node1 = _control(
+        cluster,
+        job,
+        1,
+        node_timeout=4.0,
+        beat_stale=1.0,
+        clock=Clock(wall=lambda: time.time() - 3.0),
+    )
     stop = threading.Event()
 
     def beat() -> None:

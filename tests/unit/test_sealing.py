@@ -76,8 +76,9 @@ def test_sealed_store_keeps_the_protocol_and_rejects_forgeries(
 
 
 def test_a_forged_launcher_action_stops_the_job_instead_of_ending_it(tmp_path: Path) -> None:
-    control = JobControl(node_rank=0, nnodes=1, addr="127.0.0.1", port=None, node_timeout=5.0,
-                         sealer=SEALER)  # fmt: skip
+    control = JobControl(
+        node_rank=0, nnodes=1, addr="127.0.0.1", port=None, node_timeout=5.0, sealer=SEALER
+    )
     try:
         raw = control.store.raw
         raw.set(control._k("r0/action"), '{"kind": "end", "status": 0, "reason": "forged"}')
@@ -89,8 +90,9 @@ def test_a_forged_launcher_action_stops_the_job_instead_of_ending_it(tmp_path: P
 
 def test_the_save_exchange_is_plain_sealed_data(raw: dist.TCPStore) -> None:
     def ex(rank: int) -> StoreExchange:
-        return StoreExchange(raw, "ns", rank=rank, world=2, cancel=threading.Event(),
-                             timeout=5.0, sealer=SEALER)  # fmt: skip
+        return StoreExchange(
+            raw, "ns", rank=rank, world=2, cancel=threading.Event(), timeout=5.0, sealer=SEALER
+        )
 
     one = ex(1)
     one.gather("plan", ("err", b"\x00bytes", {"k": (1, 2)}))

@@ -1,7 +1,8 @@
 """One conformance suite for ``inprocess.protocol.store.Store``, run against every backend: a real
-torch TCPStore (through ``C10dStore``, the fast paths in their generic form), a real etcd (one
-``/usr/bin/etcd`` member for the module) and the sealed store over each. Every test asserts
-the same observable behaviour on each backend."""
+torch TCPStore (through ``C10dStore``, the fast paths in their generic form), the watchdog's
+torch-free ``TCPStoreClient`` of the same server, a real etcd (one ``/usr/bin/etcd`` member for
+the module) and the sealed store over the TCPStore and over etcd. Every test asserts the same
+observable behaviour on each backend."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from checkpoint.sealing import Sealer
 from inprocess.protocol import keys
 from inprocess.protocol.sealed_store import SealedStore, seal, unsealed
 from inprocess.protocol.store import C10dStore, Store, as_store
+from inprocess.protocol.tcpstore_client import TCPStoreClient
 from tests.etcd_cluster import EtcdCluster, skip_reason
 
-# The sealed layer is the same over any backend: over the TCPStore here (the dist etcd tests run
-# sealed jobs on etcd).
-BACKENDS = ["tcp", "etcd", "sealed-tcp"]
+# "tcp-client": the watchdog's own client (inprocess.protocol.tcpstore_client) of a TCPStore.
+BACKENDS = ["tcp", "tcp-client", "etcd", "sealed-tcp", "sealed-etcd"]
 TIMEOUT_S = 5.0  # every store's own timeout (a blocking get on an absent key ends after it)
 SHORT = datetime.timedelta(seconds=0.3)  # a wait that is meant to time out
 
@@ -45,7 +46,7 @@ class Backend:
         self.prefix = f"conf-{uuid.uuid4().hex[:12]}"
         self.server: dist.TCPStore | None = None
         self.opened: list[Store] = []
-        if kind.endswith("tcp"):
+        if "tcp" in kind:
             self.server = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True
             )
@@ -53,8 +54,12 @@ class Backend:
             pytest.skip(str(skip_reason()))
 
     def client(self) -> Store:
-        if self.server is not None:
-            raw: object = dist.TCPStore(
+        raw: Store | dist.Store
+        if self.kind == "tcp-client":
+            assert self.server is not None
+            raw = TCPStoreClient("127.0.0.1", self.server.port, timeout=TIMEOUT_S)
+        elif self.server is not None:
+            raw = dist.TCPStore(
                 "127.0.0.1",
                 self.server.port,
                 is_master=False,
@@ -75,7 +80,7 @@ class Backend:
             s.close()
             s.close()  # idempotent
         if self.kind.endswith("etcd") and self.opened:
-            unsealed(self.opened[0]).delete_all()
+            self.opened[0].delete_all()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -206,7 +211,24 @@ def test_record_fault_batch_appends_and_sets_only_absent_keys(backend: Backend) 
     assert s.get("g") == b"1," and s.get("go") == b"fault"
 
 
-def test_the_torch_store_under_it_serves_a_prefix_store(s: Store) -> None:
+def test_delete_all_deletes_the_jobs_keys_where_the_backend_can(backend: Backend) -> None:
+    s = backend.client()
+    s.set("a", "1")
+    s.add("n", 1)
+    if not backend.kind.endswith("etcd"):  # a TCPStore's keys go with its server
+        with pytest.raises(NotImplementedError, match="go with the store's server"):
+            s.delete_all()
+        return
+    assert s.delete_all() >= 2  # the job's keys and the store's own bookkeeping
+    assert not s.check(["a"]) and not s.check(["n"])
+
+
+def test_the_torch_store_under_it_serves_a_prefix_store(backend: Backend, s: Store) -> None:
+    if backend.kind == "tcp-client":  # torch-free by design: nothing of torch under it
+        assert as_store(s) is s
+        with pytest.raises(TypeError, match=r"no torch\.distributed\.Store"):
+            s.torch_store()
+        return
     torch_store = s.torch_store()
     assert isinstance(torch_store, dist.Store)
     dist.PrefixStore("pg", torch_store).set("x", "torch")  # joined with a "/"

@@ -20,8 +20,13 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 def server() -> Iterator[TCPStore]:
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=datetime.timedelta(seconds=20))  # fmt: skip
+    s = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=20),
+    )
     yield s
     del s
 
