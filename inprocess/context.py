@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ContextError
 from inprocess.restart.progress import ProgressTracker
 
@@ -58,6 +59,7 @@ class RestartContext:
     _interrupter: Interrupter = field(repr=False)
     step: int | None = None
     _sections: SectionClock | None = field(default=None, repr=False)
+    _clock: Clock = field(default=SYSTEM, repr=False)  # the restart loop's (demotion's wait)
 
     def ping(self, step: int | None = None) -> None:
         """Mark progress (optional: progress is detected automatically) and the current step.
@@ -114,7 +116,7 @@ class RestartContext:
         ``inprocess.restart.demotion.replace_rank``)."""
         from inprocess.restart.demotion import replace_rank  # it imports this module
 
-        return replace_rank(self, rank, reason=reason, tag=tag)
+        return replace_rank(self, rank, reason=reason, tag=tag, clock=self._clock)
 
 
 def context() -> RestartContext:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from inprocess.clock import Clock
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import RestartInterrupt
@@ -42,7 +42,7 @@ class Outcome:
 
     done: bool
     value: Any = None
-    noticed: float = 0.0  # time.time() this rank learnt of the fault
+    noticed: float = 0.0  # wall clock when this rank learnt of the fault
     abort_s: float = 0.0
     unwind_s: float = 0.0
 
@@ -56,7 +56,7 @@ class RankServices:
     ``new_client`` opens a store client for a blocking wait, and ``clients`` keeps the
     monitors' clients between iterations; ``sections`` times ``ctx.section()`` and keeps the
     learned timeouts across iterations; ``rendezvous`` gives the store each iteration's group
-    is created over.
+    is created over; ``clock`` is the loop's, for every wait and timing of an iteration.
     """
 
     config: RestartConfig
@@ -72,6 +72,7 @@ class RankServices:
     sections: SectionClock
     rendezvous: Rendezvous
     clients: ClientPool
+    clock: Clock
 
 
 class ClientPool:
@@ -142,9 +143,9 @@ def run_active(
     the restart that led here and returns its record for ``ctx.last_restart``).
     """
     world = len(assignment.active)
-    t_reinit = time.monotonic()
+    t_reinit = svc.clock.monotonic()
     if not _join(svc, iteration, assignment):
-        return Outcome(done=False, noticed=time.time())
+        return Outcome(done=False, noticed=svc.clock.wall())
     ctx = RestartContext(
         iteration=iteration,
         rank=rank,
@@ -156,6 +157,7 @@ def run_active(
         _progress=svc.progress,
         _interrupter=svc.interrupter,
         _sections=svc.sections,
+        _clock=svc.clock,
     )
     monitor = _new_monitor(svc, ctx)
 
@@ -164,7 +166,7 @@ def run_active(
         # monitor's store thread runs, before the second thread has even started.
         monitor.start()
         _create_group(svc, iteration, rank, assignment.active)
-        ctx.last_restart = on_started(time.monotonic() - t_reinit)
+        ctx.last_restart = on_started(svc.clock.monotonic() - t_reinit)
 
     train = functools.partial(_train_once, svc, rank, fn, args, kwargs)
     svc.sections.begin_iteration(writer=rank == 0)
@@ -206,7 +208,7 @@ def _join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:
             iteration,
             expected=len(assignment.active),
             timeout=svc.config.barrier_timeout,
-            clock=time.monotonic,
+            clock=svc.clock.monotonic,
             recheck=functools.partial(_break_if_gone, svc.store, iteration, assignment.active),
         )
 
@@ -230,6 +232,7 @@ def _new_monitor(svc: RankServices, ctx: RestartContext) -> Monitor:
         sections=svc.sections,
         # A rank frozen that long is lost (hard_timeout's meaning); an atomic block, too.
         atomic_timeout=cfg.hard_timeout,
+        clock=svc.clock,
     )
 
 
@@ -303,7 +306,7 @@ def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[in
             iteration,
             expected=world,
             timeout=svc.config.barrier_timeout,
-            clock=time.monotonic,
+            clock=svc.clock.monotonic,
         )
     if not ready:
         raise RestartInterrupt("a rank faulted while the group was created")
@@ -334,7 +337,7 @@ def _call_train(
         except RestartInterrupt as ri:
             call.interrupted = True
             _drop_frames(ri)
-            call.t_unwind = time.monotonic()
+            call.t_unwind = svc.clock.monotonic()
         except Exception as e:
             call.exc, call.where = e, raise_site(e)
             call.in_collective = raised_in_collective(e)
@@ -345,7 +348,7 @@ def _call_train(
             call.delivered = disarm(svc.interrupter)
     except RestartInterrupt:
         call.interrupted = True
-        call.t_unwind = call.t_unwind or time.monotonic()
+        call.t_unwind = call.t_unwind or svc.clock.monotonic()
         call.delivered = disarm(svc.interrupter)
     except BaseException:
         disarm(svc.interrupter)
@@ -357,19 +360,20 @@ def _settle(
     svc: RankServices, ctx: RestartContext, monitor: Monitor, call: _Call, world: int
 ) -> Outcome:
     """After ``train()``: report its exception, tear the group down, then complete or not."""
-    noticed = monitor.fired_at or time.time()
+    clock = svc.clock
+    noticed = monitor.fired_at or clock.wall()
     if call.exc is not None:
         _report_raised(svc, ctx, call)
-        noticed = time.time()
-    t0 = time.monotonic()
+        noticed = clock.wall()
+    t0 = clock.monotonic()
     svc.abort()
-    abort_s = monitor.abort_s or time.monotonic() - t0
+    abort_s = monitor.abort_s or clock.monotonic() - t0
     svc.release()
-    unwind_s = time.monotonic() - call.t_unwind if call.interrupted else 0.0
+    unwind_s = clock.monotonic() - call.t_unwind if call.interrupted else 0.0
     if call.exc is None and not call.interrupted and not call.delivered:
         if _complete(svc, ctx, world):
             return Outcome(done=True, value=call.value)
-        noticed = time.time()
+        noticed = clock.wall()
     if svc.config.empty_cuda_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return Outcome(done=False, noticed=noticed, abort_s=abort_s, unwind_s=unwind_s)
@@ -387,6 +391,7 @@ def _report_raised(svc: RankServices, ctx: RestartContext, call: _Call) -> None:
         where=call.where,
         trace=call.trace,
         in_collective=call.in_collective,
+        clock=svc.clock,
     )
     keys.record_fault(svc.store, record)
 
@@ -398,7 +403,7 @@ def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
     keys.mark_completed(store, iteration, active=world)
     with svc.progress.paused():
         result = keys.wait_outcome(
-            store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
+            store, iteration, timeout=cfg.completion_timeout, clock=svc.clock.monotonic
         )
     if result == keys.OUTCOME_DONE:
         return True

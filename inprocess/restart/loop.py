@@ -10,13 +10,13 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar, overload
 
 from checkpoint.sealing import ForgedValueError, job_sealer
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
 from inprocess.errors import ConfigError, RestartAbortedError, StoreTimeoutError
@@ -94,7 +94,7 @@ class _PendingRestart:
     before: Assignment
     after: Assignment
     phases: dict[str, float]  # detect, abort, unwind, barrier (seconds)
-    fault_time: float = 0.0  # time.time() of the first fault (the console line's seconds)
+    fault_time: float = 0.0  # wall clock of the first fault (the console line's seconds)
 
     def record(self, *, reinit_s: float) -> RestartRecord:
         d = self.decision
@@ -110,10 +110,10 @@ class _PendingRestart:
 
     @classmethod
     def of(
-        cls, decision: Decision, *, before: Assignment, out: Outcome, t_barrier: float
+        cls, decision: Decision, *, before: Assignment, out: Outcome, barrier_s: float
     ) -> _PendingRestart:
         """The restart ``decision`` (which has an assignment) took after the iteration that
-        ended with ``out``; the restart barrier began at ``t_barrier`` (time.monotonic())."""
+        ended with ``out``; the restart barrier took ``barrier_s`` seconds."""
         assert decision.assignment is not None  # RestartAgreement.meet raised otherwise
         first = min((f.time for f in decision.faults if f.time), default=out.noticed)
         return cls(
@@ -124,7 +124,7 @@ class _PendingRestart:
                 "detect": max(0.0, out.noticed - first),
                 "abort": out.abort_s,
                 "unwind": out.unwind_s,
-                "barrier": time.monotonic() - t_barrier,
+                "barrier": barrier_s,
             },
             fault_time=first,
         )
@@ -155,8 +155,11 @@ class _Job:
     restart barrier and its decision ``inprocess.restart.agreement``'s.
     """
 
-    def __init__(self, cfg: RestartConfig, fn: Callable[..., Any]) -> None:
+    def __init__(
+        self, cfg: RestartConfig, fn: Callable[..., Any], *, clock: Clock = SYSTEM
+    ) -> None:
         self.cfg, self.fn = cfg, fn
+        self.clock = clock  # every wait and timing of this rank's loop and what it creates
         self.env = read_env()
         if self.env.launcher_pid is not None:
             bind_to_launcher(self.env.launcher_pid)
@@ -176,15 +179,15 @@ class _Job:
         self.health: HealthChecker | None = None
         self.svc: RankServices | None = None
         # Every fault of every restart (for the stop error) and what each restart blamed.
-        self.agreement = RestartAgreement(cfg, me=self.me, node_of=self.node_of)
+        self.agreement = RestartAgreement(cfg, me=self.me, node_of=self.node_of, clock=clock)
         self.last_restart: RestartRecord | None = None
         self.prewarmed = False
         # A reserve's imports of what DDP / FSDP2 need first (inprocess.restart.warmup).
-        self.first_use = FirstUseImports()
+        self.first_use = FirstUseImports(clock=clock)
         self.advice: KillAdvice | None = KillAdvice()  # None once started (restart.advice)
         self.closed = False
-        self.reaper = GroupReaper(rank=self.me)
-        self.story = RestartStory()
+        self.reaper = GroupReaper(rank=self.me, clock=clock)
+        self.story = RestartStory(clock=clock)
         self.drill: drill.RankDrill | None = None  # the config's simulate_fault
         self.outcome = "failed"  # "done" / "stopped" once run() knows (the journal's job_end)
         directory = journal.resolve_dir(cfg.journal_dir)
@@ -245,6 +248,7 @@ class _Job:
             new_client=new_client,
             reaper=self.reaper,
             url=self.store_url,
+            clock=self.clock,
         )
         self.health = startup.health_checker(cfg)
         self.watchdog = startup.new_watchdog(
@@ -259,7 +263,7 @@ class _Job:
                 self.store,
                 world_size=env.world_size,
                 timeout=cfg.barrier_timeout,
-                clock=time.monotonic,
+                clock=self.clock.monotonic,
             )
         return svc
 
@@ -292,7 +296,7 @@ class _Job:
             raise
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        startup.freeze_gc(self.cfg, self.me)
+        startup.freeze_gc(self.cfg, self.me, clock=self.clock)
         self._start()
         # inprocess.launch's side: its journal joins this one (respawns and in-job restarts in
         # the report), and the config's fault drill starts, once per job (inprocess.faults.drill).
@@ -454,6 +458,7 @@ class _Job:
             iteration=iteration,
             me=self.me,
             active=assignment.active,
+            clock=self.clock,
         )
         self.story.restarted(record, fault_time=pending.fault_time, lead=rank == 0, board=board)
         return record
@@ -464,11 +469,12 @@ class _Job:
         """Meet at the restart barrier (``RestartAgreement.meet``: raises when the job stops);
         returns the restart decided, with the time each phase of the fault took."""
         assert self.svc is not None
-        t_barrier = time.monotonic()
+        t_barrier = self.clock.monotonic()
         decision = self.agreement.meet(
             self.store, self.svc.progress, iteration=iteration, assignment=assignment, target=target
         )
-        return _PendingRestart.of(decision, before=assignment, out=out, t_barrier=t_barrier)
+        barrier_s = self.clock.monotonic() - t_barrier
+        return _PendingRestart.of(decision, before=assignment, out=out, barrier_s=barrier_s)
 
     def _log_restart(self, pending: _PendingRestart, *, reinit_s: float) -> RestartRecord:
         self.last_restart = pending.log(me=self.me, reinit_s=reinit_s)
