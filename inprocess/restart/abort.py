@@ -223,7 +223,7 @@ def _abort_nccl() -> None:
         return
     for pg in groups:
         try:
-            backend = pg._get_backend(torch.device("cuda"))
+            backend = _torch_private.group_backend(pg, torch.device("cuda"))
         except Exception:  # no NCCL backend in this group
             continue
         try:
