@@ -13,8 +13,8 @@ from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ContextError
 from inprocess.restart.progress import ProgressTracker
 
-if TYPE_CHECKING:  # the monitor imports torch; what train() may call does not need it
-    from inprocess.restart.monitor import Interrupter
+if TYPE_CHECKING:  # annotations only: the restart loop builds the context and imports them
+    from inprocess.restart.interrupter import Interrupter
     from inprocess.timeouts.sections import SectionClock
 
 # A ContextVar, not a global: each wrapped call sets and resets its own value.

@@ -18,7 +18,7 @@ from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
 from inprocess.protocol.store import Store
-from inprocess.restart.monitor import waits_on_peers
+from inprocess.restart.thread_stack import waits_on_peers
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _FIRST_WAIT_S = 1.0  # bound of the wait for the rank that logs a shared error's
 def raised_in_collective(exc: BaseException) -> bool:
     """Whether ``exc`` is a failed communication: a torch.distributed error type, or a
     communication error type raised where a rank waits on its peers
-    (``inprocess.restart.monitor.waits_on_peers``), itself not raised ``from`` an error of
+    (``inprocess.restart.thread_stack.waits_on_peers``), itself not raised ``from`` an error of
     another kind or place. Only raise sites count: a user's error in a model's forward passes
     through DDP's forward too, but is raised in the model; DTensor's dispatch re-raises an
     operator's error as a ``RuntimeError`` in torch.distributed's code ``from`` the original.

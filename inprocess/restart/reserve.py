@@ -14,7 +14,8 @@ from typing import Any
 
 from inprocess.errors import RestartInterrupt
 from inprocess.protocol import keys
-from inprocess.restart.active import Outcome, RankServices, disarm
+from inprocess.restart.active import Outcome, disarm
+from inprocess.restart.services import RankServices
 from inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)

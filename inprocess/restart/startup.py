@@ -23,11 +23,11 @@ from inprocess.protocol.environment import LaunchEnv, store_setting
 from inprocess.protocol.reach import unreachable
 from inprocess.protocol.sealed_store import seal
 from inprocess.restart.abort import GroupReaper
-from inprocess.restart.active import ClientPool, RankServices
 from inprocess.restart.health import HealthChecker
-from inprocess.restart.monitor import Interrupter
+from inprocess.restart.interrupter import Interrupter
 from inprocess.restart.progress import ProgressTracker
 from inprocess.restart.rendezvous import Rendezvous, advertised_host
+from inprocess.restart.services import ClientPool, RankServices
 from inprocess.store_server import client, connect
 from inprocess.timeouts.sections import section_clock
 
