@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch.distributed as dist
 
 from checkpoint.sealing import job_sealer
 from inprocess.clock import SYSTEM, Clock
@@ -22,9 +24,6 @@ from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
 from inprocess.protocol.sealed_store import seal
 from inprocess.protocol.store import Store
-
-if TYPE_CHECKING:
-    from inprocess.context import RestartContext
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,24 @@ _POLL_S = 0.005
 DECISION_PREFIX = "inprocess/demotion/"
 
 
+class DemotionContext(Protocol):
+    """What a demotion reads of the restart context: ``inprocess.context.RestartContext``
+    satisfies it (this module does not import that one, which calls into this one)."""
+
+    @property
+    def iteration(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def initial_rank(self) -> int: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def store(self) -> dist.Store: ...  # the iteration's namespace (a PrefixStore)
+
+
 def free_reserves(store: Store, iteration: int) -> tuple[int, ...]:
     """The reserves of ``iteration`` whose process is still there (initial ranks); never blocks."""
     gone = keys.gone_ranks(store)
@@ -44,7 +61,7 @@ def free_reserves(store: Store, iteration: int) -> tuple[int, ...]:
 
 
 def replace_rank(
-    ctx: RestartContext,
+    ctx: DemotionContext,
     rank: int,
     *,
     reason: str,
@@ -92,7 +109,7 @@ def replace_rank(
 
 
 def _decide(
-    ctx: RestartContext, job: Store, decisions: Store, key: str, *, reason: str, clock: Clock
+    ctx: DemotionContext, job: Store, decisions: Store, key: str, *, reason: str, clock: Clock
 ) -> bool:
     """The rank to replace decides (``replace_rank``): publishes "yes" when a warm reserve is
     free and records its own ``straggler`` fault (action ``demote``), else "no"."""
@@ -121,7 +138,7 @@ def _decide(
     return granted
 
 
-def _job_store(ctx: RestartContext) -> Store:
+def _job_store(ctx: DemotionContext) -> Store:
     """The job's store under ``ctx.store`` (the wrapper builds ``ctx.store`` as a PrefixStore
     of the iteration's user namespace over it; fault records live outside that namespace),
     with the job's values sealed (``inprocess.protocol.sealed_store``)."""
