@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ContextError
 from inprocess.restart.progress import ProgressTracker
 
-if TYPE_CHECKING:  # the monitor imports torch; what train() may call does not need it
+if TYPE_CHECKING:  # annotations only: the restart loop builds the context and imports them
     import torch.distributed as dist
 
-    from inprocess.restart.monitor import Interrupter
+    from inprocess.restart.interrupter import Interrupter
     from inprocess.timeouts.sections import SectionClock
 
 # A ContextVar, not a global: each wrapped call sets and resets its own value.
@@ -60,6 +61,7 @@ class RestartContext:
     _interrupter: Interrupter = field(repr=False)
     step: int | None = None
     _sections: SectionClock | None = field(default=None, repr=False)
+    _clock: Clock = field(default=SYSTEM, repr=False)  # the restart loop's (demotion's wait)
 
     def ping(self, step: int | None = None) -> None:
         """Mark progress (optional: progress is detected automatically) and the current step.
@@ -116,7 +118,7 @@ class RestartContext:
         ``inprocess.restart.demotion.replace_rank``)."""
         from inprocess.restart.demotion import replace_rank  # it imports this module
 
-        return replace_rank(self, rank, reason=reason, tag=tag)
+        return replace_rank(self, rank, reason=reason, tag=tag, clock=self._clock)
 
 
 def context() -> RestartContext:

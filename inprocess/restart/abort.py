@@ -6,7 +6,6 @@ import gc
 import logging
 import queue
 import threading
-import time
 import types
 import weakref
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from inprocess import _torch_private
+from inprocess.clock import SYSTEM, Clock
 from inprocess.restart import mesh_refs
 from inprocess.restart.torch_defaults import release_module_defaults
 
@@ -75,8 +75,11 @@ class GroupReaper:
     on the main thread, whose restart goes on meanwhile.
     """
 
-    def __init__(self, *, rank: int, grace_s: float = _REFERENCE_GRACE_S) -> None:
+    def __init__(
+        self, *, rank: int, grace_s: float = _REFERENCE_GRACE_S, clock: Clock = SYSTEM
+    ) -> None:
         self._rank = rank
+        self._clock = clock
         self._grace_s = grace_s
         self._held: list[Any] = []
         # abort() runs on the monitor thread and on the main thread, possibly at once: release()
@@ -123,15 +126,17 @@ class GroupReaper:
                 # blocked on this rank waited for the gloo timeout (12.5 s) meanwhile. One
                 # collection here, off the main thread: with freeze_gc it walks only what was
                 # created since the job started.
-                t0 = time.monotonic()
+                t0 = self._clock.monotonic()
                 gc.collect()
-                log.debug("rank %d: collected in %.3f s", self._rank, time.monotonic() - t0)
+                log.debug("rank %d: collected in %.3f s", self._rank, self._clock.monotonic() - t0)
             # A reference that goes within the grace (another thread's frame being unwound, a
             # background checkpoint job ending) released the peers as quickly: only one that
             # stays is the misuse the warning is about. This thread is off the restart's path.
-            deadline = time.monotonic() + self._grace_s
-            while (alive := sum(r() is not None for r in refs)) and time.monotonic() < deadline:
-                time.sleep(_REFERENCE_POLL_S)
+            deadline = self._clock.monotonic() + self._grace_s
+            while (alive := sum(r() is not None for r in refs)) and (
+                self._clock.monotonic() < deadline
+            ):
+                self._clock.sleep(_REFERENCE_POLL_S)
             if alive and not self._warned:
                 self._warned = True
                 held_by = _holders(refs)
@@ -218,7 +223,7 @@ def _abort_nccl() -> None:
         return
     for pg in groups:
         try:
-            backend = pg._get_backend(torch.device("cuda"))
+            backend = _torch_private.group_backend(pg, torch.device("cuda"))
         except Exception:  # no NCCL backend in this group
             continue
         try:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,19 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import RestartInterrupt
 from inprocess.protocol import keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.sealed_store import unsealed
-from inprocess.protocol.store import Store
-from inprocess.restart.monitor import Interrupter, Monitor
-from inprocess.restart.process_group import init_iteration_group, own_group_misuse
-from inprocess.restart.progress import ProgressTracker
+from inprocess.restart import iteration_start
+from inprocess.restart.interrupter import Interrupter
+from inprocess.restart.monitor import Monitor, MonitorLimits
+from inprocess.restart.process_group import own_group_misuse
 from inprocess.restart.raised import raise_site, raised_in_collective, report_raised
-from inprocess.restart.rendezvous import Rendezvous
-from inprocess.timeouts.sections import SectionClock
+from inprocess.restart.services import RankServices
 
 log = logging.getLogger(__name__)
 
@@ -42,71 +38,9 @@ class Outcome:
 
     done: bool
     value: Any = None
-    noticed: float = 0.0  # time.time() this rank learnt of the fault
+    noticed: float = 0.0  # wall clock when this rank learnt of the fault
     abort_s: float = 0.0
     unwind_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class RankServices:
-    """What the loop owns and lends to every iteration of this rank (the loop closes them).
-
-    ``abort`` tears down this rank's groups and keeps them for ``release`` (monitor or main
-    thread); ``release`` hands them to the reaper once ``train()``'s frames are gone;
-    ``new_client`` opens a store client for a blocking wait, and ``clients`` keeps the
-    monitors' clients between iterations; ``sections`` times ``ctx.section()`` and keeps the
-    learned timeouts across iterations; ``rendezvous`` gives the store each iteration's group
-    is created over.
-    """
-
-    config: RestartConfig
-    me: int
-    local_rank: int
-    store: Store
-    report_store: Store
-    new_client: Callable[[], Any]
-    progress: ProgressTracker
-    interrupter: Interrupter
-    abort: Callable[[], None]
-    release: Callable[[], None]
-    sections: SectionClock
-    rendezvous: Rendezvous
-    clients: ClientPool
-
-
-class ClientPool:
-    """Idle store clients for the monitors' blocking waits, kept across iterations.
-
-    Opening a client costs a connect (an etcd client: a request, 4-12 ms measured on the
-    restart path); the monitor's store thread hands its client back once its wait ended with
-    the iteration's outcome, so the next iteration's monitor starts without a connect. A
-    client whose wait did not end (a rank that leaves mid-iteration) is never handed back.
-    Thread-safe.
-    """
-
-    def __init__(self, open_client: Callable[[], Store]) -> None:
-        self._open = open_client
-        self._idle: list[Store] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> Store:
-        """An idle client, or a new one (may block on the connect, bounded by its timeout)."""
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._open()
-
-    def give(self, client: Store) -> None:
-        """Hand back a client with no call in flight."""
-        with self._lock:
-            self._idle.append(client)
-
-    def close(self) -> None:
-        """Close the idle clients (end of the job; idempotent)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.close()  # EtcdStore holds HTTP connections
 
 
 @dataclass
@@ -140,29 +74,18 @@ def run_active(
     the restart that led here and returns its record for ``ctx.last_restart``).
     """
     world = len(assignment.active)
-    t_reinit = time.monotonic()
-    if not _join(svc, iteration, assignment):
-        return Outcome(done=False, noticed=time.time())
-    ctx = RestartContext(
-        iteration=iteration,
-        rank=rank,
-        world_size=world,
-        initial_rank=svc.me,
-        active_ranks=assignment.active,
-        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", unsealed(svc.store)),
-        last_restart=None,
-        _progress=svc.progress,
-        _interrupter=svc.interrupter,
-        _sections=svc.sections,
-    )
+    t_reinit = svc.clock.monotonic()
+    if not iteration_start.join(svc, iteration, assignment):
+        return Outcome(done=False, noticed=svc.clock.wall())
+    ctx = _context(svc, iteration, assignment, rank)
     monitor = _new_monitor(svc, ctx)
 
     def start() -> None:
         # Inside _call_train's handlers: a peer's fault may be delivered as soon as the
         # monitor's store thread runs, before the second thread has even started.
         monitor.start()
-        _create_group(svc, iteration, rank, assignment.active)
-        ctx.last_restart = on_started(time.monotonic() - t_reinit)
+        iteration_start.create_group(svc, iteration, rank, assignment.active)
+        ctx.last_restart = on_started(svc.clock.monotonic() - t_reinit)
 
     train = functools.partial(_train_once, svc, rank, fn, args, kwargs)
     svc.sections.begin_iteration(writer=rank == 0)
@@ -180,6 +103,26 @@ def run_active(
         monitor.close()
 
 
+def _context(
+    svc: RankServices, iteration: int, assignment: Assignment, rank: int
+) -> RestartContext:
+    """What ``train()`` sees of this iteration (``inprocess.context()``): its place, and a
+    store namespace of its own over the job's store, unsealed (the user's values are theirs)."""
+    return RestartContext(
+        iteration=iteration,
+        rank=rank,
+        world_size=len(assignment.active),
+        initial_rank=svc.me,
+        active_ranks=assignment.active,
+        store=dist.PrefixStore(keys.pg_prefix(iteration) + "/user", unsealed(svc.store)),
+        last_restart=None,
+        _progress=svc.progress,
+        _interrupter=svc.interrupter,
+        _sections=svc.sections,
+        _clock=svc.clock,
+    )
+
+
 def _left_job(svc: RankServices, ctx: RestartContext, exc: BaseException) -> None:
     """``train()`` raised a ``BaseException`` (SystemExit, KeyboardInterrupt): record this rank
     dead, so that the others restart without it (the loop re-raises)."""
@@ -194,40 +137,21 @@ def _left_job(svc: RankServices, ctx: RestartContext, exc: BaseException) -> Non
     )
 
 
-def _join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:
-    """The iteration's join barrier (blocks up to ``barrier_timeout``); False when a rank of
-    ``assignment`` is gone meanwhile (the iteration is over before it began)."""
-    with svc.progress.paused():
-        svc.rendezvous.prepare(host=assignment.active[0])  # before joining: see its docstring
-        return keys.join_barrier(
-            svc.store,
-            iteration,
-            expected=len(assignment.active),
-            timeout=svc.config.barrier_timeout,
-            clock=time.monotonic,
-            recheck=functools.partial(_break_if_gone, svc.store, iteration, assignment.active),
-        )
-
-
 def _new_monitor(svc: RankServices, ctx: RestartContext) -> Monitor:
     """This iteration's monitor (not started), on a client of the pool (handed back by it)."""
-    cfg = svc.config
     return Monitor(
         store=svc.clients.take(),
         give_back=svc.clients.give,
         report_store=svc.report_store,
         iteration=ctx.iteration,
         initial_rank=svc.me,
-        soft_timeout=cfg.soft_timeout,
+        limits=MonitorLimits.of(svc.config),
         progress=svc.progress,
         interrupter=svc.interrupter,
         abort=svc.abort,
         step=lambda: ctx.step,
-        check_interval=min(1.0, cfg.soft_timeout / 10),
-        redeliver_interval=max(0.5, min(5.0, cfg.soft_timeout / 2)),
         sections=svc.sections,
-        # A rank frozen that long is lost (hard_timeout's meaning); an atomic block, too.
-        atomic_timeout=cfg.hard_timeout,
+        clock=svc.clock,
     )
 
 
@@ -267,54 +191,6 @@ def _train_once(
         svc.sections.end_iteration()
 
 
-def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[int, ...]) -> None:
-    """The iteration's group, then the ready barrier: nobody trains before every rank joined.
-
-    A rank still inside gloo's connect when a peer faults could not be released until the
-    init timeout.
-    """
-    world, host = len(active), active[0]
-    try:
-        init_iteration_group(
-            svc.config,
-            svc.rendezvous.store(host),
-            iteration=iteration,
-            rank=rank,
-            world_size=world,
-            local_rank=svc.local_rank,
-        )
-    except BaseException:
-        svc.rendezvous.forget(host)  # the host may be gone: connect afresh next time
-        raise
-    if not svc.config.init_process_group:
-        return
-    with svc.progress.paused():
-        if svc.rendezvous.hosted:
-            # On etcd the store barrier costs two consensus round trips and a watch; a barrier
-            # of the new group itself gives the same guarantee (it completes only once every
-            # rank has the group) in a millisecond, and a peer that faults meanwhile tears its
-            # group down, which fails this barrier at once, as it fails any collective.
-            _group_barrier()
-            return
-        ready = keys.ready_barrier(
-            svc.store,
-            iteration,
-            expected=world,
-            timeout=svc.config.barrier_timeout,
-            clock=time.monotonic,
-        )
-    if not ready:
-        raise RestartInterrupt("a rank faulted while the group was created")
-
-
-def _group_barrier() -> None:
-    """``dist.barrier()`` on the default group (NCCL: on this rank's current device)."""
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
-
-
 def _call_train(
     svc: RankServices, ctx: RestartContext, train: Callable[[], Any], start: Callable[[], None]
 ) -> _Call:
@@ -332,7 +208,7 @@ def _call_train(
         except RestartInterrupt as ri:
             call.interrupted = True
             _drop_frames(ri)
-            call.t_unwind = time.monotonic()
+            call.t_unwind = svc.clock.monotonic()
         except Exception as e:
             call.exc, call.where = e, raise_site(e)
             call.in_collective = raised_in_collective(e)
@@ -343,7 +219,7 @@ def _call_train(
             call.delivered = disarm(svc.interrupter)
     except RestartInterrupt:
         call.interrupted = True
-        call.t_unwind = call.t_unwind or time.monotonic()
+        call.t_unwind = call.t_unwind or svc.clock.monotonic()
         call.delivered = disarm(svc.interrupter)
     except BaseException:
         disarm(svc.interrupter)
@@ -355,19 +231,20 @@ def _settle(
     svc: RankServices, ctx: RestartContext, monitor: Monitor, call: _Call, world: int
 ) -> Outcome:
     """After ``train()``: report its exception, tear the group down, then complete or not."""
-    noticed = monitor.fired_at or time.time()
+    clock = svc.clock
+    noticed = monitor.fired_at or clock.wall()
     if call.exc is not None:
         _report_raised(svc, ctx, call)
-        noticed = time.time()
-    t0 = time.monotonic()
+        noticed = clock.wall()
+    t0 = clock.monotonic()
     svc.abort()
-    abort_s = monitor.abort_s or time.monotonic() - t0
+    abort_s = monitor.abort_s or clock.monotonic() - t0
     svc.release()
-    unwind_s = time.monotonic() - call.t_unwind if call.interrupted else 0.0
+    unwind_s = clock.monotonic() - call.t_unwind if call.interrupted else 0.0
     if call.exc is None and not call.interrupted and not call.delivered:
         if _complete(svc, ctx, world):
             return Outcome(done=True, value=call.value)
-        noticed = time.time()
+        noticed = clock.wall()
     if svc.config.empty_cuda_cache and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return Outcome(done=False, noticed=noticed, abort_s=abort_s, unwind_s=unwind_s)
@@ -385,6 +262,7 @@ def _report_raised(svc: RankServices, ctx: RestartContext, call: _Call) -> None:
         where=call.where,
         trace=call.trace,
         in_collective=call.in_collective,
+        clock=svc.clock,
     )
     keys.record_fault(svc.store, record)
 
@@ -396,7 +274,7 @@ def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
     keys.mark_completed(store, iteration, active=world)
     with svc.progress.paused():
         result = keys.wait_outcome(
-            store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
+            store, iteration, timeout=cfg.completion_timeout, clock=svc.clock.monotonic
         )
     if result == keys.OUTCOME_DONE:
         return True
@@ -411,20 +289,6 @@ def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
             step=ctx.step,
         )
     return False
-
-
-def _break_if_gone(store: Store, iteration: int, active: tuple[int, ...]) -> bool:
-    """Join recheck: an active rank that died during the restart breaks the barrier."""
-    dead = keys.gone_ranks(store) & set(active)
-    for r in sorted(dead):
-        keys.report_fault(
-            store,
-            iteration=iteration,
-            initial_rank=r,
-            kind="dead",
-            detail="lost during the restart",
-        )
-    return bool(dead)
 
 
 def disarm(interrupter: Interrupter) -> bool:

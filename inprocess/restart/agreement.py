@@ -8,9 +8,9 @@ thread: ``adopt`` once when a respawned process is admitted, then ``meet`` after
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord, RestartAbortedError
 from inprocess.protocol import capacity, keys
@@ -25,8 +25,10 @@ class RestartAgreement:
     and what each restart blamed (``counted``, the policy's input). Every rank appends the same
     published decisions, so every rank decides from the same history."""
 
-    def __init__(self, cfg: RestartConfig, *, me: int, node_of: Sequence[int]) -> None:
-        self.cfg, self.me, self.node_of = cfg, me, node_of
+    def __init__(
+        self, cfg: RestartConfig, *, me: int, node_of: Sequence[int], clock: Clock = SYSTEM
+    ) -> None:
+        self.cfg, self.me, self.node_of, self.clock = cfg, me, node_of, clock
         self.history: list[FaultRecord] = []
         self.counted: list[tuple[FaultRecord, ...]] = []
 
@@ -57,7 +59,7 @@ class RestartAgreement:
                 participants=assignment.active + assignment.reserve,
                 decide=functools.partial(self._decide, store, iteration, assignment, target),
                 timeout=self.cfg.barrier_timeout,
-                clock=time.monotonic,
+                clock=self.clock.monotonic,
             )
         decision = Decision.from_json(raw)
         self.adopt((decision,))

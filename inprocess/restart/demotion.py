@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch.distributed as dist
 
 from checkpoint.sealing import job_sealer
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
 from inprocess.protocol.sealed_store import seal
 from inprocess.protocol.store import Store
-
-if TYPE_CHECKING:
-    from inprocess.context import RestartContext
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +36,24 @@ _POLL_S = 0.005
 DECISION_PREFIX = "inprocess/demotion/"
 
 
+class DemotionContext(Protocol):
+    """What a demotion reads of the restart context: ``inprocess.context.RestartContext``
+    satisfies it (this module does not import that one, which calls into this one)."""
+
+    @property
+    def iteration(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def initial_rank(self) -> int: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def store(self) -> dist.Store: ...  # the iteration's namespace (a PrefixStore)
+
+
 def free_reserves(store: Store, iteration: int) -> tuple[int, ...]:
     """The reserves of ``iteration`` whose process is still there (initial ranks); never blocks."""
     gone = keys.gone_ranks(store)
@@ -44,7 +61,13 @@ def free_reserves(store: Store, iteration: int) -> tuple[int, ...]:
 
 
 def replace_rank(
-    ctx: RestartContext, rank: int, *, reason: str, tag: str, wait: float = INTERRUPT_WAIT_S
+    ctx: DemotionContext,
+    rank: int,
+    *,
+    reason: str,
+    tag: str,
+    wait: float = INTERRUPT_WAIT_S,
+    clock: Clock = SYSTEM,
 ) -> bool:
     """Swap training rank ``rank`` (``ctx.rank`` numbering) for a warm reserve, now.
 
@@ -67,7 +90,7 @@ def replace_rank(
     decisions = seal(ctx.store, job_sealer(create=False))  # the answer is sealed too
     key = f"{DECISION_PREFIX}{tag}"
     if ctx.rank == rank:
-        granted = _decide(ctx, job, decisions, key, reason=reason)
+        granted = _decide(ctx, job, decisions, key, reason=reason, clock=clock)
     else:
         try:
             ctx.store.wait([key], datetime.timedelta(seconds=wait))
@@ -77,15 +100,17 @@ def replace_rank(
         granted = decisions.get(key) == b"yes"
     if not granted:
         return False
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        time.sleep(_POLL_S)  # the RestartInterrupt lands between two sleeps
+    deadline = clock.monotonic() + wait
+    while clock.monotonic() < deadline:
+        clock.sleep(_POLL_S)  # the RestartInterrupt lands between two sleeps
     if wait > 0:
         log.error("rank %d: no restart within %.1f s of the demotion", ctx.rank, wait)
     return True
 
 
-def _decide(ctx: RestartContext, job: Store, decisions: Store, key: str, *, reason: str) -> bool:
+def _decide(
+    ctx: DemotionContext, job: Store, decisions: Store, key: str, *, reason: str, clock: Clock
+) -> bool:
     """The rank to replace decides (``replace_rank``): publishes "yes" when a warm reserve is
     free and records its own ``straggler`` fault (action ``demote``), else "no"."""
     granted = bool(free_reserves(job, ctx.iteration))
@@ -100,7 +125,7 @@ def _decide(ctx: RestartContext, job: Store, decisions: Store, key: str, *, reas
                 detail=reason[:500],
                 step=ctx.step,
                 action="demote",
-                time=time.time(),
+                time=clock.wall(),
             ),
         )
         log.warning(
@@ -113,7 +138,7 @@ def _decide(ctx: RestartContext, job: Store, decisions: Store, key: str, *, reas
     return granted
 
 
-def _job_store(ctx: RestartContext) -> Store:
+def _job_store(ctx: DemotionContext) -> Store:
     """The job's store under ``ctx.store`` (the wrapper builds ``ctx.store`` as a PrefixStore
     of the iteration's user namespace over it; fault records live outside that namespace),
     with the job's values sealed (``inprocess.protocol.sealed_store``)."""

@@ -10,34 +10,28 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, TypeVar, overload
 
-from checkpoint.sealing import ForgedValueError, job_sealer
+from checkpoint.sealing import ForgedValueError
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
 from inprocess.errors import ConfigError, RestartAbortedError, StoreTimeoutError
-from inprocess.faults import drill
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import job_keys
 from inprocess.protocol.environment import bind_to_launcher, read_env
-from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
-from inprocess.protocol.store import Store
-from inprocess.restart import joining, startup, torchrun_env
-from inprocess.restart.abort import GroupReaper, abort_process_groups
-from inprocess.restart.active import Outcome, RankServices, run_active
+from inprocess.restart import joining, torchrun_env
+from inprocess.restart.active import Outcome, run_active
 from inprocess.restart.advice import KillAdvice
 from inprocess.restart.agreement import RestartAgreement
-from inprocess.restart.health import HealthChecker, check_and_report
-from inprocess.restart.leaving import close_quietly, leave_store
+from inprocess.restart.health import check_and_report
+from inprocess.restart.lifetime import RankLifetime
+from inprocess.restart.pending import PendingRestart
 from inprocess.restart.process_group import check_no_default_group
 from inprocess.restart.reserve import wait_as_reserve
-from inprocess.restart.restored import TierBoard
-from inprocess.restart.story import RestartStory
-from inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)
 
@@ -87,84 +81,28 @@ def restartable(
     return decorate(fn) if fn is not None else decorate
 
 
-@dataclass(frozen=True)
-class _PendingRestart:
-    """A restart decided but not yet logged: logged once the next iteration's group exists."""
-
-    decision: Decision
-    before: Assignment
-    after: Assignment
-    phases: dict[str, float]  # detect, abort, unwind, barrier (seconds)
-    fault_time: float = 0.0  # time.time() of the first fault (the console line's seconds)
-
-    def record(self, *, reinit_s: float) -> RestartRecord:
-        d = self.decision
-        return RestartRecord(
-            iteration=d.iteration + 1,
-            cause=d.cause(),
-            faulting_ranks=d.faulting_ranks,
-            phases={**self.phases, "reinit": reinit_s},
-            active_before=self.before.active,
-            active_after=self.after.active,
-            reserve_after=self.after.reserve,
-        )
-
-    @classmethod
-    def of(
-        cls, decision: Decision, *, before: Assignment, out: Outcome, t_barrier: float
-    ) -> _PendingRestart:
-        """The restart ``decision`` (which has an assignment) took after the iteration that
-        ended with ``out``; the restart barrier began at ``t_barrier`` (time.monotonic())."""
-        assert decision.assignment is not None  # RestartAgreement.meet raised otherwise
-        first = min((f.time for f in decision.faults if f.time), default=out.noticed)
-        return cls(
-            decision=decision,
-            before=before,
-            after=decision.assignment,
-            phases={
-                "detect": max(0.0, out.noticed - first),
-                "abort": out.abort_s,
-                "unwind": out.unwind_s,
-                "barrier": time.monotonic() - t_barrier,
-            },
-            fault_time=first,
-        )
-
-    def log(self, *, me: int, reinit_s: float) -> RestartRecord:
-        """Journal and log this restart once (``inprocess.restart.loop: restart {...}``); returns
-        its record. DEBUG: every rank writes it, and the console's INFO line of a restart is
-        the new rank 0's (``inprocess.restart.story``); the journal has the same record."""
-        record = self.record(reinit_s=reinit_s)
-        journal.record("restart", **asdict(record))
-        log.debug(
-            "restart %s",
-            json.dumps({**asdict(record), "rank": me}, sort_keys=True),
-            extra={"restart": asdict(record), "rank": me, "iteration": record.iteration},
-        )
-        for c in self.decision.collateral:
-            log.debug("not counted: rank %d %s: %s", c.fault.initial_rank, c.fault.kind, c.reason)
-        return record
-
-
 class _Job:
-    """One call of a ``@restartable`` function on one rank: owns every resource of the loop.
+    """One call of a ``@restartable`` function on one rank: the restart loop.
 
     ``run()`` is the loop; each iteration is a sequence of named phases (``_active_phase`` or
-    ``_reserve_phase``, then on a fault ``_health_phase`` and ``_restart_phase``). ``close()``
-    releases everything, whatever state the loop stopped in. Bringing the rank up is
-    ``inprocess.restart.startup``'s, a reserve's iteration ``inprocess.restart.reserve``'s, the
-    restart barrier and its decision ``inprocess.restart.agreement``'s.
+    ``_reserve_phase``, then on a fault ``_health_phase`` and ``_restart_phase``). Every resource
+    is ``own``'s (``inprocess.restart.lifetime``): it brings the rank up before the first
+    iteration, and ``close()`` releases everything, whatever state the loop stopped in. A
+    reserve's iteration is ``inprocess.restart.reserve``'s, the restart barrier and its decision
+    ``inprocess.restart.agreement``'s, the restart's record ``inprocess.restart.pending``'s.
     """
 
-    def __init__(self, cfg: RestartConfig, fn: Callable[..., Any]) -> None:
+    def __init__(
+        self, cfg: RestartConfig, fn: Callable[..., Any], *, clock: Clock = SYSTEM
+    ) -> None:
         self.cfg, self.fn = cfg, fn
+        self.clock = clock  # every wait and timing of this rank's loop and what it creates
         self.env = read_env()
         if self.env.launcher_pid is not None:
             bind_to_launcher(self.env.launcher_pid)
         cfg.validate_world(self.env.world_size)
         if cfg.init_process_group:
             check_no_default_group()
-        self.store_url = startup.store_url(cfg, self.env)
         # A process the launcher respawned joins under a new identity (inprocess.protocol.ranks).
         self.me = self.env.identity
         self.joining = self.env.respawn_generation > 0
@@ -172,24 +110,13 @@ class _Job:
         self.node_of = node_of_ranks(
             world_size=self.env.world_size, local_world_size=self.env.local_world_size
         )
-        self.store: Store | None = None
-        self.watchdog: Any = None  # inprocess.watchdog.Watchdog
-        self.health: HealthChecker | None = None
-        self.svc: RankServices | None = None
         # Every fault of every restart (for the stop error) and what each restart blamed.
-        self.agreement = RestartAgreement(cfg, me=self.me, node_of=self.node_of)
-        self.last_restart: RestartRecord | None = None
+        self.agreement = RestartAgreement(cfg, me=self.me, node_of=self.node_of, clock=clock)
         self.prewarmed = False
-        # A reserve's imports of what DDP / FSDP2 need first (inprocess.restart.warmup).
-        self.first_use = FirstUseImports()
         self.advice: KillAdvice | None = KillAdvice()  # None once started (restart.advice)
-        self.closed = False
-        self.reaper = GroupReaper(rank=self.me)
-        self.story = RestartStory()
-        self.drill: drill.RankDrill | None = None  # the config's simulate_fault
         self.outcome = "failed"  # "done" / "stopped" once run() knows (the journal's job_end)
-        directory = journal.resolve_dir(cfg.journal_dir)
-        self.journal = None if directory is None else journal.open_journal(directory, rank=self.me)
+        # Everything this rank starts and releases (restart.lifetime): the store's URL first.
+        self.own = RankLifetime(cfg, self.env, me=self.me, clock=clock)
 
     # ----- lifecycle -------------------------------------------------------------------------
 
@@ -200,69 +127,8 @@ class _Job:
         self.close()
 
     def close(self) -> None:
-        """Release everything this rank started (idempotent; the watchdog stops silently)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.drill is not None:
-            self.drill.close()
-        abort_process_groups()
-        self.reaper.close(timeout=self.cfg.hard_timeout)
-        self.story.close()
-        svc = self.svc
-        owners = (
-            (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
-        )
-        close_quietly(*owners, self.watchdog, self.health, self.first_use)
-        if self.store is not None:
-            leave_store(
-                self.store,
-                me=self.me,
-                world_size=self.env.world_size,
-                # Only on etcd and without inprocess.launch (whose processes still read the
-                # keys; it deletes them itself) does the last rank out delete the job's keys.
-                owns_cleanup=self.store_url is not None and self.env.launcher_pid is None,
-                # EtcdStore clients hold HTTP connections
-                close=(self.store, svc.report_store if svc is not None else None)
-                if self.store_url is not None
-                else (),
-            )
-        if self.journal is not None:  # last: the job's end includes this clean-up
-            journal.record("job_end", outcome=self.outcome)
-            self.journal.close()
-
-    def _start(self) -> RankServices:
-        """Connect, start the watchdog and meet every rank once (the initial barrier)."""
-        cfg, env = self.cfg, self.env
-        # Every value this process writes to the store is sealed with the job's secret (from
-        # inprocess.launch, or made by the first process of the job: docs/security.md).
-        sealer = job_sealer()
-        self.store, new_client = startup.connect_store(cfg, env, self.store_url, sealer)
-        svc = self.svc = startup.rank_services(
-            cfg,
-            env,
-            me=self.me,
-            store=self.store,
-            new_client=new_client,
-            reaper=self.reaper,
-            url=self.store_url,
-        )
-        self.health = startup.health_checker(cfg)
-        self.watchdog = startup.new_watchdog(
-            cfg, env, me=self.me, url=self.store_url, sealer=sealer
-        )
-        if self.joining:
-            self.registered_at = joining.register(self.store, self.watchdog, me=self.me)
-            return svc
-        self.watchdog.start()
-        with svc.progress.paused():
-            keys.initial_barrier(
-                self.store,
-                world_size=env.world_size,
-                timeout=cfg.barrier_timeout,
-                clock=time.monotonic,
-            )
-        return svc
+        """Release everything this rank started (``RankLifetime.close``; idempotent)."""
+        self.own.close(self.outcome)
 
     # ----- the loop --------------------------------------------------------------------------
 
@@ -286,20 +152,16 @@ class _Job:
         # decision) stops the job like a give-up, naming the key: the launcher decides.
         except (RestartAbortedError, StoreTimeoutError, ForgedValueError) as exc:
             self.outcome = "stopped"
-            if self.store is not None:
+            if self.own.is_open:
                 job_keys.mark_stopped(
-                    self.store, str(getattr(exc, "reason", exc)), origin=getattr(exc, "origin", "")
+                    self.own.store,
+                    str(getattr(exc, "reason", exc)),
+                    origin=getattr(exc, "origin", ""),
                 )
             raise
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        startup.freeze_gc(self.cfg, self.me)
-        self._start()
-        assert self.store is not None  # connected by _start
-        # inprocess.launch's side: its journal joins this one (respawns and in-job restarts in
-        # the report), and the config's fault drill starts, once per job (inprocess.faults.drill).
-        job_keys.publish_journal_dir(self.store, self.journal)
-        self.drill = drill.start_in_rank(self.cfg, self.env, self.store)
+        self.registered_at = self.own.open(joining_job=self.joining)
         assignment = initial_assignment(
             world_size=self.env.world_size,
             node_of=self.node_of,
@@ -310,8 +172,8 @@ class _Job:
         iteration = 0
         if self.joining:
             admitted = joining.admit(
-                self.store,
-                self.watchdog,
+                self.own.store,
+                self.own.watchdog,
                 self.agreement,
                 self.cfg,
                 me=self.me,
@@ -321,7 +183,7 @@ class _Job:
             if admitted is None:
                 return None  # the job finished before a restart needed this process
             iteration, assignment = admitted.iteration, admitted.assignment
-        pending: _PendingRestart | None = None  # the restart being completed, logged once
+        pending: PendingRestart | None = None  # the restart being completed, logged once
         while True:
             out = self._iteration(iteration, assignment, pending, args, kwargs)
             if out.done:
@@ -331,7 +193,7 @@ class _Job:
             self._health_phase(iteration)
             pending = self._restart_phase(iteration, assignment, target, out)
             if self.me in pending.after.retired:
-                self._log_restart(pending, reinit_s=0.0)
+                _log_restart(pending, me=self.me, reinit_s=0.0)
                 log.warning(
                     "rank %d retired after iteration %d (%s); it leaves the job",
                     self.me,
@@ -346,62 +208,53 @@ class _Job:
         self,
         iteration: int,
         assignment: Assignment,
-        pending: _PendingRestart | None,
+        pending: PendingRestart | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Outcome:
         """Announce ``iteration``, then run it in this rank's role (active or reserve)."""
-        assert self.store is not None  # connected by _start
-        # A reserve's death only marks it gone: it never interrupts the training (issue 35).
-        self.watchdog.set_iteration(iteration, reserve=assignment.rank_of(self.me) is None)
-        job_keys.start_iteration(
-            self.store,
-            iteration,
-            participants=len(assignment.active) + len(assignment.reserve),
-            reserves=assignment.reserve,
-        )
+        self.own.announce(iteration, assignment)
         if iteration == 0:
             self._health_phase(iteration)  # later: right after each fault, in _run
         rank = assignment.rank_of(self.me)
-        if self.journal is not None:
-            self.journal.set_position(iteration=iteration, training_rank=rank)
+        if self.own.journal is not None:
+            self.own.journal.set_position(iteration=iteration, training_rank=rank)
             journal.record("iteration_start", active=rank is not None)
         if rank is not None:
             return self._active_phase(iteration, assignment, rank, pending, args, kwargs)
         if pending is not None:
-            self._log_restart(pending, reinit_s=0.0)
+            _log_restart(pending, me=self.me, reinit_s=0.0)
         return self._reserve_phase(iteration)
 
     # ----- phases ----------------------------------------------------------------------------
 
     def _health_phase(self, iteration: int) -> None:
         """Before the first iteration and after every fault (``health.check_and_report``)."""
-        assert self.health is not None and self.svc is not None and self.store is not None
-        check_and_report(
-            self.health, self.store, self.svc.progress, me=self.me, iteration=iteration
-        )
+        own = self.own
+        assert own.health is not None and own.svc is not None
+        check_and_report(own.health, own.store, own.svc.progress, me=self.me, iteration=iteration)
 
     def _reserve_phase(self, iteration: int) -> Outcome:
         """A reserve warms up and prewarms once, then waits until the iteration ends."""
-        assert self.svc is not None
+        assert self.own.svc is not None
         prewarm, self.prewarmed = (None if self.prewarmed else self.cfg.prewarm), True
-        return wait_as_reserve(self.svc, iteration, imports=self.first_use, prewarm=prewarm)
+        return wait_as_reserve(self.own.svc, iteration, imports=self.own.first_use, prewarm=prewarm)
 
     def _active_phase(
         self,
         iteration: int,
         assignment: Assignment,
         rank: int,
-        pending: _PendingRestart | None,
+        pending: PendingRestart | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Outcome:
         """Run ``train()`` as ``rank`` (see ``inprocess.restart.active``); log the restart that led
         here once the group exists, so its ``reinit`` phase is measured."""
-        assert self.svc is not None
+        assert self.own.svc is not None
         # A reserve taking a place: its first DDP(...) must not import what the background
         # imports are importing at the same time (see FirstUseImports.wait).
-        self.first_use.wait()
+        self.own.first_use.wait()
 
         def on_started(reinit_s: float) -> RestartRecord | None:
             if pending is None:
@@ -422,7 +275,7 @@ class _Job:
             self.advice.start(reserves=len(assignment.reserve), max_respawns=self.env.max_respawns)
         try:
             return run_active(
-                self.svc,
+                self.own.svc,
                 self.fn,
                 args,
                 kwargs,
@@ -432,14 +285,14 @@ class _Job:
                 on_started=on_started,
             )
         finally:
-            self.story.end_iteration()
+            self.own.story.end_iteration()
             if self.advice is not None and rank == 0:
                 self.advice.stop()
                 self.advice = None
 
     def _restarted(
         self,
-        pending: _PendingRestart,
+        pending: PendingRestart,
         iteration: int,
         assignment: Assignment,
         *,
@@ -449,30 +302,40 @@ class _Job:
         """Log the restart that led to ``iteration`` (its group exists) and start its console
         line: written by the new rank 0 (restart.story), naming the tier each active rank
         restored from (restart.restored)."""
-        assert self.svc is not None
-        record = self._log_restart(pending, reinit_s=reinit_s)
-        board = TierBoard(
-            self.svc.store,
-            self.svc.new_client,
-            iteration=iteration,
-            me=self.me,
-            active=assignment.active,
-        )
-        self.story.restarted(record, fault_time=pending.fault_time, lead=rank == 0, board=board)
+        record = _log_restart(pending, me=self.me, reinit_s=reinit_s)
+        board = self.own.tier_board(iteration, assignment.active)
+        self.own.story.restarted(record, fault_time=pending.fault_time, lead=rank == 0, board=board)
         return record
 
     def _restart_phase(
         self, iteration: int, assignment: Assignment, target: int, out: Outcome
-    ) -> _PendingRestart:
+    ) -> PendingRestart:
         """Meet at the restart barrier (``RestartAgreement.meet``: raises when the job stops);
         returns the restart decided, with the time each phase of the fault took."""
-        assert self.svc is not None and self.store is not None
-        t_barrier = time.monotonic()
+        assert self.own.svc is not None
+        t_barrier = self.clock.monotonic()
         decision = self.agreement.meet(
-            self.store, self.svc.progress, iteration=iteration, assignment=assignment, target=target
+            self.own.store,
+            self.own.svc.progress,
+            iteration=iteration,
+            assignment=assignment,
+            target=target,
         )
-        return _PendingRestart.of(decision, before=assignment, out=out, t_barrier=t_barrier)
+        barrier_s = self.clock.monotonic() - t_barrier
+        return PendingRestart.of(decision, before=assignment, out=out, barrier_s=barrier_s)
 
-    def _log_restart(self, pending: _PendingRestart, *, reinit_s: float) -> RestartRecord:
-        self.last_restart = pending.log(me=self.me, reinit_s=reinit_s)
-        return self.last_restart
+
+def _log_restart(pending: PendingRestart, *, me: int, reinit_s: float) -> RestartRecord:
+    """Journal and log ``pending`` once (``inprocess.restart.loop: restart {...}``); returns its
+    record. DEBUG: every rank writes it, and the console's INFO line of a restart is the new
+    rank 0's (``inprocess.restart.story``); the journal has the same record."""
+    record = pending.record(reinit_s=reinit_s)
+    journal.record("restart", **asdict(record))
+    log.debug(
+        "restart %s",
+        json.dumps({**asdict(record), "rank": me}, sort_keys=True),
+        extra={"restart": asdict(record), "rank": me, "iteration": record.iteration},
+    )
+    for c in pending.decision.collateral:
+        log.debug("not counted: rank %d %s: %s", c.fault.initial_rank, c.fault.kind, c.reason)
+    return record

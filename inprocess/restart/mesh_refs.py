@@ -10,23 +10,27 @@ a collective on it waits for the group timeout (12.6 s measured for an FSDP2 res
 0.1 s for DDP). ``release`` removes those references; the garbage collector frees the rest of
 the old model whenever it runs. No forced ``gc.collect()``: it costs 0.1-0.5 s of GIL.
 
-Private torch APIs used here, and only here (``tests/unit/test_mesh_refs.py`` fails when torch
-changes them): ``torch.distributed._composable_state._module_state_mapping`` (the modules that
-``fully_shard`` manages, weakly keyed), ``DeviceMesh._pg_registry`` (found by the walk below, not
-named), ``torch.distributed.tensor.debug._clear_sharding_prop_cache``,
+Private torch APIs used here (``tests/unit/test_mesh_refs.py`` fails when torch changes them),
+named only behind the fence ``inprocess._torch_private``:
+``torch.distributed._composable_state._module_state_mapping`` (the modules that ``fully_shard``
+manages, weakly keyed), ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` and
 ``torch.distributed.tensor._redistribute`` (``_planner_cache``,
-``clear_redistribute_planner_cache``), and the ``functools``
-caches of ``torch.distributed.tensor``'s modules (found, not named: ``_gen_transform_infos``,
-``ShardingPropagator._propagate_tensor_meta_cached``, ``MeshTopoInfo.build_from_mesh``).
+``clear_redistribute_planner_cache``). Found by the walks here, not named:
+``DeviceMesh._pg_registry`` and the ``functools`` caches of ``torch.distributed.tensor``'s
+modules (``_gen_transform_infos``, ``ShardingPropagator._propagate_tensor_meta_cached``,
+``MeshTopoInfo.build_from_mesh``), recognised by CPython's private cache type
+(``inprocess._cpython_private.lru_cache_type``).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from inprocess import _torch_private
+from inprocess._cpython_private import lru_cache_type
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +78,8 @@ def clear_dtensor_caches() -> None:
     fills them again (once per op)."""
     if "torch.distributed.tensor" not in sys.modules:
         return  # DTensor never used in this process: nothing cached
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()  # weakly keyed by mesh, but each planner holds its mesh
+    # The planners' cache is weakly keyed by mesh, but each planner holds its mesh.
+    _torch_private.clear_dtensor_sharding_caches()
     for cache in _functools_caches(_DTENSOR_MODULES):
         cache.cache_clear()
 
@@ -88,6 +89,7 @@ def _functools_caches(prefix: str) -> list[Any]:
     in their classes (methods and static methods): found, not named, so that a cache torch adds
     later is cleared too."""
     out: dict[int, Any] = {}
+    cache_type = lru_cache_type()
     for name, module in list(sys.modules.items()):
         if not name.startswith(prefix) or module is None:
             continue
@@ -96,7 +98,7 @@ def _functools_caches(prefix: str) -> list[Any]:
             if isinstance(value, type) and value.__module__ == name:
                 candidates = [getattr(v, "__func__", v) for v in vars(value).values()]
             for c in candidates:
-                if isinstance(c, functools._lru_cache_wrapper) and c.__module__ == name:
+                if isinstance(c, cache_type) and c.__module__ == name:
                     out[id(c)] = c
     return list(out.values())
 
@@ -106,9 +108,7 @@ def redistribute_planners() -> list[Any]:
     cycle, so it outlives the cache that ``clear_dtensor_caches`` empties."""
     if "torch.distributed.tensor._redistribute" not in sys.modules:
         return []
-    from torch.distributed.tensor import _redistribute
-
-    return list(_redistribute._planner_cache.values())
+    return _torch_private.redistribute_planners()
 
 
 def fsdp_states() -> list[Any]:
@@ -116,14 +116,7 @@ def fsdp_states() -> list[Any]:
     manages and that is not yet garbage collected, alive or not."""
     if "torch.distributed._composable_state" not in sys.modules:
         return []
-    from torch.distributed import _composable_state
-
-    states = []
-    for ref in list(_composable_state._module_state_mapping.values()):
-        state = ref()
-        if state is not None:
-            states.append(state)
-    return states
+    return _torch_private.module_states()
 
 
 def _scrub(roots: Iterable[Any], dead: set[int]) -> int:

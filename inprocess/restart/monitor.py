@@ -3,30 +3,28 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
-import traceback
-from collections.abc import Callable, Iterator
-from types import FrameType, TracebackType
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from inprocess import journal
 from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import FaultRecord, RestartInterrupt
+from inprocess.config import RestartConfig
+from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
 from inprocess.protocol.store import Store
+from inprocess.restart.interrupter import Interrupter
 from inprocess.restart.progress import ProgressTracker
+from inprocess.restart.thread_stack import waiting_on_peers, where
 from inprocess.timeouts.sections import Overrun, SectionClock
 
 log = logging.getLogger(__name__)
 
-# Signal sent to the main thread with each interrupt: a blocking syscall (time.sleep, I/O) is
-# retried after a signal unless the handler raises (PEP 475), so ours raises the restart.
-WAKE_SIGNAL = signal.SIGUSR2
 # How often a delivery deferred by an import in progress is retried.
 _DEFER_RETRY_S = 0.005
 # At most one "progress" journal record per this many seconds, and only while train() has not
@@ -34,142 +32,28 @@ _DEFER_RETRY_S = 0.005
 PROGRESS_RECORD_S = 1.0
 
 
-# Code in which a main thread that makes no progress is waiting for its peers, not hung itself:
-# collectives, and autograd (where DDP waits for its gradient all-reduce).
-_PEER_WAIT_PATHS = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/distributed.py")
+@dataclass(frozen=True)
+class MonitorLimits:
+    """How the monitor of an iteration judges and acts, in seconds: ``soft_timeout`` (a main
+    thread without progress that long is this rank's fault), ``check_interval`` (how often the
+    progress thread looks), ``redeliver_interval`` (a restart not acknowledged is delivered
+    again) and ``atomic_timeout`` (how long a restart waits for a ``ctx.atomic()`` block)."""
 
+    soft_timeout: float
+    check_interval: float
+    redeliver_interval: float
+    atomic_timeout: float = 60.0
 
-def _waiting_on_peers(thread_id: int) -> bool:
-    """Whether the thread is inside a collective (or a backward pass that waits on one).
-
-    When one rank hangs, its peers stall in the next collective after about the same time. The
-    hung rank's own monitor must report first, or the fault is blamed on a waiting rank (and a
-    healthy rank could be retired for it): a waiting rank gets a grace beyond soft_timeout.
-    """
-    frame = sys._current_frames().get(thread_id)
-    while frame is not None:
-        if waits_on_peers(frame.f_code.co_filename):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def waits_on_peers(filename: str) -> bool:
-    """Whether code in ``filename`` is where a rank waits on its peers (``_PEER_WAIT_PATHS``)."""
-    return any(part in filename for part in _PEER_WAIT_PATHS)
-
-
-def _where(thread_id: int, depth: int = 6) -> str:
-    """The innermost frames of the thread's stack, for the log (what a user must look at)."""
-    frame = sys._current_frames().get(thread_id)
-    if frame is None:
-        return "  (thread gone)"
-    return "".join(traceback.format_stack(frame)[-depth:]).rstrip()
-
-
-def _in_import(thread_id: int) -> bool:
-    """Whether the thread is executing an import right now.
-
-    An exception raised inside an import leaves a half-initialised module in ``sys.modules``:
-    every later ``import`` of it then fails the same way (seen: DDP's lazy ``torch._dynamo``
-    import interrupted once, every later iteration failed on ``torch._dynamo.utils``). So
-    deliveries wait for the import to finish.
-    """
-    frame = sys._current_frames().get(thread_id)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class Interrupter:
-    """Delivers ``RestartInterrupt`` into the main thread; shared by monitor and ``ctx.atomic()``.
-
-    ``lock`` is held by ``ctx.atomic()`` sections and by every delivery, so a delivery never
-    lands inside an atomic section. Created in the main thread; ``close()`` restores the signal
-    handler. ``arm()`` before ``train()``, ``disarm()`` once it returned or raised: after
-    ``disarm()`` nothing is delivered and a pending exception is cleared.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self._tid = threading.get_ident()
-        self._armed = False
-        self._pending = False
-        self.acked = threading.Event()
-        self._old_handler: Any = None
-        self._installed = threading.current_thread() is threading.main_thread()
-        if self._installed:
-            self._old_handler = signal.signal(WAKE_SIGNAL, self._on_signal)
-
-    @property
-    def thread_id(self) -> int:
-        """The thread that restarts are delivered to (the main thread)."""
-        return self._tid
-
-    @property
-    def pending(self) -> bool:
-        """A restart was delivered and not yet acknowledged."""
-        return self._pending
-
-    def arm(self) -> None:
-        """Allow deliveries (main thread, before ``train()``)."""
-        with self.lock:
-            self._armed, self._pending = True, False
-            self.acked.clear()
-
-    def deliver(self) -> bool | None:
-        """Raise the restart in the main thread (monitor thread).
-
-        True: delivered. False: disarmed (``train()`` already ended). None: deferred because the
-        main thread is inside an import; the caller retries shortly.
-        """
-        with self.lock:
-            if not self._armed:
-                return False
-            if _in_import(self._tid):
-                return None
-            self._pending = True
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self._tid), ctypes.py_object(RestartInterrupt)
-            )
-            if self._installed:
-                with contextlib.suppress(OSError):  # the main thread is exiting
-                    signal.pthread_kill(self._tid, WAKE_SIGNAL)
-            return True
-
-    def disarm(self) -> bool:
-        """Stop deliveries and clear a pending one (main thread); True if one was delivered.
-
-        May itself be hit by a delivery made just before it took the lock; callers loop.
-        """
-        with self.lock:
-            was = self._pending
-            self._armed = self._pending = False
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
-            self.acked.set()
-            return was
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._pending and self._armed:
-            raise RestartInterrupt("restart requested (wake-up signal)")
-
-    def close(self) -> None:
-        """Disarm and restore the previous signal handler (main thread; idempotent)."""
-        with contextlib.suppress(RestartInterrupt):
-            self.disarm()
-        if self._installed:
-            self._installed = False
-            signal.signal(WAKE_SIGNAL, self._old_handler)
-
-    @contextlib.contextmanager
-    def atomic(self) -> Iterator[None]:
-        """A block no restart interrupts half-way; one pending restart fires before it starts."""
-        with self.lock:
-            if self._pending:
-                raise RestartInterrupt("restart requested before an atomic section")
-            yield
+    @classmethod
+    def of(cls, cfg: RestartConfig) -> MonitorLimits:
+        """The limits a ``RestartConfig`` gives (the restart loop's monitors)."""
+        return cls(
+            soft_timeout=cfg.soft_timeout,
+            check_interval=min(1.0, cfg.soft_timeout / 10),
+            redeliver_interval=max(0.5, min(5.0, cfg.soft_timeout / 2)),
+            # A rank frozen that long is lost (hard_timeout's meaning); an atomic block, too.
+            atomic_timeout=cfg.hard_timeout,
+        )
 
 
 class Monitor:
@@ -199,15 +83,12 @@ class Monitor:
         iteration: int,
         give_back: Callable[[Any], None] | None = None,
         initial_rank: int,
-        soft_timeout: float,
+        limits: MonitorLimits,
         progress: ProgressTracker,
         interrupter: Interrupter,
         abort: Callable[[], None],
         step: Callable[[], int | None],
-        check_interval: float,
-        redeliver_interval: float,
         sections: SectionClock | None = None,
-        atomic_timeout: float = 60.0,
         clock: Clock = SYSTEM,
     ) -> None:
         self._store = store
@@ -216,15 +97,15 @@ class Monitor:
         self._report_store = report_store
         self._iteration = iteration
         self._initial_rank = initial_rank
-        self._soft_timeout = soft_timeout
+        self._soft_timeout = limits.soft_timeout
         self._progress = progress
         self._interrupter = interrupter
         self._abort = abort
         self._step = step
-        self._check_interval = check_interval
-        self._redeliver_interval = redeliver_interval
+        self._check_interval = limits.check_interval
+        self._redeliver_interval = limits.redeliver_interval
         self._sections = sections
-        self._atomic_timeout = atomic_timeout
+        self._atomic_timeout = limits.atomic_timeout
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.fired_at: float | None = None  # time.time() when this monitor saw the fault
@@ -271,7 +152,7 @@ class Monitor:
             if self._sections is not None:
                 soft = self._sections.stall_limit(soft)
             limit = soft
-            if stalled > limit and _waiting_on_peers(self._interrupter.thread_id):
+            if stalled > limit and waiting_on_peers(self._interrupter.thread_id):
                 limit += soft / 2
             if stalled <= limit:
                 self._progress.poke()
@@ -304,12 +185,12 @@ class Monitor:
         if self._sections is None:
             return None
         overrun = self._sections.overrun()
-        if overrun is not None and _waiting_on_peers(self._interrupter.thread_id):
+        if overrun is not None and waiting_on_peers(self._interrupter.thread_id):
             overrun = self._sections.overrun(grace=1.0)
         return overrun
 
     def _record(self, *, kind: str, detail: str, section: str, message: str) -> None:
-        log.warning("%s\n%s", message, _where(self._interrupter.thread_id))
+        log.warning("%s\n%s", message, where(self._interrupter.thread_id))
         try:
             keys.record_fault(
                 self._store_for_reports(),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+
+from inprocess.clock import SYSTEM, Clock
 
 # int (*)(void *): the signature Py_AddPendingCall expects; it must return 0 (anything else is
 # an error). The callback is libc's ``sigfillset(sigset_t *)``: C code that returns 0 and fills
@@ -32,9 +33,9 @@ class ProgressTracker:
     C call never writes into freed memory).
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, clock: Clock = SYSTEM) -> None:
         self._clock = clock
-        self._last = clock()
+        self._last = clock.monotonic()
         self._scheduled = False
         self._paused = 0
         self._lock = threading.Lock()
@@ -44,7 +45,7 @@ class ProgressTracker:
 
     def stamp(self) -> None:
         """Record progress now (``ctx.ping()``)."""
-        self._last = self._clock()
+        self._last = self._clock.monotonic()
 
     def poke(self) -> None:
         """Collect the previous probe and schedule the next one (monitor thread)."""
@@ -55,7 +56,7 @@ class ProgressTracker:
                 if self._flag[0] == 0:
                     return  # still pending: the main thread ran no bytecode since
                 self._scheduled = False
-                self._last = self._clock()
+                self._last = self._clock.monotonic()
             ctypes.memset(self._flag, 0, ctypes.sizeof(self._flag))
             ptr = ctypes.c_void_p(ctypes.addressof(self._flag))
             if ctypes.pythonapi.Py_AddPendingCall(self._probe, ptr) == 0:
@@ -65,7 +66,7 @@ class ProgressTracker:
         """Seconds since the last progress seen; 0 while paused."""
         if self._paused:
             return 0.0
-        return max(0.0, self._clock() - self._last)
+        return max(0.0, self._clock.monotonic() - self._last)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -81,9 +82,9 @@ class ProgressTracker:
         """Stop probing; let a scheduled probe run first (main thread; idempotent)."""
         with self._lock:
             self._closed = True
-        deadline = time.monotonic() + _DRAIN_S
+        deadline = self._clock.monotonic() + _DRAIN_S
         # Executing bytecode lets the interpreter run the pending call.
-        while self._scheduled and self._flag[0] == 0 and time.monotonic() < deadline:
+        while self._scheduled and self._flag[0] == 0 and self._clock.monotonic() < deadline:
             pass
         if self._scheduled and self._flag[0] == 0:
             # Never ran: keep the buffer alive for the process's lifetime.

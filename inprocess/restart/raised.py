@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 
 import torch.distributed as dist
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord
 from inprocess.protocol import keys
 from inprocess.protocol.store import Store
-from inprocess.restart.monitor import waits_on_peers
+from inprocess.restart.thread_stack import waits_on_peers
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ _FIRST_WAIT_S = 1.0  # bound of the wait for the rank that logs a shared error's
 def raised_in_collective(exc: BaseException) -> bool:
     """Whether ``exc`` is a failed communication: a torch.distributed error type, or a
     communication error type raised where a rank waits on its peers
-    (``inprocess.restart.monitor.waits_on_peers``), itself not raised ``from`` an error of
+    (``inprocess.restart.thread_stack.waits_on_peers``), itself not raised ``from`` an error of
     another kind or place. Only raise sites count: a user's error in a model's forward passes
     through DDP's forward too, but is raised in the model; DTensor's dispatch re-raises an
     operator's error as a ``RuntimeError`` in torch.distributed's code ``from`` the original.
@@ -70,6 +70,7 @@ def report_raised(
     where: str,
     trace: str,
     in_collective: bool,
+    clock: Clock = SYSTEM,
 ) -> FaultRecord:
     """Log ``exc`` once at the level its kind deserves (a peer's fault in a collective:
     WARNING; a verdict: INFO; the rank's own error: ERROR with ``trace``, the traceback
@@ -82,6 +83,7 @@ def report_raised(
         where=where,
         in_collective=in_collective,
         after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
+        clock=clock,
     )
     if record.in_collective:  # most likely a peer's fault; the restart decision judges
         log.warning(
@@ -97,12 +99,12 @@ def report_raised(
             record.detail,
         )
     else:
-        first = _first_to_log(store, record)
+        first = _first_to_log(store, record, clock)
         _log_own(exc, trace, rank=me, iteration=iteration, first=first)
     return record
 
 
-def _first_to_log(store: Store, record: FaultRecord) -> int:
+def _first_to_log(store: Store, record: FaultRecord, clock: Clock) -> int:
     """The initial rank that logs the traceback of this error (type and raise site) in this
     iteration: the first to claim it in the store (an atomic add; ranks that hit the same bug
     raise it at the same moment, so reading the recorded faults first would race)."""
@@ -113,9 +115,9 @@ def _first_to_log(store: Store, record: FaultRecord) -> int:
         return record.initial_rank
     # The first claimer sets its rank right after its add: a short bounded wait.
     got = keys.peek(store, f"{key}/rank")
-    deadline = time.monotonic() + _FIRST_WAIT_S
-    while got is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    deadline = clock.monotonic() + _FIRST_WAIT_S
+    while got is None and clock.monotonic() < deadline:
+        clock.sleep(0.005)
         got = keys.peek(store, f"{key}/rank")
     return int(got) if got is not None else -1
 
@@ -164,6 +166,7 @@ def exception_record(
     where: str,
     in_collective: bool,
     after_fault: bool,
+    clock: Clock = SYSTEM,
 ) -> FaultRecord:
     """The fault record of an exception raised out of ``train()``, with the evidence the restart
     policy uses to tell the rank's own fault from a consequence of a peer's."""
@@ -177,7 +180,7 @@ def exception_record(
         where=where,
         step=step,
         action=action if action in ("demote", "retire") else "",
-        time=time.time(),
+        time=clock.wall(),
         in_collective=in_collective,
         after_fault=after_fault,
     )

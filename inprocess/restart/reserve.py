@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from inprocess.errors import RestartInterrupt
 from inprocess.protocol import keys
-from inprocess.restart.active import Outcome, RankServices, disarm
+from inprocess.restart.active import Outcome, disarm
+from inprocess.restart.services import RankServices
 from inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,10 @@ def wait_as_reserve(
         imports.wait()  # the user's prewarm may import the same package: never both at once
         run_prewarm(svc, iteration, prewarm)
     with svc.progress.paused():
-        result = keys.wait_outcome(svc.store, iteration, timeout=None, clock=time.monotonic)
+        result = keys.wait_outcome(svc.store, iteration, timeout=None, clock=svc.clock.monotonic)
     if result == keys.OUTCOME_DONE:
         return Outcome(done=True)
-    return Outcome(done=False, noticed=time.time())
+    return Outcome(done=False, noticed=svc.clock.wall())
 
 
 def run_prewarm(svc: RankServices, iteration: int, prewarm: Callable[[], Any]) -> None:
@@ -55,7 +55,7 @@ def run_prewarm(svc: RankServices, iteration: int, prewarm: Callable[[], Any]) -
 
     def watch() -> None:
         try:
-            keys.wait_outcome(svc.new_client(), iteration, timeout=None, clock=time.monotonic)
+            keys.wait_outcome(svc.new_client(), iteration, timeout=None, clock=svc.clock.monotonic)
         except Exception as exc:
             log.debug("prewarm watcher: store unreachable: %r", exc)
             return

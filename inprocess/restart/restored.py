@@ -11,10 +11,10 @@ memory. ``phrase`` is pure (the report uses it too).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.protocol import keys
 from inprocess.protocol.store import Store
 
@@ -69,9 +69,11 @@ class TierBoard:
         me: int,
         active: tuple[int, ...],
         timeout: float = 2.0,
+        clock: Clock = SYSTEM,
     ) -> None:
         self._store, self._open = store, open_client
         self._iteration, self._me, self._active, self._timeout = iteration, me, active, timeout
+        self._clock = clock
 
     def _key(self, rank: int) -> str:
         return f"{keys.iteration_prefix(self._iteration)}restored/{rank}"
@@ -85,12 +87,12 @@ class TierBoard:
         left out)."""
         client = self._open()
         names = [self._key(r) for r in self._active]
-        deadline = time.monotonic() + self._timeout
+        deadline = self._clock.monotonic() + self._timeout
         while True:
             got = keys.peek_many(client, names)
-            if all(g is not None for g in got) or time.monotonic() > deadline:
+            if all(g is not None for g in got) or self._clock.monotonic() > deadline:
                 break
-            time.sleep(_POLL_S)
+            self._clock.sleep(_POLL_S)
         close = getattr(client, "close", None)
         if close is not None:
             close()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 from checkpoint.sealing import Sealer
+from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import ConfigError
 from inprocess.etcd.connect import open_store
@@ -24,11 +24,11 @@ from inprocess.protocol.reach import unreachable
 from inprocess.protocol.sealed_store import seal
 from inprocess.protocol.store import Store
 from inprocess.restart.abort import GroupReaper
-from inprocess.restart.active import ClientPool, RankServices
 from inprocess.restart.health import HealthChecker
-from inprocess.restart.monitor import Interrupter
+from inprocess.restart.interrupter import Interrupter
 from inprocess.restart.progress import ProgressTracker
 from inprocess.restart.rendezvous import Rendezvous, advertised_host
+from inprocess.restart.services import ClientPool, RankServices
 from inprocess.store_server import client, connect
 from inprocess.timeouts.sections import section_clock
 
@@ -63,7 +63,7 @@ def store_url(cfg: RestartConfig, env: LaunchEnv) -> str | None:
     return url
 
 
-def freeze_gc(cfg: RestartConfig, me: int) -> None:
+def freeze_gc(cfg: RestartConfig, me: int, *, clock: Clock = SYSTEM) -> None:
     """``freeze_gc``: collect, then freeze every object that exists now out of later
     collections. Before connecting: for a respawned process, before it is a ready reserve,
     so the 0.1-0.3 s this takes is never on a restart's path."""
@@ -74,11 +74,11 @@ def freeze_gc(cfg: RestartConfig, me: int) -> None:
     # each restart wait for it: benchmarks/store_etcd.py's TCPStore restart took 0.20-0.31
     # s instead of 0.03 s in 12 of 12 runs of one build, 0.03 s in 4 of 4 with this.
     # Collected first, so no garbage of the start-up is kept forever.
-    t0 = time.monotonic()
+    t0 = clock.monotonic()
     gc.collect()
     gc.freeze()
     log.debug(
-        "rank %d: froze %d objects in %.3f s", me, gc.get_freeze_count(), time.monotonic() - t0
+        "rank %d: froze %d objects in %.3f s", me, gc.get_freeze_count(), clock.monotonic() - t0
     )
 
 
@@ -117,9 +117,11 @@ def rank_services(
     new_client: Callable[[], Any],
     reaper: GroupReaper,
     url: str | None,
+    clock: Clock = SYSTEM,
 ) -> RankServices:
     """What the loop lends to every iteration of this rank (opens one more store client);
-    ``url``: the etcd store's, None on the TCPStore."""
+    ``url``: the etcd store's, None on the TCPStore; ``clock``: the loop's, for every
+    iteration's waits and timings."""
     return RankServices(
         config=cfg,
         me=me,
@@ -128,7 +130,7 @@ def rank_services(
         # Monitors record soft timeouts on their own client: the main thread's may be busy.
         report_store=new_client(),
         new_client=new_client,
-        progress=ProgressTracker(),
+        progress=ProgressTracker(clock=clock),
         interrupter=Interrupter(),
         abort=reaper.abort,
         release=reaper.release,
@@ -141,6 +143,7 @@ def rank_services(
             advertise=advertise(url),
             timeout=cfg.barrier_timeout,
         ),
+        clock=clock,
     )
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 from typing import Any
 
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.context import RestartRecord
 from inprocess.restart.restored import TierBoard, phrase, tier_name
 
@@ -37,8 +37,9 @@ class RestartStory(logging.Handler):
     line is pending, so steps pay nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = SYSTEM) -> None:
         super().__init__(level=logging.DEBUG)
+        self._clock = clock
         self._pending: tuple[RestartRecord, float] | None = None
         self._thread = threading.get_ident()
         self._lead = True
@@ -53,7 +54,7 @@ class RestartStory(logging.Handler):
         lead: bool = True,
         board: TierBoard | None = None,
     ) -> None:
-        """The restart that led to this iteration; ``fault_time``: ``time.time()`` of its
+        """The restart that led to this iteration; ``fault_time``: the wall clock of its
         first fault."""
         self.end_iteration()
         self._pending = (record, fault_time)
@@ -99,7 +100,7 @@ class RestartStory(logging.Handler):
         journal.unlisten(self)
         if not self._lead:
             return
-        seconds = time.time() - fault_time
+        seconds = self._clock.wall() - fault_time
         if board is None or restore is None:
             say(line(record, restore=restore, seconds=seconds, first_step=first_step))
             return

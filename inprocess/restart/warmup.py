@@ -24,7 +24,8 @@ import logging
 import os
 import sys
 import threading
-import time
+
+from inprocess.clock import SYSTEM, Clock
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,11 @@ class FirstUseImports:
     would leave a half-built module in ``sys.modules`` (``inprocess.restart.monitor``).
     """
 
-    def __init__(self, modules: tuple[str, ...] = FIRST_USE_MODULES) -> None:
+    def __init__(
+        self, modules: tuple[str, ...] = FIRST_USE_MODULES, *, clock: Clock = SYSTEM
+    ) -> None:
         self._modules = modules
+        self._clock = clock
         self._thread: threading.Thread | None = None
         self.seconds: float | None = None
 
@@ -77,7 +81,7 @@ class FirstUseImports:
         # Linux: the nice value of this thread only. Elsewhere it may fail: full priority.
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
-        t0 = time.perf_counter()
+        t0 = self._clock.monotonic()
         for name in self._modules:
             if name in sys.modules:
                 continue
@@ -85,4 +89,4 @@ class FirstUseImports:
                 importlib.import_module(name)
             except Exception as exc:
                 log.debug("first-use imports: cannot import %s: %r", name, exc)
-        self.seconds = time.perf_counter() - t0
+        self.seconds = self._clock.monotonic() - t0

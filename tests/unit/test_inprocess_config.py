@@ -133,7 +133,7 @@ def _block_in_c(fd: int) -> None:
 
 def test_progress_goes_stale_only_while_the_main_thread_is_blocked() -> None:
     clock = FakeClock()
-    progress = ProgressTracker(clock=clock)
+    progress = ProgressTracker(clock=clock.clock())
     main_thread = threading.get_ident()
     busy_over = threading.Event()
     unblock_r, unblock_w = os.pipe()

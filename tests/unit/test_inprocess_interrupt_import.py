@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from inprocess.errors import RestartInterrupt
-from inprocess.restart.monitor import Interrupter
+from inprocess.restart.interrupter import Interrupter
 
 _SYNC_S = 10.0  # real-time bound of each wait on the other thread: reached only when broken
 

@@ -204,7 +204,7 @@ def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: Fa
 def test_the_monitor_clients_are_reused_across_iterations() -> None:
     """A client whose wait ended is handed back and taken by the next iteration's monitor;
     one still in use is never given to anyone else."""
-    from inprocess.restart.active import ClientPool
+    from inprocess.restart.services import ClientPool
 
     opened: list[object] = []
 

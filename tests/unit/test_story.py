@@ -116,3 +116,21 @@ def test_the_tiers_phrase_groups_ranks_and_names_reserves() -> None:
     assert phrase({0: "persistent", 4: "persistent"}, newcomers={4}) == (
         "persistent on 2 ranks (1 of them a reserve)"
     )
+
+
+def test_the_tier_board_waits_for_missing_ranks_on_its_clock_only() -> None:
+    # The loop's clock bounds the gather: on a fake clock the 2 s bound passes without waiting.
+    import time
+
+    import torch.distributed as dist
+
+    from inprocess.protocol.store import as_store
+    from inprocess.restart.restored import TierBoard
+    from tests.fake_clock import FakeClock
+
+    store, fake = as_store(dist.HashStore()), FakeClock()
+    board = TierBoard(store, lambda: store, iteration=2, me=1, active=(2, 1), clock=fake.clock())
+    board.publish("memory", 30)  # rank 2 never publishes
+    t0, start = time.monotonic(), fake.now
+    assert board.gather() == {1: "memory"}
+    assert fake.now - start > 2.0 and time.monotonic() - t0 < 1.0

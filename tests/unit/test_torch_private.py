@@ -61,6 +61,28 @@ def test_reset_group_counter_names_the_next_default_group_zero(store: dist.TCPSt
     assert dist.group.WORLD.group_name == "0"
 
 
+def test_group_backend_is_the_object_that_runs_the_group_on_a_device(store: dist.TCPStore) -> None:
+    _init(store, "a")
+    backend = inproc_private.group_backend(dist.group.WORLD, torch.device("cpu"))
+    assert type(backend).__name__ == "ProcessGroupGloo"  # the NCCL abort asks for "cuda"
+
+
+def test_module_states_and_dtensor_caches_hold_what_mesh_refs_releases(
+    store: dist.TCPStore,
+) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _init(store, "a")
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    assert any(s is fully_shard.state(model) for s in inproc_private.module_states())
+    model(torch.randn(2, 4)).sum().backward()  # DTensor ops: fills the caches
+    assert isinstance(inproc_private.redistribute_planners(), list)
+    inproc_private.clear_dtensor_sharding_caches()
+    assert inproc_private.redistribute_planners() == []
+
+
 def test_flatten_state_dict_gives_dotted_keys() -> None:
     flat, mapping = ckpt_private.flatten_state_dict({"model": {"w": torch.ones(2)}, "step": 3})
     assert set(flat) == {"model.w", "step"}
