@@ -36,7 +36,7 @@ from typing import Any, cast
 import torch
 
 from checkpoint import _torch_private
-from checkpoint.local.packing import Leaf, ReplicatedState
+from checkpoint.local.leaf import Leaf, ReplicatedState
 
 _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a ReplicatedState)
 # A mapping with fewer plain tensors in it (one parameter's optimizer state: step, exp_avg,
@@ -89,7 +89,7 @@ class _Node:
 
 @dataclass(slots=True)
 class Block:
-    """In a save's walk (packing.save_parts): the tensor leaves of a mapping the memo replayed.
+    """In a save's walk (walk.save_parts): the tensor leaves of a mapping the memo replayed.
 
     ``node`` is the same object at every save while the mapping keeps its structure (the same
     keys, paths, shardings and tensor objects), so a save compares its keys by identity;
@@ -111,7 +111,7 @@ class Block:
 
 
 def expand(parts: Sequence[Leaf | Block]) -> list[Leaf]:
-    """A save's walk as one Leaf per leaf, in walk order (what packing.leaves would give, less
+    """A save's walk as one Leaf per leaf, in walk order (what walk.leaves would give, less
     the containers of the Blocks' tensors)."""
     out: list[Leaf] = []
     for p in parts:
@@ -197,7 +197,7 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
 
 class WalkMemo:
     """Tensor mappings of the last walk. Call order per walk: begin(), then replay() /
-    remember() from the walk (packing.leaves), then end()."""
+    remember() from the walk (walk.leaves), then end()."""
 
     def __init__(self) -> None:
         # None: met, but not a mapping worth remembering (not checked again while it is met).

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError
-from checkpoint.local import directory, packing
+from checkpoint.local import directory, packing, unpacking, walk
+from checkpoint.local.leaf import Leaf
 from checkpoint.local.restore import RestoreResult, Shard
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def restore_resharded(
     step, old_world = step_world
     # Walked only now (state_dict() may change a Stateful: see restore._Target).
     statefuls: list[tuple[Any, dict[str, Any]]] = []
-    leaves = packing.leaves(state, statefuls)
+    leaves = walk.leaves(state, statefuls)
     if _has_dtensor(leaves):  # the same on every rank: the same structure everywhere
         log.info("local tier: a DTensor state is not resharded here; the persistent tier is")
         return None
@@ -83,7 +84,7 @@ def restore_resharded(
     assert plan is not None  # every rank has one: _any_rank said so
     for owner, leaves in plan.items():
         buf, parsed = copies[owner]
-        packing.fill_leaves(buf, leaves, parsed=parsed)
+        unpacking.fill_leaves(buf, leaves, parsed=parsed)
     for obj, sd in statefuls:
         obj.load_state_dict(sd)
     seconds = time.perf_counter() - t0
@@ -140,12 +141,12 @@ def _newest_whole(
 
 
 def _plan(
-    leaves: list[packing.Leaf], copies: dict[int, tuple[torch.Tensor, packing.Parsed]], rank: int
-) -> dict[int, list[packing.Leaf]] | None:
+    leaves: list[Leaf], copies: dict[int, tuple[torch.Tensor, packing.Parsed]], rank: int
+) -> dict[int, list[Leaf]] | None:
     """Which old shard fills each leaf (see the module docstring); None when a key is in no
     shard or differs in dtype or shape (checked before anything is written)."""
     order = ([rank] if rank in copies else []) + [o for o in sorted(copies) if o != rank]
-    plan: dict[int, list[packing.Leaf]] = {}
+    plan: dict[int, list[Leaf]] = {}
     for leaf in leaves:
         tensor = isinstance(leaf.value, torch.Tensor)
         owner = next(
@@ -161,13 +162,13 @@ def _plan(
         plan.setdefault(owner, []).append(leaf)
     try:
         for owner, part in plan.items():
-            packing.match(copies[owner][1], part)
+            unpacking.match(copies[owner][1], part)
     except CheckpointError:
         return None
     return plan
 
 
-def _has_dtensor(leaves: list[packing.Leaf]) -> bool:
+def _has_dtensor(leaves: list[Leaf]) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor: nothing to find

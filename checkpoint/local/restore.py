@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError, ShardingMismatchError
-from checkpoint.local import directory, integrity, packing, placement
+from checkpoint.local import directory, integrity, packing, placement, unpacking, walk
+from checkpoint.local.leaf import Leaf
 from checkpoint.local.transport import Outgoing, transfer
 
 log = logging.getLogger(__name__)
@@ -71,11 +72,11 @@ def _any_rank(pg: dist.ProcessGroup | None, flag: bool) -> bool:
     return bool(t.item())
 
 
-ReplicatedOwner = Callable[[list[packing.Leaf], int], dict[str, int]]
+ReplicatedOwner = Callable[[list[Leaf], int], dict[str, int]]
 
 
 class _IntoState:
-    """Where a shard from a peer or the node-local directory lands (packing.Place): its large
+    """Where a shard from a peer or the node-local directory lands (parts.Place): its large
     tensors straight into the state's own tensors, which are already in memory, instead of a new
     buffer that must be faulted in and copied out again (on this project's machine, faulting
     1 GiB in took 0.4-2.9 s during a transfer, and the copy out 0.14 s).
@@ -85,7 +86,7 @@ class _IntoState:
     persistent tier, never left half-restored.
     """
 
-    def __init__(self, leaves: list[packing.Leaf], keep: Callable[[str], bool]) -> None:
+    def __init__(self, leaves: list[Leaf], keep: Callable[[str], bool]) -> None:
         self._leaves = leaves
         self._keep = keep
         self.keys: set[str] = set()  # tensors that arrived in place (the fill skips them)
@@ -98,7 +99,7 @@ class _IntoState:
     def __call__(self, buf: torch.Tensor, cuts: list[int]) -> dict[int, torch.Tensor]:
         try:
             parsed = packing.parse(buf[: cuts[1]])
-            todo = packing.match(parsed, self._leaves, self._keep)
+            todo = unpacking.match(parsed, self._leaves, self._keep)
         except CheckpointError:
             return {}  # a bad header fails the checksum; a mismatch is reported by the fill
         self.parsed = parsed
@@ -137,7 +138,7 @@ class _Target:
     ) -> None:
         self._rank, self._world = rank, world
         self._statefuls: list[tuple[Any, dict[str, Any]]] = []
-        self._leaves = packing.leaves(state, self._statefuls)
+        self._leaves = walk.leaves(state, self._statefuls)
         tensors = [x for x in self._leaves if isinstance(x.value, torch.Tensor)]
         self._fully_parallel = replicated_owner is not None
         self._owner = replicated_owner(tensors, world) if replicated_owner is not None else {}
@@ -151,7 +152,7 @@ class _Target:
         """Why this rank's shard cannot go into the live DTensors (another mesh or placement),
         or None. Reads the header only; writes nothing."""
         try:
-            packing.match(parsed if parsed is not None else packing.parse(buf), self._leaves)
+            unpacking.match(parsed if parsed is not None else packing.parse(buf), self._leaves)
         except ShardingMismatchError as e:
             return str(e)
         except CheckpointError:
@@ -165,7 +166,7 @@ class _Target:
         fully_parallel then broadcasts the replicated parts; Stateful objects load last."""
         done = self.into_state.keys if self.into_state is not None else set()
         keep = lambda k: self.keep(k) and k not in done  # noqa: E731
-        packing.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
+        unpacking.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
         if self._fully_parallel:
             _broadcast_replicated(self._leaves, self._owner, pg, self._rank, self._world)
         for obj, sd in self._statefuls:
@@ -384,7 +385,7 @@ def _header(copy: _Copy) -> packing.Parsed | None:
 
 
 def _broadcast_replicated(
-    leaves: list[packing.Leaf],
+    leaves: list[Leaf],
     owner: dict[str, int],
     pg: dist.ProcessGroup | None,
     rank: int,

@@ -31,7 +31,7 @@ from checkpoint.collectives import rank_and_size
 from checkpoint.config import LocalConfig
 from checkpoint.errors import CheckpointError
 from checkpoint.exchange import Attempts, StoreExchange
-from checkpoint.local import directory, packing, placement
+from checkpoint.local import directory, packing, placement, walk
 from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob, spare_core
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.memo import WalkMemo, split_parts
@@ -149,7 +149,7 @@ class LocalTier:
         if self._hold.stale(step, world):
             self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
-        parts = packing.save_parts(state, statefuls, self._memo)
+        parts = walk.save_parts(state, statefuls, self._memo)
         every, structure, objects = split_parts(parts)
         cache = self._plans.plan(parts, every, structure, rank, world)
         tensors = every if cache.kept is None else cache.kept(every)

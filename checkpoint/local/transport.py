@@ -1,11 +1,11 @@
 """Point-to-point transfer of packed shards on the local tier's gloo group.
 
 Per (sender, receiver) pair: a small header, the part boundaries, then the shard in parts
-(packing.part_bounds), all posted at once (isend / irecv), so no pair waits for another and no
+(parts.part_bounds), all posted at once (isend / irecv), so no pair waits for another and no
 collective runs per tensor. Measured on gloo loopback: one flat buffer moves at twice the rate of
 per-tensor messages, and all_gather of large buffers is 8x slower than send/recv
 (research/anchor-checkpoint.md 6.5). A receiver that restores into a state can take the large
-tensors straight into the state's own memory (packing.Place).
+tensors straight into the state's own memory (parts.Place).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.local.integrity import Checksum
-from checkpoint.local.packing import Parsed, Place, part_bounds
+from checkpoint.local.packing import Parsed
+from checkpoint.local.parts import Place, part_bounds
 
 # [step, owner, world, nbytes, checksum, number of parts]; nbytes = -1 tells the receiver the
 # sender has nothing (its copy failed verification): nothing else follows from that sender.
@@ -69,7 +70,7 @@ def transfer(
     Collective over the ranks named on both sides: each receiver must list each sender exactly
     as often as that sender lists it (pairs are matched in order). `alloc(nbytes)` returns a
     uint8 CPU tensor of at least nbytes for each received shard (its pages need not be touched
-    yet: each part is faulted in just before its receive is posted). `place`: see packing.Place.
+    yet: each part is faulted in just before its receive is posted). `place`: see parts.Place.
     Blocks until all transfers end or the group's timeout fires (then raises).
     """
     keep: list[torch.Tensor] = []  # tensors of posted sends stay alive until they complete

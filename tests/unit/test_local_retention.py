@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.local import LocalTier, directory, packing
+from checkpoint.local import LocalTier, directory, packing, unpacking, walk
 from checkpoint.local import tier as tier_mod
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.restore import Shard
@@ -95,7 +95,7 @@ def test_the_store_agreement_runs_on_the_first_and_every_nth_save(monkeypatch: A
 
 @pytest.mark.parametrize("payload", [b"", b"\x00\x01rng-state" * 100])
 def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
-    leaves = packing.leaves({"rng": payload, "w": torch.ones(2)}, [])
+    leaves = walk.leaves({"rng": payload, "w": torch.ones(2)}, [])
     obj = next(x.value for x in leaves if x.key == "rng")
     assert obj == {"__restartable_bytes__": base64.b64encode(payload).decode()}
     layout = packing.ShardLayout.of([x for x in leaves if x.key == "w"])
@@ -103,7 +103,7 @@ def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
     buf = torch.zeros(packing.packed_size(layout, header), dtype=torch.uint8)
     packing.pack_into(buf, layout, header, [x.value for x in leaves if x.key == "w"])
     state: dict[str, Any] = {"rng": b"old", "w": torch.zeros(2)}
-    packing.unpack_into(buf, state)
+    unpacking.unpack_into(buf, state)
     assert state["rng"] == payload and type(state["rng"]) is bytes
 
 
