@@ -54,18 +54,14 @@ def restore_resharded(
     all-gathers and one all-reduce on ``pg``; reads files of ``local_dir``.
     """
     t0 = time.perf_counter()
-    memory = {(s.step, s.world, s.owner): s for s in held if s.world != world}
-    on_disk: dict[tuple[int, int, int], directory.ShardMeta] = {}
-    if local_dir is not None:
-        on_disk = {(m.step, m.world, m.owner): m for m in directory.scan(local_dir)}
-        on_disk = {k: m for k, m in on_disk.items() if m.world != world}
+    memory, on_disk = _other_worlds(held, local_dir, world)
     mine = [list(k) for k in sorted(set(memory) | set(on_disk))]
     inventories = [{tuple(x) for x in inv} for inv in _gather_json(pg, mine, world)]
     step_world = _newest_whole(inventories, min_step)
     if step_world is None:
         return None
     step, old_world = step_world
-    # Walked only now (state_dict() may change a Stateful: see restore._Target).
+    # Walked only now (state_dict() may change a Stateful: see restore_target.Target).
     statefuls: list[tuple[Any, dict[str, Any]]] = []
     leaves = walk.leaves(state, statefuls)
     if _has_dtensor(leaves):  # the same on every rank: the same structure everywhere
@@ -74,26 +70,57 @@ def restore_resharded(
     copies, tiers = _read_copies(step, old_world, memory, on_disk)
     plan = _plan(leaves, copies, rank) if len(copies) == old_world else None
     if _any_rank(pg, plan is None):
-        log.warning(
-            "local tier: step %d of %d ranks could not be read whole on every rank (a copy "
-            "missing, corrupt or of another structure); use the persistent tier",
-            step,
-            old_world,
-        )
+        _log_unreadable(step, old_world)
         return None
     assert plan is not None  # every rank has one: _any_rank said so
+    _fill(plan, copies, statefuls)
+    seconds = time.perf_counter() - t0
+    tier = "local_dir" if "local_dir" in tiers else "memory"
+    log.info(
+        "restored local step %d on rank %d by resharding %d ranks' shards onto %d (%s) in %.3f s",
+        step,
+        rank,
+        old_world,
+        world,
+        tier,
+        seconds,
+    )
+    return RestoreResult(step, tier, seconds)
+
+
+def _other_worlds(
+    held: Iterable[Shard], local_dir: Path | None, world: int
+) -> tuple[dict[tuple[int, int, int], Shard], dict[tuple[int, int, int], directory.ShardMeta]]:
+    """The shards of other world sizes this rank can read itself, by (step, world, owner): in
+    memory, and in the node-local directory (None: no directory)."""
+    memory = {(s.step, s.world, s.owner): s for s in held if s.world != world}
+    on_disk: dict[tuple[int, int, int], directory.ShardMeta] = {}
+    if local_dir is not None:
+        on_disk = {(m.step, m.world, m.owner): m for m in directory.scan(local_dir)}
+        on_disk = {k: m for k, m in on_disk.items() if m.world != world}
+    return memory, on_disk
+
+
+def _log_unreadable(step: int, old_world: int) -> None:
+    log.warning(
+        "local tier: step %d of %d ranks could not be read whole on every rank (a copy "
+        "missing, corrupt or of another structure); use the persistent tier",
+        step,
+        old_world,
+    )
+
+
+def _fill(
+    plan: dict[int, list[Leaf]],
+    copies: dict[int, tuple[torch.Tensor, packing.Parsed]],
+    statefuls: list[tuple[Any, dict[str, Any]]],
+) -> None:
+    """Fill each old shard's share of the leaves from its copy; Stateful objects load last."""
     for owner, leaves in plan.items():
         buf, parsed = copies[owner]
         unpacking.fill_leaves(buf, leaves, parsed=parsed)
     for obj, sd in statefuls:
         obj.load_state_dict(sd)
-    seconds = time.perf_counter() - t0
-    tier = "local_dir" if "local_dir" in tiers else "memory"
-    log.info(
-        "restored local step %d on rank %d by resharding %d ranks' shards onto %d (%s) in %.3f s",
-        step, rank, old_world, world, tier, seconds,
-    )  # fmt: skip
-    return RestoreResult(step, tier, seconds)
 
 
 def _read_copies(

@@ -75,6 +75,31 @@ def transfer(
     """
     keep: list[torch.Tensor] = []  # tensors of posted sends stay alive until they complete
     works = _post_sends(pg, sends, keep)
+    incoming, active = _receive_bounds(pg, srcs)
+    # Part 0 (the header) of every shard first: `place` needs it to decide where the rest lands.
+    firsts = []
+    for inc, b in active:
+        inc.buf = alloc(inc.nbytes)
+        first = inc.buf[: int(b[1])]
+        _fault_in(first)
+        firsts.append(dist.irecv(first, group=pg, group_src=inc.src))
+    _wait_all(firsts)
+    pending = [(inc, *_post_parts(pg, inc, b.tolist(), place)) for inc, b in active]
+    for inc, parts, posted in pending:
+        received = Checksum()
+        for part, work in zip(parts, posted, strict=True):
+            _wait(work)
+            received.update(part)
+        inc.received = received.value
+    _wait_all(works)
+    return incoming
+
+
+def _receive_bounds(
+    pg: dist.ProcessGroup, srcs: Sequence[int]
+) -> tuple[list[Incoming], list[tuple[Incoming, torch.Tensor]]]:
+    """Receive every sender's header, then the part boundaries of each sender that has a shard:
+    (one Incoming per sender, in order; (Incoming, its boundaries) per sender with a shard)."""
     incoming = [Incoming(src) for src in srcs]
     heads = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in srcs]
     _wait_all([dist.irecv(h, group=pg, group_src=src) for h, src in zip(heads, srcs, strict=True)])
@@ -84,37 +109,26 @@ def transfer(
         if inc.nbytes >= 0:
             active.append((inc, torch.empty(nparts + 1, dtype=torch.int64)))
     _wait_all([dist.irecv(b, group=pg, group_src=inc.src) for inc, b in active])
-    # Part 0 (the header) of every shard first: `place` needs it to decide where the rest lands.
-    firsts = []
-    for inc, b in active:
-        inc.buf = alloc(inc.nbytes)
-        first = inc.buf[: int(b[1])]
-        _fault_in(first)
-        firsts.append(dist.irecv(first, group=pg, group_src=inc.src))
-    _wait_all(firsts)
-    pending: list[tuple[Incoming, list[torch.Tensor], list[dist.Work | None]]] = []
-    for inc, b in active:
-        assert inc.buf is not None
-        cuts = b.tolist()
-        dests = place(inc.buf, cuts) if place is not None else {}
-        parts: list[torch.Tensor] = [inc.buf[: cuts[1]]]
-        posted: list[dist.Work | None] = [None]  # part 0 is in already
-        for k in range(1, len(cuts) - 1):
-            part = dests.get(k)
-            if part is None:  # into buf: its pages are new
-                part = inc.buf[cuts[k] : cuts[k + 1]]
-                _fault_in(part)
-            parts.append(part)
-            posted.append(dist.irecv(part, group=pg, group_src=inc.src))
-        pending.append((inc, parts, posted))
-    for inc, parts, posted in pending:
-        received = Checksum()
-        for part, work in zip(parts, posted, strict=True):
-            _wait(work)
-            received.update(part)
-        inc.received = received.value
-    _wait_all(works)
-    return incoming
+    return incoming, active
+
+
+def _post_parts(
+    pg: dist.ProcessGroup, inc: Incoming, cuts: list[int], place: Place | None
+) -> tuple[list[torch.Tensor], list[dist.Work | None]]:
+    """Post the receives of one shard's parts after part 0 (already in ``inc.buf``), each into
+    where ``place`` puts it or into ``inc.buf``: (every part, its receive; None for part 0)."""
+    assert inc.buf is not None
+    dests = place(inc.buf, cuts) if place is not None else {}
+    parts: list[torch.Tensor] = [inc.buf[: cuts[1]]]
+    posted: list[dist.Work | None] = [None]  # part 0 is in already
+    for k in range(1, len(cuts) - 1):
+        part = dests.get(k)
+        if part is None:  # into buf: its pages are new
+            part = inc.buf[cuts[k] : cuts[k + 1]]
+            _fault_in(part)
+        parts.append(part)
+        posted.append(dist.irecv(part, group=pg, group_src=inc.src))
+    return parts, posted
 
 
 def _post_sends(
