@@ -105,9 +105,16 @@ class Block:
         """The Leaf of each tensor (no container: a save never writes back)."""
         n = len(self.values)
         return list(
-            map(Leaf, self.node.paths, self.values, repeat(None, n), repeat(None, n),
-                repeat(self.replicated, n), self.node.shardings)
-        )  # fmt: skip
+            map(
+                Leaf,
+                self.node.paths,
+                self.values,
+                repeat(None, n),
+                repeat(None, n),
+                repeat(self.replicated, n),
+                self.node.shardings,
+            )
+        )
 
 
 def expand(parts: Sequence[Leaf | Block]) -> list[Leaf]:
@@ -178,10 +185,7 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
                     flat[(id(m), k)] = len(refs)
                     refs.append(weakref.ref(v))
                 position += 1
-        levels.append(_Level(
-            tuple(map(type, mappings)), tuple(map(tuple, mappings)),
-            picker(tensors) if tensors else None, picker(deeper) if deeper else None,
-        ))  # fmt: skip
+        levels.append(_level(mappings, tensors, deeper))
         mappings = following
     if len(refs) != len(leaves) or not leaves:
         return None
@@ -192,6 +196,17 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
         picker([flat[(id(x.container), x.index)] for x in leaves]),
         tuple(x.key for x in leaves),
         tuple(x.sharding for x in leaves),
+    )
+
+
+def _level(mappings: list[Mapping[Any, Any]], tensors: list[int], deeper: list[int]) -> _Level:
+    """One depth of a node: its mappings' types and keys, and the positions (among all their
+    values, in order) of the tensors and of the mappings one level deeper."""
+    return _Level(
+        tuple(map(type, mappings)),
+        tuple(map(tuple, mappings)),
+        picker(tensors) if tensors else None,
+        picker(deeper) if deeper else None,
     )
 
 

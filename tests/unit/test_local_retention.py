@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpoint.local import LocalTier, directory, packing, unpacking, walk
-from checkpoint.local import tier as tier_mod
+from checkpoint.local import peers as peers_mod
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.restore import Shard
 from tests.no_group import NoGroup
@@ -82,14 +82,18 @@ def test_the_store_agreement_runs_on_the_first_and_every_nth_save(monkeypatch: A
     group = NoGroup(token="t")
     tier = LocalTier(local_dir=None, replication_factor=1, algo="atomic", keep=2, group=group)
     calls: list[int] = []
-    monkeypatch.setattr(tier_mod.dist, "get_world_size", lambda pg: 2)
-    monkeypatch.setattr(tier._attempts, "next", lambda pg, token: calls.append(1) or ("x", None))
+    monkeypatch.setattr(peers_mod.dist, "get_world_size", lambda pg: 2)
+    monkeypatch.setattr(
+        tier._peers._attempts, "next", lambda pg, token: calls.append(1) or ("x", None)
+    )
     pg: Any = object()
-    agreed = [tier._next_agreement(pg) is not None for _ in range(2 * tier_mod.AGREE_EVERY + 1)]
-    n = tier_mod.AGREE_EVERY
+    agreed = [
+        tier._peers.next_agreement(pg) is not None for _ in range(2 * peers_mod.AGREE_EVERY + 1)
+    ]
+    n = peers_mod.AGREE_EVERY
     assert [i for i, a in enumerate(agreed) if a] == [0, n, 2 * n]
     group.token = "new"  # a new group (a restart): the count starts again, on every rank
-    assert tier._next_agreement(pg) is not None
+    assert tier._peers.next_agreement(pg) is not None
     tier.close()
 
 
