@@ -80,7 +80,7 @@ def timing_parts(mgr: Any, state: dict[str, Any]) -> Iterator[dict[str, list[int
     """While open, each call of a save's parts adds its duration (ns) to the yielded lists; the
     wrapped functions are the real ones, restored on exit. Keys: ``save`` (the manager's), the
     parts, and ``state_dict`` (inside ``walk``: the walk's own time is walk - state_dict)."""
-    from checkpoint.local import packing
+    from checkpoint.local import packing, walk
     from checkpoint.local import tier as tier_module
 
     times: dict[str, list[int]] = {}
@@ -101,7 +101,7 @@ def timing_parts(mgr: Any, state: dict[str, Any]) -> Iterator[dict[str, list[int
         (mgr, "save", "save"),
         (tier._plans, "plan", "layout check"),
         (tier_module, "split_parts", "split"),
-        (packing, "save_parts", "walk"),
+        (walk, "save_parts", "walk"),
         (packing, "compact", "scalars' JSON"),
         (packing, "header_bytes", "header"),
         (packing, "pack_into", "copy"),
@@ -171,10 +171,10 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
     """n rounds of (copy floor, walk floor, save), each after `gap` of sleep: a save follows a
     training step, so caches are cold for all three alike (a hot timeit loop of the floors ran
     2.5-4x faster than the same work inside saves here)."""
-    from checkpoint.local import packing
+    from checkpoint.local import walk
     from checkpoint.local.memo import WalkMemo
 
-    tensors = [x.value for x in packing.leaves(state, []) if isinstance(x.value, torch.Tensor)]
+    tensors = [x.value for x in walk.leaves(state, []) if isinstance(x.value, torch.Tensor)]
     views = [torch.empty_like(t) for t in tensors]
     memo = WalkMemo()
     times: dict[str, list[float]] = {"copy": [], "walk": [], "save": []}
@@ -191,7 +191,7 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
     ):
         for step in range(1, n + 1):
             timed("copy", lambda: torch._foreach_copy_(views, tensors))
-            timed("walk", lambda: packing.save_parts(state, [], memo))
+            timed("walk", lambda: walk.save_parts(state, [], memo))
             timed("save", lambda: mgr.save(step, state))  # noqa: B023 (called at once)
     skip = min(10, n // 10)  # warm-up: buffers allocated and faulted in the first saves
     med = {k: statistics.median(v[skip:]) for k, v in times.items()}

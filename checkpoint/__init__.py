@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     )
     from checkpoint.group import BackgroundGroup
     from checkpoint.local import ReplicatedState
-    from checkpoint.manager import CheckpointManager, Restore
+    from checkpoint.manager import CheckpointManager
     from checkpoint.per_rank import PerRank
+    from checkpoint.restore_choice import Restore
 
 _HOMES = {
     "BackgroundGroup": "checkpoint.group",
@@ -48,7 +49,7 @@ _HOMES = {
     "PersistentConfig": "checkpoint.config",
     "PerRank": "checkpoint.per_rank",
     "ReplicatedState": "checkpoint.local",
-    "Restore": "checkpoint.manager",
+    "Restore": "checkpoint.restore_choice",
 }
 __all__ = [
     "BackgroundGroup",

@@ -68,7 +68,12 @@ def save_without_crc(tensor: torch.Tensor, sink: Any) -> None:
     writer.write_end_of_file()
 
 
-def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, non_blocking: bool) -> None:
+def foreach_copy(
+    dsts: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    srcs: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    *,
+    non_blocking: bool,
+) -> None:
     """Copy every source into its destination in one dispatch (``torch._foreach_copy_``)."""
     torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 

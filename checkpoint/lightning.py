@@ -191,7 +191,7 @@ def _load_lightning_part(data: bytes, *, weights_only: bool | None) -> dict[str,
     read with ``torch.load(weights_only=True)``: a checkpoint file is input and runs no code.
     Only a caller that asks for ``weights_only=False`` itself (``Trainer.fit(...,
     weights_only=False)``, for hyper-parameters of its own classes) gets the full unpickler."""
-    from checkpoint.local.packing import numpy_globals, short_reason
+    from checkpoint.local.header_objects import numpy_globals, short_reason
 
     try:
         with torch.serialization.safe_globals(numpy_globals()):

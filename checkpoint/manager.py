@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import time
 from typing import Any
-
-import torch.distributed as dist
 
 from checkpoint import optimizers
 from checkpoint.config import (
@@ -19,34 +16,18 @@ from checkpoint.config import (
     read_test_hooks,
     tiers_record,
 )
-from checkpoint.errors import CheckpointConfigError, CheckpointError, ShardingMismatchError
+from checkpoint.errors import CheckpointConfigError, CheckpointError
 from checkpoint.group import BackgroundGroup
 from checkpoint.local import LocalTier
-from checkpoint.per_rank import keyed_by_rank
-from checkpoint.persistent import (
-    CheckpointDirs,
-    Committed,
-    PersistentSaver,
-    SaveStats,
-    list_committed,
-    load_latest,
-)
+from checkpoint.per_rank import current_rank, keyed_by_rank
+from checkpoint.persistent import CheckpointDirs, Committed, PersistentSaver, SaveStats
 from checkpoint.rank_values import RankValuesCheck
+from checkpoint.restore_choice import Restore, Tiers, restore_newest
+from checkpoint.schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).
 _journal = logging.getLogger("restartable.journal")
-
-TIERS = ("memory", "local_dir", "peer", "persistent")
-
-
-@dataclasses.dataclass(frozen=True)
-class Restore:
-    """What the last ``load_latest`` did: the step (None: nothing to load), tier and duration."""
-
-    step: int | None
-    tier: str | None  # one of TIERS, None when nothing was loaded
-    seconds: float
 
 
 class CheckpointManager:
@@ -115,13 +96,7 @@ class CheckpointManager:
         self._told_tiers = False  # the journal's one "tiers" record (config.tiers_record)
         self._rank_values = RankValuesCheck()  # plain values that differ between ranks
         self.last_restore: Restore | None = None
-        # A persistent save that was due but never committed (a fault cancelled it): the next
-        # save() writes the persistent tier whatever its interval (see _owe_persistent).
-        self._persistent_owed: int | None = None
-        # Closed at interpreter exit if the user did not: the save in flight is then finished or
-        # abandoned, and the log says which. The hook holds the manager until close(): one
-        # dropped with a save in flight would otherwise leave its writer blocked on peers while
-        # the interpreter tears torch down under it (SIGABRT at exit).
+        self._schedule = SaveSchedule(self._cfg, self._local_cfg)
         atexit.register(self._close_at_exit)
         if self._local_cfg is not None:
             self._open_local(self._local_cfg)
@@ -184,29 +159,19 @@ class CheckpointManager:
         save raises here (or from ``wait()``) as ``CheckpointRankError`` on every rank.
         """
         self._check_open("save")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointConfigError(
-                f"step ({step!r}) must be an integer >= 0: pass the training iteration number"
-            )
-        if not isinstance(state, dict):
-            raise CheckpointConfigError(
-                f"state ({type(state).__name__}) must be a dict: wrap it, e.g. "
-                "{'model': model, 'optimizer': optimizer}"
-            )
+        _check_save_args(step, state)
         t0 = time.perf_counter()
         tiers = []
-        local_due = self._local_cfg is not None and step % self._local_cfg.every == 0
-        if self._local is not None and local_due:
+        if self._local is not None and self._schedule.local_due(step):
             self._local.save(step, state)
             tiers.append("local")
-        owed = self._persistent_owed is not None and step >= self._persistent_owed
-        persistent_due = force_persistent or step % self._cfg.every == 0 or owed
+        persistent_due = self._schedule.persistent_due(step, force=force_persistent)
         self._rank_values.at_save(state, step=step, persistent=persistent_due)
         if persistent_due:
-            with keyed_by_rank(state, _rank()):
+            with keyed_by_rank(state, current_rank()):
                 if self._persistent.save(step, state):
                     tiers.append("persistent")
-                    self._persistent_owed = None
+                    self._schedule.persistent_saved()
         if tiers and _journal.handlers:
             stall = time.perf_counter() - t0
             _journal.debug(
@@ -235,80 +200,27 @@ class CheckpointManager:
         return step
 
     def _load(self, state: dict[str, Any], t0: float) -> int | None:
-        self._persistent.settle_after_restart()
-        # A save abandoned at the restart may be past its commit decision: wait (bounded) until
-        # it stopped, so the listing below already shows it if it committed. Otherwise it could
-        # commit after the listing, and the next save would reuse its step over a newer commit.
-        self._persistent.drain_abandoned()
-        try:
-            self._persistent.wait()
-        except CheckpointError as e:
-            # Every rank sees the same failure; the previous commit is still the latest, and
-            # restoring from it is exactly what the caller asked for.
-            log.error("checkpoint: the save in flight failed; loading anyway: %s", str(e))
-        group = self._group.current()
-        committed = list_committed(self._dirs, group)
-        newest = committed[-1].step if committed else None
-        if self._local is not None:
-            # load() settles first: after a restart it cancels the background work in flight
-            # instead of waiting on a peer that may be gone.
-            try:
-                result = self._local.load(state, min_step=newest)
-            except ShardingMismatchError as e:  # raised on every rank, before any write
-                log.warning(
-                    "checkpoint: the local tier's shards do not fit the live mesh (%s); "
-                    "loading the persistent tier, which reshards",
-                    e,
-                )
-                result = None
-            if result is not None:
-                self._owe_persistent(int(result.step), newest)
-                self._restored(int(result.step), str(result.tier), float(result.seconds))
-                log.info(
-                    "checkpoint: restored step %d from the %s tier in %.3f s",
-                    result.step,
-                    result.tier,
-                    result.seconds,
-                )
-                return int(result.step)
-        with keyed_by_rank(state, _rank()):
-            ckpt = load_latest(
-                self._dirs, state, group, fallback_on_corruption=self._cfg.fallback_on_corruption
-            )
-        seconds = time.perf_counter() - t0
-        if ckpt is None:
-            self._restored(None, None, seconds)
-            log.info("checkpoint: no checkpoint under %s; starting fresh", self._cfg.root)
-            return None
-        self._restored(ckpt.step, "persistent", seconds)
-        return ckpt.step
-
-    def _owe_persistent(self, step: int, newest: int | None) -> None:
-        """After a restore of ``step`` from the local tier: when the persistent tier misses a
-        step that was due at or before it (its save was cancelled by the fault, or never
-        committed), the next save writes it instead of waiting a whole interval. Otherwise a
-        later shrink, whose ranks cannot use the local tier, would go back further than one
-        persistent interval (found with the demo: a fault at step 50 cancelled the save of
-        step 50, a kill at 100 the one of 100, and the job resumed from step 0).
-
-        Every rank computes the same answer: ``step`` and ``newest`` are agreed collectively.
-        """
-        due = step - step % self._cfg.every
-        if due > 0 and (newest is None or newest < due):
-            self._persistent_owed = step
-            log.info(
-                "checkpoint: the persistent tier's newest step is %s but step %d was due: the "
-                "next save (after step %d) writes the persistent tier",
-                "none" if newest is None else newest,
-                due,
-                step,
-            )
-
-    def _restored(self, step: int | None, tier: str | None, seconds: float) -> None:
-        self.last_restore = Restore(step=step, tier=tier, seconds=seconds)
+        tiers = Tiers(
+            persistent=self._persistent,
+            dirs=self._dirs,
+            group=self._group,
+            local=self._local,
+            fallback_on_corruption=self._cfg.fallback_on_corruption,
+        )
+        restore = self.last_restore = restore_newest(tiers, state, self._schedule, t0)
         if _journal.handlers:
-            fields = {"step": step, "tier": tier, "seconds": seconds}
+            fields = {"step": restore.step, "tier": restore.tier, "seconds": restore.seconds}
             _journal.debug("restore", extra={"journal": fields})
+        if restore.step is None:
+            log.info("checkpoint: no checkpoint under %s; starting fresh", self._cfg.root)
+        elif restore.tier != "persistent":
+            log.info(
+                "checkpoint: restored step %d from the %s tier in %.3f s",
+                restore.step,
+                restore.tier,
+                restore.seconds,
+            )
+        return restore.step
 
     def before_write(self) -> None:
         """Before an in-place write of the state outside an optimizer's step: see overlap_copy."""
@@ -349,6 +261,11 @@ class CheckpointManager:
         self.close()
 
     def _close_at_exit(self) -> None:
+        """Registered by the constructor: closes the manager at interpreter exit if the user did
+        not. The save in flight is then finished or abandoned, and the log says which. The hook
+        holds the manager until close(): one dropped with a save in flight would otherwise leave
+        its writer blocked on peers while the interpreter tears torch down under it (SIGABRT at
+        exit)."""
         log.warning(
             "checkpoint: the CheckpointManager of %s was not closed before interpreter exit: "
             "closing it now (call close(), or use it as a context manager)",
@@ -361,6 +278,14 @@ class CheckpointManager:
             raise CheckpointError(f"CheckpointManager.{what}() called after close()")
 
 
-def _rank() -> int:
-    """This rank in the default group (0 without torch.distributed): the key of its PerRank."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _check_save_args(step: object, state: object) -> None:
+    """``save``'s arguments, checked before any tier sees them (the user's mistakes, named)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointConfigError(
+            f"step ({step!r}) must be an integer >= 0: pass the training iteration number"
+        )
+    if not isinstance(state, dict):
+        raise CheckpointConfigError(
+            f"state ({type(state).__name__}) must be a dict: wrap it, e.g. "
+            "{'model': model, 'optimizer': optimizer}"
+        )

@@ -14,6 +14,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
+
 from checkpoint.errors import CheckpointConfigError
 
 
@@ -60,3 +62,8 @@ def _swap(obj: Any, rank: int, swaps: list[tuple[Any, Any, PerRank]]) -> None:
             obj[k] = {f"rank{rank}": v}
         elif isinstance(v, (dict, list)):
             _swap(v, rank, swaps)
+
+
+def current_rank() -> int:
+    """This rank in the default group (0 without torch.distributed): the key of its PerRank."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

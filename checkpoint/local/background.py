@@ -137,8 +137,10 @@ class BackgroundSaver:
             except Exception as e:  # a dead peer, a restart, a torn-down group: incomplete
                 log.warning(
                     "local save of step %d on rank %d: replication failed: %s",
-                    shard.step, shard.owner, e,
-                )  # fmt: skip
+                    shard.step,
+                    shard.owner,
+                    e,
+                )
                 ok = False
         if ok:
             self._hold.mark_ok(shard.step)
@@ -153,8 +155,10 @@ class BackgroundSaver:
         # DEBUG: the local tier typically saves every step; INFO would flood the log.
         log.debug(
             "local save of step %d done here (%d bytes) in %.3f s",
-            shard.step, shard.nbytes, time.perf_counter() - t0,
-        )  # fmt: skip
+            shard.step,
+            shard.nbytes,
+            time.perf_counter() - t0,
+        )
 
     def _agree(self, shard: Shard, agree: tuple[StoreExchange, StoreExchange | None]) -> bool:
         """The store agreement (see the module docstring); False when it was abandoned."""
@@ -188,8 +192,12 @@ class BackgroundSaver:
         except Exception as e:  # never skip the agreement: peers would wait on us
             log.warning(
                 "local save of step %d: writing %sshard of rank %d to %s failed: %s",
-                shard.step, what, shard.owner, self._dir, e,
-            )  # fmt: skip
+                shard.step,
+                what,
+                shard.owner,
+                self._dir,
+                e,
+            )
             return False
         return True
 
@@ -209,12 +217,14 @@ class BackgroundSaver:
             try:
                 removed = self._files.sweep(kept)
             except OSError as e:
-                log.warning("local_dir %s: removing files of ended processes failed: %s",
-                            self._dir, e)  # fmt: skip
+                log.warning(
+                    "local_dir %s: removing files of ended processes failed: %s", self._dir, e
+                )
             else:
                 if removed:
-                    log.info("local_dir %s: removed %d files of ended processes", self._dir,
-                             removed)  # fmt: skip
+                    log.info(
+                        "local_dir %s: removed %d files of ended processes", self._dir, removed
+                    )
         self._prunes += 1
 
     def close(self) -> None:

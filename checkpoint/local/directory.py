@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointStorageError
-from checkpoint.local import integrity, packing
+from checkpoint.local import integrity, packing, parts
 from checkpoint.private_files import NotPrivateError, open_private, private_dir
 
 _FILE = re.compile(r"^shard-\d+-[0-9a-f]{8}-\d+\.bin$")
@@ -294,12 +294,12 @@ def scan(root: Path) -> list[ShardMeta]:
 
 
 def read(
-    meta: ShardMeta, place: packing.Place | None = None
+    meta: ShardMeta, place: parts.Place | None = None
 ) -> tuple[torch.Tensor, packing.Parsed] | None:
     """Read the shard a scan found into a new uint8 tensor, with its decoded header; None when
     the file no longer holds it, or it is truncated, not a shard or fails its checksum.
 
-    Reads the header first, then the rest in parts (packing.part_bounds), checksumming each as
+    Reads the header first, then the rest in parts (parts.part_bounds), checksumming each as
     it arrives (the checksum costs about a tenth of the read: see checkpoint.local.integrity).
     `place`: the parts it maps are read straight into the tensors it gives instead of the
     returned buffer.
@@ -323,7 +323,7 @@ def read(
             if not read_into(buf[packing.PREFIX_SIZE : end]):
                 return None
             parsed = packing.parse(buf[:end])
-            cuts = packing.part_bounds(n, parsed)  # cuts[1] == end: the header is part 0
+            cuts = parts.part_bounds(n, parsed)  # cuts[1] == end: the header is part 0
             dests = place(buf, cuts) if place is not None else {}
             check.update(buf[: cuts[1]])
             for k in range(1, len(cuts) - 1):

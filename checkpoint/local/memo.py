@@ -36,7 +36,7 @@ from typing import Any, cast
 import torch
 
 from checkpoint import _torch_private
-from checkpoint.local.packing import Leaf, ReplicatedState
+from checkpoint.local.leaf import Leaf, ReplicatedState
 
 _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a ReplicatedState)
 # A mapping with fewer plain tensors in it (one parameter's optimizer state: step, exp_avg,
@@ -89,7 +89,7 @@ class _Node:
 
 @dataclass(slots=True)
 class Block:
-    """In a save's walk (packing.save_parts): the tensor leaves of a mapping the memo replayed.
+    """In a save's walk (walk.save_parts): the tensor leaves of a mapping the memo replayed.
 
     ``node`` is the same object at every save while the mapping keeps its structure (the same
     keys, paths, shardings and tensor objects), so a save compares its keys by identity;
@@ -105,13 +105,20 @@ class Block:
         """The Leaf of each tensor (no container: a save never writes back)."""
         n = len(self.values)
         return list(
-            map(Leaf, self.node.paths, self.values, repeat(None, n), repeat(None, n),
-                repeat(self.replicated, n), self.node.shardings)
-        )  # fmt: skip
+            map(
+                Leaf,
+                self.node.paths,
+                self.values,
+                repeat(None, n),
+                repeat(None, n),
+                repeat(self.replicated, n),
+                self.node.shardings,
+            )
+        )
 
 
 def expand(parts: Sequence[Leaf | Block]) -> list[Leaf]:
-    """A save's walk as one Leaf per leaf, in walk order (what packing.leaves would give, less
+    """A save's walk as one Leaf per leaf, in walk order (what walk.leaves would give, less
     the containers of the Blocks' tensors)."""
     out: list[Leaf] = []
     for p in parts:
@@ -178,10 +185,7 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
                     flat[(id(m), k)] = len(refs)
                     refs.append(weakref.ref(v))
                 position += 1
-        levels.append(_Level(
-            tuple(map(type, mappings)), tuple(map(tuple, mappings)),
-            picker(tensors) if tensors else None, picker(deeper) if deeper else None,
-        ))  # fmt: skip
+        levels.append(_level(mappings, tensors, deeper))
         mappings = following
     if len(refs) != len(leaves) or not leaves:
         return None
@@ -195,9 +199,20 @@ def _node(obj: Mapping[Any, Any], leaves: list[Leaf]) -> _Node | None:
     )
 
 
+def _level(mappings: list[Mapping[Any, Any]], tensors: list[int], deeper: list[int]) -> _Level:
+    """One depth of a node: its mappings' types and keys, and the positions (among all their
+    values, in order) of the tensors and of the mappings one level deeper."""
+    return _Level(
+        tuple(map(type, mappings)),
+        tuple(map(tuple, mappings)),
+        picker(tensors) if tensors else None,
+        picker(deeper) if deeper else None,
+    )
+
+
 class WalkMemo:
     """Tensor mappings of the last walk. Call order per walk: begin(), then replay() /
-    remember() from the walk (packing.leaves), then end()."""
+    remember() from the walk (walk.leaves), then end()."""
 
     def __init__(self) -> None:
         # None: met, but not a mapping worth remembering (not checked again while it is met).

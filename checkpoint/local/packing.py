@@ -6,23 +6,18 @@ One buffer per shard lets the local tier copy, checksum, write and send a shard 
 
 from __future__ import annotations
 
-import base64
-import copy
-import io
-import itertools
 import json
 import struct
-from collections.abc import Callable, Mapping, MutableMapping, MutableSequence, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 
-from checkpoint.errors import CheckpointError, CheckpointMismatchError
+from checkpoint import _torch_private
+from checkpoint.errors import CheckpointError
 from checkpoint.local import header_check, sharded
-
-if TYPE_CHECKING:
-    from checkpoint.local.memo import Block, WalkMemo
+from checkpoint.local.leaf import Leaf
 
 MAGIC = b"RSTLOCAL"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
@@ -31,8 +26,6 @@ ALIGN = 64  # every tensor starts on a 64-byte boundary so a uint8 slice can be 
 _MAX_VIEW_SETS = 8  # save buffers per layout whose views are cached (keep + 2, and some slack)
 # What torch._foreach_copy_ takes: a list or a tuple (a save passes its tensors as they come).
 Tensors = list[torch.Tensor] | tuple[torch.Tensor, ...]
-PART_MAX = 32 << 20  # a shard moves in parts of at most this size (see part_bounds)
-DIRECT_MIN = 1 << 20  # a tensor this large is a part (or parts) of its own
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -53,84 +46,6 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# Header form of a leaf that is neither a tensor nor JSON (bytes, RNG states, small objects):
-# torch.save's bytes, base64-encoded, read back with torch.load(weights_only=True) (the restricted
-# loader DCP and torch use: tensors, containers, primitives and the NumPy types RNG states hold;
-# nothing named by the data is imported or called). A shard comes from a node-local directory or
-# a peer, which others may be able to write: a header never runs code. An object that the
-# restricted loader would refuse is refused at save time, with its key.
-_SAVED = "__restartable_saved__"
-# Header form of a ``bytes`` leaf (the re-run machine's RNG and data snapshots): base64 of the
-# bytes themselves. bytes cannot hold code, so no torch.save / restricted load round trip is
-# needed; that round trip cost ~0.5 ms per leaf on every save (two of the example's leaves, most
-# of the tier's own work on the training thread: benchmarks/step_overhead.py).
-_BYTES = "__restartable_bytes__"
-
-
-def _encode_object(key: str, obj: Any) -> dict[str, str]:
-    buf = io.BytesIO()
-    try:
-        torch.save(obj, buf)
-        payload = buf.getvalue()
-        safe_load(payload)
-    except Exception as exc:
-        raise CheckpointError(
-            f"state entry {key!r} has type {type(obj).__name__}, which the local tier cannot "
-            f"keep as plain data ({short_reason(exc)}): use tensors, dicts, lists, "
-            "scalars, bytes, NumPy arrays or Stateful objects whose state_dict() holds those"
-        ) from exc
-    return {_SAVED: base64.b64encode(payload).decode("ascii")}
-
-
-def _decode_object(src: Any) -> Any:
-    """A header value back into the state's form: restricted-loaded, or a copy of the JSON."""
-    if isinstance(src, dict) and len(src) == 1 and _BYTES in src:
-        try:
-            return base64.b64decode(src[_BYTES], validate=True)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(
-                f"a local-tier shard holds bytes that do not decode ({exc}): refused; the copy "
-                "is corrupt or was not written by this job"
-            ) from exc
-    if isinstance(src, dict) and set(src) == {_SAVED}:
-        try:
-            return safe_load(base64.b64decode(src[_SAVED]))
-        except Exception as exc:
-            raise CheckpointError(
-                f"a local-tier shard holds an object that is not plain data ({short_reason(exc)})"
-                ": refused unread; the file was not written by this job"
-            ) from exc
-    return copy.deepcopy(src)
-
-
-def safe_load(payload: bytes) -> Any:
-    """``torch.load(weights_only=True)`` of ``payload``, also allowing the NumPy types of an RNG
-    state (``numpy.random.get_state()``)."""
-    with torch.serialization.safe_globals(numpy_globals()):
-        return torch.load(io.BytesIO(payload), weights_only=True)
-
-
-def short_reason(exc: BaseException) -> str:
-    """The line of torch's weights-only refusal that names the global, not its long advice."""
-    text = str(exc)
-    for line in text.splitlines():
-        if "WeightsUnpickler error" in line:
-            return line.strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def numpy_globals() -> list[Any]:
-    """What the restricted loader accepts beyond torch's defaults: the plain built-in types an
-    object's pickle names (bytes, sets) and the NumPy callables and types a NumPy array or
-    scalar unpickles through (an RNG state)."""
-    import numpy as np
-
-    multiarray = getattr(np, "_core", np.core).multiarray  # numpy 2 / 1
-    dtypes = {type(np.dtype(c)) for c in "?bhilqBHILQefdgFDG"}
-    plain = [bytes, bytearray, set, frozenset]
-    return [*plain, multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -144,141 +59,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # from the start of the data part
     nbytes: int
-
-
-class ReplicatedState(dict[str, Any]):
-    """Marks the part of a state that is identical on every rank (plain data parallelism).
-
-    ``state = {"model": ReplicatedState(model.state_dict()), "rng": rng_state}``: with
-    ``local_algo="fully_parallel"`` each rank keeps and replicates only its share of the tensors
-    under a ReplicatedState, and a restore broadcasts the shares. It is a plain dict to every other
-    reader (the persistent tier, DCP), so it changes nothing there.
-    """
-
-
-@dataclass(slots=True)
-class Leaf:
-    """One leaf of a state: a tensor, a JSON scalar or an encoded object, and where it sits."""
-
-    key: str
-    value: Any
-    container: Any  # the dict / list that holds it
-    index: Any  # its key / position in `container`
-    replicated: bool = False  # under a ReplicatedState
-    # A DTensor's sharding (checkpoint.local.sharded); `value` is then its local shard.
-    sharding: sharded.Sharding | None = None
-
-
-def is_stateful(obj: Any) -> bool:
-    """DCP's Stateful protocol: an object with state_dict() and load_state_dict()."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
-# JSON scalars. walk() tests the exact types, so subclasses (enums) take the long path.
-_SCALARS = (bool, int, float, str)
-_EXACT_SCALARS = frozenset((*_SCALARS, type(None)))
-
-
-def _is_json_scalar_tree(obj: Any) -> bool:
-    if obj is None or isinstance(obj, _SCALARS):
-        return True
-    # A list of exact scalars (an optimizer's parameter names) in one C-level pass.
-    if type(obj) in (list, tuple) and _EXACT_SCALARS.issuperset(map(type, obj)):
-        return True
-    if isinstance(obj, (list, tuple)):
-        return all(_is_json_scalar_tree(x) for x in obj)
-    if isinstance(obj, Mapping):
-        return all(isinstance(k, str) and _is_json_scalar_tree(v) for k, v in obj.items())
-    return False
-
-
-def leaves(state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]]) -> list[Leaf]:
-    """Every leaf of `state`, keyed by its '/'-joined path, in a deterministic order.
-
-    Stateful objects are expanded through their state_dict(); each (object, that dict) pair is
-    appended to `statefuls` so a load can hand the filled dict back via load_state_dict().
-    """
-    out: list[Leaf | Block] = []
-    _walk(state, "", None, None, False, out, statefuls, None)
-    return cast("list[Leaf]", out)  # without a memo, every part is a Leaf
-
-
-def save_parts(
-    state: Mapping[str, Any], statefuls: list[tuple[Any, dict[str, Any]]], memo: WalkMemo
-) -> list[Leaf | Block]:
-    """The local tier's save walk: leaves() in the same order, except that each mapping of
-    tensors unchanged since the last walk with `memo` is one memo.Block of its tensors
-    (checkpoint.local.memo); memo.expand gives the leaves."""
-    out: list[Leaf | Block] = []
-    memo.begin()
-    _walk(state, "", None, None, False, out, statefuls, memo)
-    memo.end()
-    return out
-
-
-def walk_order(mapping: Mapping[Any, Any]) -> list[Any]:
-    """The keys of `mapping` in the order the walk visits them (and the memo replays them)."""
-    keys = list(mapping)
-    if all(type(k) is str for k in keys):
-        keys.sort()  # the same order as key=str, without a call per key
-    else:
-        keys.sort(key=str)
-    return keys
-
-
-# A module-level function, not a recursive closure: a closure that calls itself is a reference
-# cycle, which held `out` and `statefuls` (the user's state: a DDP module and its process group)
-# until the cyclic GC happened to run. After a restart the destroyed group then stayed
-# referenced, and the peers blocked on this rank waited for the gloo timeout (12.5 s in 2 of 5
-# restarts of the README-style script).
-def _walk(
-    obj: Any,
-    prefix: str,
-    container: Any,
-    index: Any,
-    rep: bool,
-    out: list[Leaf | Block],
-    statefuls: list[tuple[Any, dict[str, Any]]],
-    memo: WalkMemo | None,
-) -> None:
-    # Runs at every local save (a small model's state has a few hundred nodes): the common
-    # cases are tested first.
-    cls = type(obj)
-    if cls is torch.Tensor or cls is torch.nn.Parameter:  # most leaves: no DTensor test needed
-        out.append(Leaf(prefix, obj, container, index, rep))
-    elif isinstance(obj, torch.Tensor) and sharded.is_dtensor(obj):
-        local, sharding = sharded.local_and_sharding(obj)
-        out.append(Leaf(prefix, local, container, index, rep, sharding))
-    elif isinstance(obj, torch.Tensor) or obj is None or cls in _SCALARS:
-        out.append(Leaf(prefix, obj, container, index, rep))
-    elif isinstance(obj, Mapping):
-        rep = rep or isinstance(obj, ReplicatedState)
-        fresh = memo.replay(obj, prefix, rep, out) if memo is not None else None
-        if fresh:
-            return
-        start = len(out)
-        for k in walk_order(obj):
-            path = f"{prefix}/{k}" if prefix else str(k)
-            _walk(obj[k], path, obj, k, rep, out, statefuls, memo)
-        if fresh is False:
-            assert memo is not None
-            memo.remember(obj, prefix, rep, out[start:])
-    elif is_stateful(obj):
-        sd = obj.state_dict()
-        statefuls.append((obj, sd))
-        _walk(sd, prefix, None, None, rep, out, statefuls, memo)
-    elif _is_json_scalar_tree(obj):  # a list of scalars (a param group's names) is one leaf
-        out.append(Leaf(prefix, obj, container, index, rep))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _walk(v, f"{prefix}/{i}", obj, i, rep, out, statefuls, memo)
-    elif type(obj) is bytes:
-        encoded = {_BYTES: base64.b64encode(obj).decode("ascii")}
-        out.append(Leaf(prefix, encoded, container, index, rep))
-    else:
-        out.append(Leaf(prefix, _encode_object(prefix, obj), container, index, rep))
 
 
 @dataclass(frozen=True)
@@ -426,10 +206,10 @@ def _copy(
     if non_blocking is None:
         non_blocking = any(t.is_cuda for t in (*dsts, *srcs))
     with torch.no_grad():
-        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        _torch_private.foreach_copy(dsts, srcs, non_blocking=non_blocking)
 
 
-def _buffer_copy(
+def copy_entries(
     buf: torch.Tensor,
     data_start: int,
     entries: Sequence[TensorEntry],
@@ -437,7 +217,8 @@ def _buffer_copy(
     *,
     into_buf: bool,
 ) -> None:
-    """Copy every tensor to (``into_buf``) or from its entry's bytes at ``data_start``."""
+    """Copy every tensor to (``into_buf``) or from its entry's bytes at ``data_start`` (the
+    entries and the leaves in the same order)."""
     views = _views(buf, data_start, entries)
     others = [leaf.value for leaf, e in zip(tensors, entries, strict=True) if e.nbytes]
     if into_buf:
@@ -507,135 +288,11 @@ def _header_len(prefix: bytes) -> int:
     return int(hlen)
 
 
-# place(buf, bounds): called once part 0 (the header) of a shard is in buf[:bounds[1]]; returns
-# {part index (>= 1): a uint8 tensor of exactly that part's size} for the parts that should land
-# somewhere else than buf (a peer's or a file's copy restored straight into the state). Those
-# parts are checksummed where they land.
-Place = Callable[[torch.Tensor, list[int]], dict[int, torch.Tensor]]
-
-
-def part_bounds(nbytes: int, parsed: Parsed | None) -> list[int]:
-    """Boundaries 0 = b[0] < b[1] < ... < b[n] = nbytes of the parts a shard moves in (to a peer,
-    from a file), so that a reader checksums one part while the next arrives and can take each
-    large tensor straight into its place: the header alone first, then every tensor of at least
-    DIRECT_MIN bytes in parts of its own, the bytes between them in parts of at most PART_MAX.
-    Without the header (parsed None): parts of at most PART_MAX."""
-    cuts = [0]
-    if parsed is not None and parsed.data_start <= nbytes:
-        cuts.append(parsed.data_start)
-        for e in sorted(parsed.entries.values(), key=lambda e: e.offset):
-            base = parsed.data_start + e.offset
-            # Entries outside the shard or overlapping can only come from a corrupt header: they
-            # travel with the bytes around them, and the reader's checksum rejects the copy.
-            if e.nbytes >= DIRECT_MIN and base >= cuts[-1] and base + e.nbytes <= nbytes:
-                cuts += [base, base + e.nbytes]
-    cuts.append(nbytes)
-    out = [0]
-    for a, b in itertools.pairwise(cuts):
-        out += range(a + PART_MAX, b, PART_MAX)
-        if b > out[-1]:
-            out.append(b)
-    return out
-
-
-def unpack_into(buf: torch.Tensor, state: Mapping[str, Any]) -> None:
-    """Fill `state` in place from a packed buffer: tensors by copy_, scalars by assignment.
-
-    A key, dtype or shape mismatch raises CheckpointError listing them all (nothing is filled).
-    """
-    statefuls: list[tuple[Any, dict[str, Any]]] = []
-    fill_leaves(buf, leaves(state, statefuls))
-    for obj, sd in statefuls:
-        obj.load_state_dict(sd)
-
-
-def match(
-    parsed: Parsed, state_leaves: list[Leaf], keep: Callable[[str], bool] = lambda k: True
-) -> list[tuple[Leaf, Any]]:
-    """Pair every kept leaf with its source in the shard (a TensorEntry or a header value).
-
-    Raises CheckpointMismatchError listing every key that is missing or differs in dtype or
-    shape, or first sharded.ShardingMismatchError listing every DTensor whose saved mesh or
-    placement differs from the live one (naming both); nothing has been written then.
-    """
-    bad: list[str] = []
-    resharded: list[str] = []
-    todo: list[tuple[Leaf, Any]] = []
-    for leaf in state_leaves:
-        if not keep(leaf.key):
-            continue
-        if isinstance(leaf.value, torch.Tensor):
-            e = parsed.entries.get(leaf.key)
-            t = leaf.value
-            saved = parsed.sharding.get(leaf.key)
-            live = sharded.to_json(leaf.sharding) if leaf.sharding is not None else None
-            if e is not None and saved != live:
-                resharded.append(
-                    f"{leaf.key} (saved {sharded.describe(saved)}; live {sharded.describe(live)})"
-                )
-            elif e is None:
-                bad.append(f"{leaf.key} (missing from the saved shard)")
-            elif e.dtype != str(t.dtype).removeprefix("torch.") or e.shape != tuple(t.shape):
-                bad.append(
-                    f"{leaf.key} (saved {e.dtype}{list(e.shape)}, state {t.dtype}{list(t.shape)})"
-                )
-            else:
-                todo.append((leaf, e))
-        elif leaf.key not in parsed.objects:
-            bad.append(f"{leaf.key} (missing from the saved shard)")
-        else:
-            todo.append((leaf, parsed.objects[leaf.key]))
-    if resharded:
-        raise sharded.ShardingMismatchError(
-            "local checkpoint was saved with another sharding than the live DTensors (same "
-            "mesh and placements needed; the persistent tier reshards): " + ", ".join(resharded),
-            keys=[b.split(" (")[0] for b in resharded],
-        )
-    if bad:
-        bad_keys = [b.split(" (")[0] for b in bad]
-        raise CheckpointMismatchError(
-            "local checkpoint does not match the state (same structure needed): " + ", ".join(bad),
-            keys=bad_keys,
-        )
-    return todo
-
-
-def fill_leaves(
-    buf: torch.Tensor,
-    state_leaves: list[Leaf],
-    keep: Callable[[str], bool] = lambda k: True,
-    parsed: Parsed | None = None,
-) -> None:
-    """unpack_into for the leaves for which keep(key) is true; Stateful objects not finished.
-
-    `parsed`: the buffer's header when the caller already has it (a shard this process packed).
-    """
-    parsed = parsed if parsed is not None else parse(buf)
-    todo = match(parsed, state_leaves, keep)
-    tensor_todo = [(leaf, src) for leaf, src in todo if isinstance(src, TensorEntry)]
-    _buffer_copy(
-        buf,
-        parsed.data_start,
-        [e for _, e in tensor_todo],
-        [leaf for leaf, _ in tensor_todo],
-        into_buf=False,
-    )
-    for leaf, src in todo:
-        if isinstance(src, TensorEntry):
-            continue
-        if isinstance(leaf.container, (MutableMapping, MutableSequence)):
-            # A copy: the source may be a cached header that later restores read again.
-            value = tuple(src) if isinstance(leaf.value, tuple) else _decode_object(src)
-            leaf.container[leaf.index] = value
-    if any(isinstance(x.value, torch.Tensor) and x.value.is_cuda for x, _ in todo):
-        torch.cuda.synchronize()  # H2D copies were asynchronous; `buf` may be reused after this
-
-
 def copy_in(buf: torch.Tensor, layout: ShardLayout, tensors: list[Leaf]) -> None:
     """Copy tensors into a header-less buffer laid out by `layout` (fully_parallel broadcast)."""
-    _buffer_copy(buf, 0, layout.entries, tensors, into_buf=True)
+    copy_entries(buf, 0, layout.entries, tensors, into_buf=True)
 
 
 def copy_out(buf: torch.Tensor, layout: ShardLayout, tensors: list[Leaf]) -> None:
     """The inverse of copy_in: fill the tensors from the buffer."""
-    _buffer_copy(buf, 0, layout.entries, tensors, into_buf=False)
+    copy_entries(buf, 0, layout.entries, tensors, into_buf=False)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from checkpoint.local import packing, placement
+from checkpoint.local.leaf import Leaf
 from checkpoint.local.memo import Block, expand, picker
 
 # Read by C over every tensor at every save (the layout check): one attribute per map, since
@@ -45,7 +46,7 @@ class PlanCache:
 
     def plan(
         self,
-        parts: list[packing.Leaf | Block],
+        parts: list[Leaf | Block],
         tensors: list[torch.Tensor],
         structure: tuple[Any, ...],
         rank: int,

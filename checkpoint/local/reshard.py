@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError
-from checkpoint.local import directory, packing
+from checkpoint.local import directory, packing, unpacking, walk
+from checkpoint.local.leaf import Leaf
 from checkpoint.local.restore import RestoreResult, Shard
 
 log = logging.getLogger(__name__)
@@ -53,46 +54,73 @@ def restore_resharded(
     all-gathers and one all-reduce on ``pg``; reads files of ``local_dir``.
     """
     t0 = time.perf_counter()
-    memory = {(s.step, s.world, s.owner): s for s in held if s.world != world}
-    on_disk: dict[tuple[int, int, int], directory.ShardMeta] = {}
-    if local_dir is not None:
-        on_disk = {(m.step, m.world, m.owner): m for m in directory.scan(local_dir)}
-        on_disk = {k: m for k, m in on_disk.items() if m.world != world}
+    memory, on_disk = _other_worlds(held, local_dir, world)
     mine = [list(k) for k in sorted(set(memory) | set(on_disk))]
     inventories = [{tuple(x) for x in inv} for inv in _gather_json(pg, mine, world)]
     step_world = _newest_whole(inventories, min_step)
     if step_world is None:
         return None
     step, old_world = step_world
-    # Walked only now (state_dict() may change a Stateful: see restore._Target).
+    # Walked only now (state_dict() may change a Stateful: see restore_target.Target).
     statefuls: list[tuple[Any, dict[str, Any]]] = []
-    leaves = packing.leaves(state, statefuls)
+    leaves = walk.leaves(state, statefuls)
     if _has_dtensor(leaves):  # the same on every rank: the same structure everywhere
         log.info("local tier: a DTensor state is not resharded here; the persistent tier is")
         return None
     copies, tiers = _read_copies(step, old_world, memory, on_disk)
     plan = _plan(leaves, copies, rank) if len(copies) == old_world else None
     if _any_rank(pg, plan is None):
-        log.warning(
-            "local tier: step %d of %d ranks could not be read whole on every rank (a copy "
-            "missing, corrupt or of another structure); use the persistent tier",
-            step,
-            old_world,
-        )
+        _log_unreadable(step, old_world)
         return None
     assert plan is not None  # every rank has one: _any_rank said so
-    for owner, leaves in plan.items():
-        buf, parsed = copies[owner]
-        packing.fill_leaves(buf, leaves, parsed=parsed)
-    for obj, sd in statefuls:
-        obj.load_state_dict(sd)
+    _fill(plan, copies, statefuls)
     seconds = time.perf_counter() - t0
     tier = "local_dir" if "local_dir" in tiers else "memory"
     log.info(
         "restored local step %d on rank %d by resharding %d ranks' shards onto %d (%s) in %.3f s",
-        step, rank, old_world, world, tier, seconds,
-    )  # fmt: skip
+        step,
+        rank,
+        old_world,
+        world,
+        tier,
+        seconds,
+    )
     return RestoreResult(step, tier, seconds)
+
+
+def _other_worlds(
+    held: Iterable[Shard], local_dir: Path | None, world: int
+) -> tuple[dict[tuple[int, int, int], Shard], dict[tuple[int, int, int], directory.ShardMeta]]:
+    """The shards of other world sizes this rank can read itself, by (step, world, owner): in
+    memory, and in the node-local directory (None: no directory)."""
+    memory = {(s.step, s.world, s.owner): s for s in held if s.world != world}
+    on_disk: dict[tuple[int, int, int], directory.ShardMeta] = {}
+    if local_dir is not None:
+        on_disk = {(m.step, m.world, m.owner): m for m in directory.scan(local_dir)}
+        on_disk = {k: m for k, m in on_disk.items() if m.world != world}
+    return memory, on_disk
+
+
+def _log_unreadable(step: int, old_world: int) -> None:
+    log.warning(
+        "local tier: step %d of %d ranks could not be read whole on every rank (a copy "
+        "missing, corrupt or of another structure); use the persistent tier",
+        step,
+        old_world,
+    )
+
+
+def _fill(
+    plan: dict[int, list[Leaf]],
+    copies: dict[int, tuple[torch.Tensor, packing.Parsed]],
+    statefuls: list[tuple[Any, dict[str, Any]]],
+) -> None:
+    """Fill each old shard's share of the leaves from its copy; Stateful objects load last."""
+    for owner, leaves in plan.items():
+        buf, parsed = copies[owner]
+        unpacking.fill_leaves(buf, leaves, parsed=parsed)
+    for obj, sd in statefuls:
+        obj.load_state_dict(sd)
 
 
 def _read_copies(
@@ -140,12 +168,12 @@ def _newest_whole(
 
 
 def _plan(
-    leaves: list[packing.Leaf], copies: dict[int, tuple[torch.Tensor, packing.Parsed]], rank: int
-) -> dict[int, list[packing.Leaf]] | None:
+    leaves: list[Leaf], copies: dict[int, tuple[torch.Tensor, packing.Parsed]], rank: int
+) -> dict[int, list[Leaf]] | None:
     """Which old shard fills each leaf (see the module docstring); None when a key is in no
     shard or differs in dtype or shape (checked before anything is written)."""
     order = ([rank] if rank in copies else []) + [o for o in sorted(copies) if o != rank]
-    plan: dict[int, list[packing.Leaf]] = {}
+    plan: dict[int, list[Leaf]] = {}
     for leaf in leaves:
         tensor = isinstance(leaf.value, torch.Tensor)
         owner = next(
@@ -161,13 +189,13 @@ def _plan(
         plan.setdefault(owner, []).append(leaf)
     try:
         for owner, part in plan.items():
-            packing.match(copies[owner][1], part)
+            unpacking.match(copies[owner][1], part)
     except CheckpointError:
         return None
     return plan
 
 
-def _has_dtensor(leaves: list[packing.Leaf]) -> bool:
+def _has_dtensor(leaves: list[Leaf]) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor: nothing to find

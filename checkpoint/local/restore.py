@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from checkpoint.errors import CheckpointError, ShardingMismatchError
 from checkpoint.local import directory, integrity, packing, placement
+from checkpoint.local.restore_target import IntoState, ReplicatedOwner, Target
 from checkpoint.local.transport import Outgoing, transfer
 
 log = logging.getLogger(__name__)
@@ -71,107 +71,6 @@ def _any_rank(pg: dist.ProcessGroup | None, flag: bool) -> bool:
     return bool(t.item())
 
 
-ReplicatedOwner = Callable[[list[packing.Leaf], int], dict[str, int]]
-
-
-class _IntoState:
-    """Where a shard from a peer or the node-local directory lands (packing.Place): its large
-    tensors straight into the state's own tensors, which are already in memory, instead of a new
-    buffer that must be faulted in and copied out again (on this project's machine, faulting
-    1 GiB in took 0.4-2.9 s during a transfer, and the copy out 0.14 s).
-
-    Only used when a persistent checkpoint exists (restore(), min_step set): if the copy then
-    fails its checksum, every tensor it wrote is overwritten by the next source or by the
-    persistent tier, never left half-restored.
-    """
-
-    def __init__(self, leaves: list[packing.Leaf], keep: Callable[[str], bool]) -> None:
-        self._leaves = leaves
-        self._keep = keep
-        self.keys: set[str] = set()  # tensors that arrived in place (the fill skips them)
-        self.parsed: packing.Parsed | None = None  # the header of the copy that arrived
-
-    def clear(self) -> None:
-        """Before each attempt: what an earlier, rejected copy placed is not this one's."""
-        self.keys, self.parsed = set(), None
-
-    def __call__(self, buf: torch.Tensor, cuts: list[int]) -> dict[int, torch.Tensor]:
-        try:
-            parsed = packing.parse(buf[: cuts[1]])
-            todo = packing.match(parsed, self._leaves, self._keep)
-        except CheckpointError:
-            return {}  # a bad header fails the checksum; a mismatch is reported by the fill
-        self.parsed = parsed
-        index = {c: i for i, c in enumerate(cuts)}
-        out: dict[int, torch.Tensor] = {}
-        for leaf, src in todo:
-            t = leaf.value
-            if not isinstance(src, packing.TensorEntry) or t.is_cuda or not t.is_contiguous():
-                continue
-            if src.nbytes != t.numel() * t.element_size():
-                continue  # a corrupt header (the checksum will say so): keep to the buffer
-            base = parsed.data_start + src.offset
-            first, end = index.get(base), index.get(base + src.nbytes)
-            if first is None or end is None or first == 0:
-                continue  # not in parts of its own: it lands in buf and is copied by the fill
-            flat = t.detach().reshape(-1).view(torch.uint8)
-            for k in range(first, end):
-                out[k] = flat[cuts[k] - base : cuts[k + 1] - base]
-            self.keys.add(leaf.key)
-        return out
-
-
-class _Target:
-    """The state being restored, walked once a step to restore exists: the walk calls the
-    Stateful objects' state_dict(), which may change them (torch's get_state_dict gives an
-    empty optimizer its state by taking a step), so a load that finds nothing must not walk."""
-
-    def __init__(
-        self,
-        state: dict[str, Any],
-        rank: int,
-        world: int,
-        replicated_owner: ReplicatedOwner | None,
-        *,
-        in_place: bool,
-    ) -> None:
-        self._rank, self._world = rank, world
-        self._statefuls: list[tuple[Any, dict[str, Any]]] = []
-        self._leaves = packing.leaves(state, self._statefuls)
-        tensors = [x for x in self._leaves if isinstance(x.value, torch.Tensor)]
-        self._fully_parallel = replicated_owner is not None
-        self._owner = replicated_owner(tensors, world) if replicated_owner is not None else {}
-        self.into_state = _IntoState(self._leaves, self.keep) if in_place else None
-
-    def keep(self, key: str) -> bool:
-        """Whether this rank's own shard holds `key` (fully_parallel splits replicated ones)."""
-        return self._owner.get(key, self._rank) == self._rank
-
-    def sharding_mismatch(self, buf: torch.Tensor, parsed: packing.Parsed | None) -> str | None:
-        """Why this rank's shard cannot go into the live DTensors (another mesh or placement),
-        or None. Reads the header only; writes nothing."""
-        try:
-            packing.match(parsed if parsed is not None else packing.parse(buf), self._leaves)
-        except ShardingMismatchError as e:
-            return str(e)
-        except CheckpointError:
-            return None  # another mismatch: the fill reports it, as for plain tensors
-        return None
-
-    def fill(
-        self, buf: torch.Tensor, parsed: packing.Parsed | None, pg: dist.ProcessGroup | None
-    ) -> None:
-        """Fill the state from this rank's shard (skipping tensors that arrived in place);
-        fully_parallel then broadcasts the replicated parts; Stateful objects load last."""
-        done = self.into_state.keys if self.into_state is not None else set()
-        keep = lambda k: self.keep(k) and k not in done  # noqa: E731
-        packing.fill_leaves(buf, self._leaves, keep=keep, parsed=parsed)
-        if self._fully_parallel:
-            _broadcast_replicated(self._leaves, self._owner, pg, self._rank, self._world)
-        for obj, sd in self._statefuls:
-            obj.load_state_dict(sd)
-
-
 def restore(
     state: dict[str, Any],
     *,
@@ -185,37 +84,25 @@ def restore(
 ) -> RestoreResult | None:
     """COLLECTIVE: see LocalTier.load(). `held` = this rank's in-memory shards for this world."""
     t0 = time.perf_counter()
-    on_disk: dict[tuple[int, int], directory.ShardMeta] = {}
-    # The directory is scanned only when memory is empty (a fresh process or a reserve): a
-    # surviving process holds in memory everything it wrote, and a memory restore reads no file.
-    if local_dir is not None and not held:
-        on_disk = {(m.step, m.owner): m for m in directory.scan(local_dir) if m.world == world}
+    on_disk = _scan(local_dir, held, world)
     mine = sorted(set(held) | set(on_disk))
     inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
     bad: set[tuple[int, int, int]] = set()
     fetched: _Copy | None = None
     plan = None
-    target: _Target | None = None
+    target: Target | None = None
     # Each failed round excludes at least one copy, so the loop ends within the copy count.
     for _ in range(1 + sum(len(inv) for inv in inventories)):
         plan = placement.plan_restore(world, inventories, min_step=min_step, bad=bad)
         if plan is None:
             break
         if target is None:
-            target = _Target(state, rank, world, replicated_owner, in_place=min_step is not None)
+            target = Target(state, rank, world, replicated_owner, in_place=min_step is not None)
         into = target.into_state
         fetched, newly_bad = _fetch(plan, pg, rank, world, held, on_disk, into)
         if not _any_rank(pg, bool(newly_bad)):
             break
-        all_bad = _gather(pg, newly_bad, world)
-        for lst in all_bad:
-            bad.update(tuple(x) for x in lst)
-        log.warning(
-            "local step %d: copies failed verification (step, owner, holder) %s; trying the "
-            "next source",
-            plan.step,
-            sorted(bad),
-        )
+        _exclude(bad, _gather(pg, newly_bad, world), plan.step)
         plan, fetched = None, None
     if plan is None or fetched is None or target is None:
         _log_nothing(inventories, min_step, world)
@@ -233,6 +120,29 @@ def restore(
     return RestoreResult(plan.step, fetched.tier, seconds)
 
 
+def _scan(
+    local_dir: Path | None, held: dict[tuple[int, int], Shard], world: int
+) -> dict[tuple[int, int], directory.ShardMeta]:
+    """The node-local directory's shards of this world size, by (step, owner). Scanned only when
+    memory is empty (a fresh process or a reserve): a surviving process holds in memory
+    everything it wrote, and a memory restore reads no file."""
+    if local_dir is None or held:
+        return {}
+    return {(m.step, m.owner): m for m in directory.scan(local_dir) if m.world == world}
+
+
+def _exclude(bad: set[tuple[int, int, int]], all_bad: list[Any], step: int) -> None:
+    """Add every rank's failed copies (step, owner, holder) to ``bad``, and say so."""
+    for lst in all_bad:
+        bad.update(tuple(x) for x in lst)
+    log.warning(
+        "local step %d: copies failed verification (step, owner, holder) %s; trying the "
+        "next source",
+        step,
+        sorted(bad),
+    )
+
+
 def _log_nothing(inventories: list[list[Any]], min_step: int | None, world: int) -> None:
     level = logging.WARNING if any(inventories) else logging.INFO
     newer = "" if min_step is None else f" >= {min_step} (the persistent tier's newest)"
@@ -245,7 +155,7 @@ def _log_nothing(inventories: list[list[Any]], min_step: int | None, world: int)
 
 
 def _refuse_mixed_sharding(
-    target: _Target, fetched: _Copy, pg: dist.ProcessGroup | None, world: int
+    target: Target, fetched: _Copy, pg: dist.ProcessGroup | None, world: int
 ) -> None:
     """COLLECTIVE: raise ShardingMismatchError on every rank when any rank's shard does not fit
     its live DTensors. Every rank refuses together, before any rank writes: a rank that filled
@@ -275,7 +185,7 @@ def _fetch(
     world: int,
     held: dict[tuple[int, int], Shard],
     on_disk: dict[tuple[int, int], directory.ShardMeta],
-    into_state: _IntoState | None,
+    into_state: IntoState | None,
 ) -> tuple[_Copy | None, list[tuple[int, int, int]]]:
     """Run one plan: serve the shards assigned to this rank, obtain this rank's own."""
     step = plan.step
@@ -323,7 +233,7 @@ class _Sources:
         self._step, self._held, self._on_disk = step, held, on_disk
 
     def obtain(
-        self, owner: int, place: _IntoState | None = None, *, own: bool = False
+        self, owner: int, place: IntoState | None = None, *, own: bool = False
     ) -> _Copy | None:
         """(step, owner) from memory or the directory, or None. place: a directory copy's large
         tensors are read straight into the state. A memory copy's checksum is computed here
@@ -348,7 +258,7 @@ def _exchange(
     sends: list[Outgoing],
     srcs: list[int],
     expect: tuple[int, int, int],
-    into_state: _IntoState | None,
+    into_state: IntoState | None,
 ) -> tuple[_Copy | None, list[tuple[int, int, int]]]:
     """Send what this rank serves, receive its own shard from `srcs`; (the verified copy that
     arrived or None, the (step, owner, holder) copies that failed). expect: (step, rank, world)."""
@@ -381,26 +291,3 @@ def _header(copy: _Copy) -> packing.Parsed | None:
         return packing.parse(copy.buf[: copy.nbytes])
     except CheckpointError:
         return None
-
-
-def _broadcast_replicated(
-    leaves: list[packing.Leaf],
-    owner: dict[str, int],
-    pg: dist.ProcessGroup | None,
-    rank: int,
-    world: int,
-) -> None:
-    """fully_parallel: every rank broadcasts the replicated tensors it kept, one flat buffer per
-    rank (never one collective per tensor)."""
-    tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
-    for q in range(world):
-        part = [x for x in tensors if owner.get(x.key) == q]
-        if not part or pg is None:
-            continue
-        layout = packing.ShardLayout.of(part)
-        flat = torch.empty(layout.data_nbytes, dtype=torch.uint8)
-        if q == rank:
-            packing.copy_in(flat, layout, part)
-        dist.broadcast(flat, group=pg, group_src=q)
-        if q != rank:
-            packing.copy_out(flat, layout, part)

@@ -18,25 +18,23 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from checkpoint.collectives import rank_and_size
 from checkpoint.config import LocalConfig
 from checkpoint.errors import CheckpointError
-from checkpoint.exchange import Attempts, StoreExchange
-from checkpoint.local import directory, packing, placement
-from checkpoint.local.background import AGREE_EVERY, BackgroundSaver, SaveJob, spare_core
+from checkpoint.local import directory, packing, placement, walk
+from checkpoint.local.background import BackgroundSaver, SaveJob, spare_core
 from checkpoint.local.holdings import Holdings
+from checkpoint.local.in_flight import InFlight
 from checkpoint.local.memo import WalkMemo, split_parts
 from checkpoint.local.overlap import CudaOps, DeviceOps, Snapshots
-from checkpoint.local.plan import PlanCache
+from checkpoint.local.peers import GroupSource, Peers
+from checkpoint.local.plan import Plan, PlanCache
 from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import RestoreResult, Shard, restore
 from checkpoint.worker import BackgroundWorker
@@ -44,22 +42,6 @@ from checkpoint.worker import BackgroundWorker
 __all__ = ["LocalTier", "RestoreResult"]
 
 log = logging.getLogger(__name__)
-
-
-class GroupSource(Protocol):
-    """What the tier needs from checkpoint.group.BackgroundGroup."""
-
-    def current(self) -> dist.ProcessGroup | None: ...
-
-    def is_stale(self) -> bool: ...
-
-    def drop(self) -> None: ...
-
-    @property
-    def generation(self) -> int: ...
-
-    @property
-    def token(self) -> str | None: ...
 
 
 class LocalTier:
@@ -99,28 +81,17 @@ class LocalTier:
         self._algo = algo
         self._keep = keep
         self._group = group
-        self._node = placement.node_key()
-        # Per dedicated group, keyed by its generation: holding the group object itself would keep
-        # a destroyed group's sockets open after a restart.
-        self._nodes: tuple[tuple[bool, int], list[int]] | None = None
+        self._peers = Peers(group, timeout=timeout)
         self._hold = Holdings(keep)
         spare = spare_core()
         self._saver = BackgroundSaver(self._hold, self._dir, replication_factor, spare_core=spare)
         if self._dir is not None and not spare:
-            log.info(
-                "local_dir %s: no spare CPU core (%d usable, LOCAL_WORLD_SIZE=%s): the "
-                "node-local file is written on the training thread",
-                self._dir, len(os.sched_getaffinity(0)), os.environ.get("LOCAL_WORLD_SIZE"),
-            )  # fmt: skip
+            _log_no_spare_core(self._dir)
         self._plans = PlanCache(algo)
         self._memo = WalkMemo()  # the save's walk: tensor mappings seen unchanged
         self._capacity_checked = 0
         self._worker = BackgroundWorker("local-ckpt")
-        self._future: Future[None] | None = None
-        self._agreement: StoreExchange | None = None  # of the background work in flight
-        self._timeout = timeout
-        self._attempts = Attempts("local", timeout=timeout)
-        self._saves: tuple[str | None, int] = (None, 0)  # (group token, saves over it)
+        self._in_flight = InFlight(self._worker, timeout=timeout)
         self._closed = False
         # Overlapped GPU copies (checkpoint.local.overlap); device_ops: a test's fake streams.
         self._overlap = overlap
@@ -149,7 +120,7 @@ class LocalTier:
         if self._hold.stale(step, world):
             self._hold.forget_stale(step, world)
         statefuls: list[tuple[Any, dict[str, Any]]] = []
-        parts = packing.save_parts(state, statefuls, self._memo)
+        parts = walk.save_parts(state, statefuls, self._memo)
         every, structure, objects = split_parts(parts)
         cache = self._plans.plan(parts, every, structure, rank, world)
         tensors = every if cache.kept is None else cache.kept(every)
@@ -157,7 +128,7 @@ class LocalTier:
         objects_json = packing.compact(objects)
         header = packing.header_bytes(cache.layout, objects, extra, objects_json=objects_json)
         size = packing.packed_size(cache.layout, header)
-        nodes = self._node_indices(pg)
+        nodes = self._peers.node_indices(pg)
         self._check_capacity(nodes, size)
         self._hold.make_room()
         buf = self._hold.take(size, pinned=cache.on_gpu)
@@ -166,29 +137,36 @@ class LocalTier:
         parsed = packing.Parsed(
             cache.entries, json.loads(objects_json), extra, data_start, cache.layout.sharding
         )
-        agree = self._next_agreement(pg)
-        self._agreement = agree[0] if agree is not None else None
+        agree = self._peers.next_agreement(pg)
+        self._in_flight.agreement = agree[0] if agree is not None else None
         pg_ref = weakref.ref(pg) if pg is not None else None
         job = SaveJob(Shard(step, rank, world, size, None, buf, parsed), pg_ref, nodes, agree)
         copy = functools.partial(
             packing.pack_into, buf, cache.layout, header, tensors, non_blocking=cache.on_gpu
         )
+        self._dispatch(job, copy, cache, tensors)
+        log.debug(
+            "local save of step %d staged %d bytes in %.3f s", step, size, time.perf_counter() - t0
+        )
+
+    def _dispatch(
+        self, job: SaveJob, copy: Callable[[], int], cache: Plan, tensors: packing.Tensors
+    ) -> None:
+        """Run a staged save's copy (overlapped with training, or now) and hand its background
+        work (checksum, file, replicas) to the worker thread, or run it here when inline."""
         snaps = self._overlapped(cache.on_gpu)
         if snaps is not None:
             names = [e.key for e in cache.layout.entries]
             snaps.start(tensors, names, copy, functools.partial(self._publish, job))
+            return
+        copy()
+        if cache.on_gpu:
+            torch.cuda.synchronize()  # the copy must be complete before save() returns
+        self._hold.add_own(job.shard)
+        if self._saver.inline(job):
+            self._saver.run(job)
         else:
-            copy()
-            if cache.on_gpu:
-                torch.cuda.synchronize()  # the copy must be complete before save() returns
-            self._hold.add_own(job.shard)
-            if self._saver.inline(job):
-                self._saver.run(job)
-            else:
-                self._future = self._worker.submit(self._saver.run, job)
-        log.debug(
-            "local save of step %d staged %d bytes in %.3f s", step, size, time.perf_counter() - t0
-        )
+            self._in_flight.submit(self._saver.run, job)
 
     def _check_capacity(self, nodes: list[int], size: int) -> None:
         """Before the first save of a larger shard: the node-local directory has room for the
@@ -215,7 +193,7 @@ class LocalTier:
     def _publish(self, job: SaveJob, wait_for_copy: Callable[[], None]) -> None:
         """A guarded snapshot: on the tier's thread, once its copy ended, hold it and run its
         background work (never on the training thread, which must not block on the copy)."""
-        self._future = self._worker.submit(self._run_published, job, wait_for_copy)
+        self._in_flight.submit(self._run_published, job, wait_for_copy)
 
     def _run_published(self, job: SaveJob, wait_for_copy: Callable[[], None]) -> None:
         wait_for_copy()
@@ -229,82 +207,22 @@ class LocalTier:
         if self._snapshots is not None:
             self._snapshots.guard()
 
-    def _next_agreement(
-        self, pg: dist.ProcessGroup | None
-    ) -> tuple[StoreExchange, StoreExchange | None] | None:
-        """The store exchange of this save's agreement, on every AGREE_EVERY-th save over a
-        group (its first included), else None. The count is the same on every rank: saves are
-        collective, and a new group (a restart) starts every rank's count again."""
-        if pg is None or dist.get_world_size(pg) == 1:
-            return None
-        token = self._group.token
-        count = self._saves[1] + 1 if self._saves[0] == token else 1
-        self._saves = (token, count)
-        if (count - 1) % AGREE_EVERY != 0:
-            return None
-        return self._attempts.next(pg, token)
-
-    def _node_indices(self, pg: dist.ProcessGroup | None) -> list[int]:
-        """Node index of every rank of `pg` (COLLECTIVE once per group, then cached).
-
-        Gathered, not derived from the rank: after an in-process restart a reserve from another
-        node may play any rank, and a replica must never land on the owner's own node.
-        """
-        key = (pg is None, self._group.generation)
-        if self._nodes is not None and self._nodes[0] == key:
-            return self._nodes[1]
-        keys: list[Any] = [self._node]
-        if pg is not None:
-            keys = [None] * dist.get_world_size(pg)
-            dist.all_gather_object(keys, self._node, group=pg)
-        nodes = placement.node_indices(keys)
-        self._nodes = (key, nodes)
-        return nodes
-
     # ---------------------------------------------------------------- wait / load / close
 
     def _settle(self) -> None:
-        """Before a collective entry point: end the previous background work.
-
-        After an in-process restart the default group changed; the dedicated group of the work
-        in flight is dropped first, which closes its sockets and releases a transfer blocked on a
-        peer that is gone (instead of waiting for the group's timeout). That step stays
-        incomplete; the steps before it are untouched.
-        """
+        """Before a collective entry point: end the previous background work, abandoning it
+        first after an in-process restart (``InFlight.abandon_if_stale``)."""
         if self._snapshots is not None:
             self._snapshots.settle()
-        if self._future is not None and self._group.is_stale():
-            if not self._future.done():
-                log.warning("process group changed with a local save in flight: abandoning it")
-            if self._agreement is not None:
-                self._agreement.abandon()
-            self._group.drop()
+        self._in_flight.abandon_if_stale(self._group)
         self.wait()
 
     def wait(self) -> None:
-        """Wait (bounded: 2 x timeout) for the background work of the last save.
-
-        The work stays "in flight" until it ended: a restart that interrupts this wait must
-        still find it in ``_settle`` and abandon it, or it would stay blocked on a lost peer.
-        """
+        """Wait (bounded: 2 x timeout) for the background work of the last save (see
+        ``InFlight.wait``)."""
         if self._snapshots is not None:
             self._snapshots.settle()
-        fut = self._future
-        if fut is None:
-            return
-        try:
-            fut.result(timeout=2 * self._timeout)
-        except FutureTimeout:
-            log.error(
-                "local save background work did not finish within %.0f s: its step will "
-                "not be restored from this tier",
-                2 * self._timeout,
-            )
-            if self._agreement is not None:
-                self._agreement.abandon()
-        except Exception:
-            log.warning("local save background work failed", exc_info=True)
-        self._future = None
+        self._in_flight.wait()
 
     def load(self, state: dict[str, Any], *, min_step: int | None) -> RestoreResult | None:
         """COLLECTIVE: restore the newest step >= min_step every rank can obtain, into `state`.
@@ -335,9 +253,14 @@ class LocalTier:
         # The world size changed (a rank lost with no reserve): the shards of the old world
         # are on this node, resharded before the manager falls back to the persistent tier.
         return restore_resharded(
-            state, pg=pg, rank=rank, world=world, held=every, local_dir=self._dir,
+            state,
+            pg=pg,
+            rank=rank,
+            world=world,
+            held=every,
+            local_dir=self._dir,
             min_step=min_step,
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         """Wait for background work, stop the worker thread and drop every buffer. Idempotent."""
@@ -358,3 +281,13 @@ class LocalTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_no_spare_core(local_dir: Path) -> None:
+    log.info(
+        "local_dir %s: no spare CPU core (%d usable, LOCAL_WORLD_SIZE=%s): the "
+        "node-local file is written on the training thread",
+        local_dir,
+        len(os.sched_getaffinity(0)),
+        os.environ.get("LOCAL_WORLD_SIZE"),
+    )

@@ -1,11 +1,11 @@
 """Point-to-point transfer of packed shards on the local tier's gloo group.
 
 Per (sender, receiver) pair: a small header, the part boundaries, then the shard in parts
-(packing.part_bounds), all posted at once (isend / irecv), so no pair waits for another and no
+(parts.part_bounds), all posted at once (isend / irecv), so no pair waits for another and no
 collective runs per tensor. Measured on gloo loopback: one flat buffer moves at twice the rate of
 per-tensor messages, and all_gather of large buffers is 8x slower than send/recv
 (research/anchor-checkpoint.md 6.5). A receiver that restores into a state can take the large
-tensors straight into the state's own memory (packing.Place).
+tensors straight into the state's own memory (parts.Place).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.local.integrity import Checksum
-from checkpoint.local.packing import Parsed, Place, part_bounds
+from checkpoint.local.packing import Parsed
+from checkpoint.local.parts import Place, part_bounds
 
 # [step, owner, world, nbytes, checksum, number of parts]; nbytes = -1 tells the receiver the
 # sender has nothing (its copy failed verification): nothing else follows from that sender.
@@ -69,11 +70,36 @@ def transfer(
     Collective over the ranks named on both sides: each receiver must list each sender exactly
     as often as that sender lists it (pairs are matched in order). `alloc(nbytes)` returns a
     uint8 CPU tensor of at least nbytes for each received shard (its pages need not be touched
-    yet: each part is faulted in just before its receive is posted). `place`: see packing.Place.
+    yet: each part is faulted in just before its receive is posted). `place`: see parts.Place.
     Blocks until all transfers end or the group's timeout fires (then raises).
     """
     keep: list[torch.Tensor] = []  # tensors of posted sends stay alive until they complete
     works = _post_sends(pg, sends, keep)
+    incoming, active = _receive_bounds(pg, srcs)
+    # Part 0 (the header) of every shard first: `place` needs it to decide where the rest lands.
+    firsts = []
+    for inc, b in active:
+        inc.buf = alloc(inc.nbytes)
+        first = inc.buf[: int(b[1])]
+        _fault_in(first)
+        firsts.append(dist.irecv(first, group=pg, group_src=inc.src))
+    _wait_all(firsts)
+    pending = [(inc, *_post_parts(pg, inc, b.tolist(), place)) for inc, b in active]
+    for inc, parts, posted in pending:
+        received = Checksum()
+        for part, work in zip(parts, posted, strict=True):
+            _wait(work)
+            received.update(part)
+        inc.received = received.value
+    _wait_all(works)
+    return incoming
+
+
+def _receive_bounds(
+    pg: dist.ProcessGroup, srcs: Sequence[int]
+) -> tuple[list[Incoming], list[tuple[Incoming, torch.Tensor]]]:
+    """Receive every sender's header, then the part boundaries of each sender that has a shard:
+    (one Incoming per sender, in order; (Incoming, its boundaries) per sender with a shard)."""
     incoming = [Incoming(src) for src in srcs]
     heads = [torch.empty(_HEADER_LEN, dtype=torch.int64) for _ in srcs]
     _wait_all([dist.irecv(h, group=pg, group_src=src) for h, src in zip(heads, srcs, strict=True)])
@@ -83,37 +109,26 @@ def transfer(
         if inc.nbytes >= 0:
             active.append((inc, torch.empty(nparts + 1, dtype=torch.int64)))
     _wait_all([dist.irecv(b, group=pg, group_src=inc.src) for inc, b in active])
-    # Part 0 (the header) of every shard first: `place` needs it to decide where the rest lands.
-    firsts = []
-    for inc, b in active:
-        inc.buf = alloc(inc.nbytes)
-        first = inc.buf[: int(b[1])]
-        _fault_in(first)
-        firsts.append(dist.irecv(first, group=pg, group_src=inc.src))
-    _wait_all(firsts)
-    pending: list[tuple[Incoming, list[torch.Tensor], list[dist.Work | None]]] = []
-    for inc, b in active:
-        assert inc.buf is not None
-        cuts = b.tolist()
-        dests = place(inc.buf, cuts) if place is not None else {}
-        parts: list[torch.Tensor] = [inc.buf[: cuts[1]]]
-        posted: list[dist.Work | None] = [None]  # part 0 is in already
-        for k in range(1, len(cuts) - 1):
-            part = dests.get(k)
-            if part is None:  # into buf: its pages are new
-                part = inc.buf[cuts[k] : cuts[k + 1]]
-                _fault_in(part)
-            parts.append(part)
-            posted.append(dist.irecv(part, group=pg, group_src=inc.src))
-        pending.append((inc, parts, posted))
-    for inc, parts, posted in pending:
-        received = Checksum()
-        for part, work in zip(parts, posted, strict=True):
-            _wait(work)
-            received.update(part)
-        inc.received = received.value
-    _wait_all(works)
-    return incoming
+    return incoming, active
+
+
+def _post_parts(
+    pg: dist.ProcessGroup, inc: Incoming, cuts: list[int], place: Place | None
+) -> tuple[list[torch.Tensor], list[dist.Work | None]]:
+    """Post the receives of one shard's parts after part 0 (already in ``inc.buf``), each into
+    where ``place`` puts it or into ``inc.buf``: (every part, its receive; None for part 0)."""
+    assert inc.buf is not None
+    dests = place(inc.buf, cuts) if place is not None else {}
+    parts: list[torch.Tensor] = [inc.buf[: cuts[1]]]
+    posted: list[dist.Work | None] = [None]  # part 0 is in already
+    for k in range(1, len(cuts) - 1):
+        part = dests.get(k)
+        if part is None:  # into buf: its pages are new
+            part = inc.buf[cuts[k] : cuts[k + 1]]
+            _fault_in(part)
+        parts.append(part)
+        posted.append(dist.irecv(part, group=pg, group_src=inc.src))
+    return parts, posted
 
 
 def _post_sends(

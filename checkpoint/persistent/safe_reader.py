@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint import _torch_private
 from checkpoint.errors import CheckpointCorruptError
-from checkpoint.local.packing import safe_load, short_reason
+from checkpoint.local.header_objects import safe_load, short_reason
 
 # Every global a DCP ``.metadata`` pickle names: DCP's plain dataclasses and one enum,
 # torch.Size, dtypes and layouts, the checkpoint id's path. Calling any of them with a pickle's

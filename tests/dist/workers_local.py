@@ -168,12 +168,12 @@ def restore_fresh(
     tensors. small_parts: tiny parts and in-place tensors, so the test's small tensors take the
     paths that large ones take in production. Reports the growth of the peak RSS during load.
     """
-    from checkpoint.local import packing
+    from checkpoint.local import parts
     from tests import peak_memory
 
     if small_parts:
-        packing.PART_MAX = 4096  # many parts per shard: exercises the pipelined checksum
-        packing.DIRECT_MIN = 256  # most tensors travel in parts of their own
+        parts.PART_MAX = 4096  # many parts per shard: exercises the pipelined checksum
+        parts.DIRECT_MIN = 256  # most tensors travel in parts of their own
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(_node_dir(base), algo)
@@ -243,9 +243,9 @@ def corrupt_replica_in_place(base: str) -> dict[str, Any]:
     """A replica corrupted in its holder's memory (memory copies are sent unverified) arrives in
     place, into the receiver's state tensors; the receiver's checksum rejects it and the next
     source (step 1) must overwrite every tensor the bad copy wrote."""
-    from checkpoint.local import packing
+    from checkpoint.local import parts
 
-    packing.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
+    parts.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
     tier, group = _tier(None, "atomic")

@@ -13,7 +13,7 @@ import torch
 
 from checkpoint.errors import CheckpointError
 from checkpoint.lightning import _load_lightning_part
-from checkpoint.local import packing
+from checkpoint.local import packing, unpacking, walk
 from rerun import persist
 from rerun.errors import RerunConfigError
 
@@ -49,17 +49,17 @@ def test_a_crafted_local_tier_header_is_refused(tmp_path: Path, tag: str) -> Non
     buf = _shard({"x": {tag: base64.b64encode(blob).decode()}})
     target: dict[str, Any] = {"x": b""}
     if "pickled" in tag:  # the old form is plain JSON now: handed back as a dict, never run
-        packing.unpack_into(buf, target)
+        unpacking.unpack_into(buf, target)
         assert isinstance(target["x"], dict)
     else:
         with pytest.raises(CheckpointError, match=r"not plain data.*refused unread"):
-            packing.unpack_into(buf, target)
+            unpacking.unpack_into(buf, target)
     assert not marker.exists()
 
 
 def test_an_object_the_loader_would_refuse_is_refused_at_save_time(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"state entry 'cfg' .*_Payload"):
-        packing.leaves({"cfg": _Payload(tmp_path / "x")}, [])
+        walk.leaves({"cfg": _Payload(tmp_path / "x")}, [])
     assert not (tmp_path / "x").exists()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from checkpoint.errors import CheckpointError
-from checkpoint.local import packing
+from checkpoint.local import packing, unpacking
 
 
 def _shard(rows: list[Any], objects: dict[str, Any] | None = None) -> torch.Tensor:
@@ -47,7 +47,7 @@ def test_a_crafted_tensor_row_is_refused_and_nothing_is_filled(
 ) -> None:
     state = {"w": torch.zeros(4), "n": 0}
     with pytest.raises(CheckpointError, match="not a local-tier shard") as info:
-        packing.unpack_into(_shard([row]), state)
+        unpacking.unpack_into(_shard([row]), state)
     assert problem in str(info.value)
     assert state["w"].tolist() == [0.0] * 4 and state["n"] == 0
 
@@ -55,11 +55,11 @@ def test_a_crafted_tensor_row_is_refused_and_nothing_is_filled(
 def test_keys_naming_parent_directories_are_only_looked_up() -> None:
     rows = [["../../etc/w", "float32", [4], 0, 16], ["w", "float32", [4], 16, 16]]
     state = {"w": torch.zeros(4), "n": 0}
-    packing.unpack_into(_shard(rows, {"../n": 5, "n": 2}), state)
+    unpacking.unpack_into(_shard(rows, {"../n": 5, "n": 2}), state)
     assert state == {"w": state["w"], "n": 2} and state["w"].tolist() == [1.0] * 4
 
 
 def test_a_well_formed_table_still_loads() -> None:
     state = {"w": torch.zeros(4), "n": 0}
-    packing.unpack_into(_shard([["w", "float32", [4], 0, 16]]), state)
+    unpacking.unpack_into(_shard([["w", "float32", [4], 0, 16]]), state)
     assert state["w"].tolist() == [1.0] * 4 and state["n"] == 1

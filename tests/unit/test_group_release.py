@@ -144,7 +144,7 @@ def test_the_local_tiers_walk_of_the_state_keeps_no_cycle() -> None:
     # The cause of the 12.5 s restarts of the README-style script (DDP module in the state,
     # manager outside train()): the local tier's recursive walk was a closure cycle that kept
     # the state, and so the destroyed group, until the cyclic GC ran.
-    from checkpoint.local.packing import leaves
+    from checkpoint.local.walk import leaves
 
     assert _freed_without_gc(lambda state: leaves(state, []))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.local import directory, integrity, packing
+from checkpoint.local import directory, integrity, packing, walk
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def _meta(step: int, owner: int, buf: torch.Tensor) -> directory.ShardMeta:
 
 def _buf(v: int) -> torch.Tensor:
     """A packed shard of {"w": 2500 floats of v}, as LocalTier.save packs one."""
-    tensors = packing.leaves({"w": torch.full((2500,), float(v))}, [])
+    tensors = walk.leaves({"w": torch.full((2500,), float(v))}, [])
     layout = packing.ShardLayout.of(tensors)
     header = packing.header_bytes(layout, {}, {"step": v})
     buf = torch.zeros(packing.packed_size(layout, header), dtype=torch.uint8)  # padding too

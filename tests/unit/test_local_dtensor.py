@@ -13,11 +13,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from checkpoint.errors import ShardingMismatchError
-from checkpoint.local import packing
+from checkpoint.local import packing, unpacking, walk
 
 
 def _pack(state: dict[str, Any]) -> torch.Tensor:
-    leaves = packing.leaves(state, [])
+    leaves = walk.leaves(state, [])
     tensors = [x for x in leaves if isinstance(x.value, torch.Tensor)]
     objects = {x.key: x.value for x in leaves if not isinstance(x.value, torch.Tensor)}
     layout = packing.ShardLayout.of(tensors)
@@ -59,7 +59,7 @@ def test_fsdp_state_round_trips_into_a_fresh_model_in_place(group: None) -> None
             p.zero_()
     live = fresh.state_dict()["0.weight"]
     assert isinstance(live, DTensor)
-    packing.unpack_into(buf, {"model": fresh, "optim": fresh_opt})
+    unpacking.unpack_into(buf, {"model": fresh, "optim": fresh_opt})
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
     osd, fresh_osd = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
@@ -72,7 +72,7 @@ def test_another_mesh_or_placement_is_refused_naming_both(group: None) -> None:
     buf = _pack(saved)
     live = {"w": distribute_tensor(torch.zeros(4), mesh, [Replicate()])}
     with pytest.raises(ShardingMismatchError) as err:
-        packing.unpack_into(buf, live)
+        unpacking.unpack_into(buf, live)
     text = str(err.value)
     assert "w (saved mesh [1] (tp), placements ['Shard(dim=0)']" in text
     assert "live mesh [1] (tp), placements ['Replicate()']" in text
@@ -80,4 +80,4 @@ def test_another_mesh_or_placement_is_refused_naming_both(group: None) -> None:
     assert torch.equal(live["w"].to_local(), torch.zeros(4))  # nothing written
     plain = {"w": torch.zeros(4)}
     with pytest.raises(ShardingMismatchError, match="live a plain tensor"):
-        packing.unpack_into(buf, plain)
+        unpacking.unpack_into(buf, plain)

@@ -11,7 +11,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from checkpoint.local import packing
+from checkpoint.local import walk
+from checkpoint.local.leaf import Leaf, ReplicatedState
 from checkpoint.local.memo import Block, WalkMemo, expand
 
 
@@ -22,7 +23,7 @@ def _state() -> dict[str, Any]:
     return {"model": model, "optim": {"state": optim, "lr": 0.1}, "step": 7}
 
 
-def _view(leaves: list[packing.Leaf]) -> list[tuple[Any, ...]]:
+def _view(leaves: list[Leaf]) -> list[tuple[Any, ...]]:
     """What a save reads of each leaf: key, value (by identity), sharding."""
     return [
         (x.key, id(x.value) if isinstance(x.value, torch.Tensor) else x.value, x.replicated,
@@ -31,10 +32,10 @@ def _view(leaves: list[packing.Leaf]) -> list[tuple[Any, ...]]:
     ]  # fmt: skip
 
 
-def _walks(state: dict[str, Any], memo: WalkMemo) -> list[packing.Leaf]:
+def _walks(state: dict[str, Any], memo: WalkMemo) -> list[Leaf]:
     """A save's walk with the memo, checked against a walk without it."""
-    got = expand(packing.save_parts(state, [], memo))
-    assert _view(got) == _view(packing.leaves(state, []))
+    got = expand(walk.save_parts(state, [], memo))
+    assert _view(got) == _view(walk.leaves(state, []))
     return got
 
 
@@ -52,7 +53,7 @@ def test_unchanged_mappings_come_from_the_memo_with_the_same_leaves(deep: bool) 
     seen: list[tuple[str, bool | None]] = []
     replay = memo.replay
 
-    def recorded(obj: Any, prefix: str, rep: bool, out: list[packing.Leaf | Block]) -> bool | None:
+    def recorded(obj: Any, prefix: str, rep: bool, out: list[Leaf | Block]) -> bool | None:
         seen.append((prefix, replay(obj, prefix, rep, out)))
         return seen[-1][1]
 
@@ -101,7 +102,7 @@ def test_every_change_of_a_remembered_mapping_is_seen(change: str) -> None:
     elif change == "a nested mapping becomes a tensor":
         per_param["layer2.weight"] = torch.zeros(1)
     elif change == "a nested mapping changes type":
-        per_param["layer4.weight"] = packing.ReplicatedState(per_param["layer4.weight"])
+        per_param["layer4.weight"] = ReplicatedState(per_param["layer4.weight"])
     elif change == "the same keys in another order":
         per_param["layer1.weight"] = dict(reversed(per_param["layer1.weight"].items()))
     elif change == "three levels down: replace a tensor":
@@ -110,7 +111,7 @@ def test_every_change_of_a_remembered_mapping_is_seen(change: str) -> None:
         per_param["layer8.weight"]["v"] = torch.ones(3)
     got = _walks(state, memo)  # the same leaves as a walk without the memo
     _walks(state, memo)  # and again, from the memo rebuilt after the change
-    assert len(got) == len(packing.leaves(state, []))
+    assert len(got) == len(walk.leaves(state, []))
 
 
 def test_a_new_mapping_around_remembered_ones_is_walked_and_they_are_replayed() -> None:
@@ -125,10 +126,10 @@ def test_a_new_mapping_around_remembered_ones_is_walked_and_they_are_replayed() 
     for _ in range(3):
         fresh = {"train": {"model": inner["model"], "state": inner["optim"]["state"]}}
         outers.append(fresh)
-        parts = packing.save_parts(fresh, [], memo)
+        parts = walk.save_parts(fresh, [], memo)
         blocks = [p for p in parts if isinstance(p, Block)]
         assert [len(b.values) for b in blocks] == [10, 20]
-        assert _view(expand(parts)) == _view(packing.leaves(fresh, []))
+        assert _view(expand(parts)) == _view(walk.leaves(fresh, []))
 
 
 def test_the_memo_keeps_no_tensor_alive() -> None:

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from checkpoint.errors import CheckpointError, CheckpointMismatchError
-from checkpoint.local import packing
+from checkpoint.local import packing, unpacking, walk
+from checkpoint.local.leaf import ReplicatedState
 
 
 def _pack(state: dict[str, Any]) -> torch.Tensor:
     sf: list[Any] = []
-    lv = packing.leaves(state, sf)
+    lv = walk.leaves(state, sf)
     tensors = [x for x in lv if isinstance(x.value, torch.Tensor)]
     objects = {x.key: x.value for x in lv if not isinstance(x.value, torch.Tensor)}
     layout = packing.ShardLayout.of(tensors)
@@ -50,7 +51,7 @@ def test_round_trip_fills_in_place() -> None:
     dst["x"].zero_()
     dst["step"] = 0
     dst["sched"]["pair"] = (0, 0)
-    packing.unpack_into(buf, dst)
+    unpacking.unpack_into(buf, dst)
     assert dst["x"] is x and torch.equal(x, src["x"])
     for a, b in zip(src["model"].parameters(), dst["model"].parameters(), strict=True):
         assert torch.equal(a, b)
@@ -62,7 +63,7 @@ def test_round_trip_fills_in_place() -> None:
 def test_mismatch_lists_every_bad_key() -> None:
     buf = _pack({"a": torch.zeros(3), "b": torch.zeros(2), "n": 1})
     with pytest.raises(CheckpointMismatchError) as e:
-        packing.unpack_into(buf, {"a": torch.zeros(4), "b": torch.zeros(2), "c": torch.zeros(1)})
+        unpacking.unpack_into(buf, {"a": torch.zeros(4), "b": torch.zeros(2), "c": torch.zeros(1)})
     assert e.value.keys == ["a", "c"]
     assert "a (saved float32[3]" in str(e.value)
 
@@ -77,7 +78,7 @@ def test_bytes_and_picklable_objects_round_trip() -> None:
     saved = {"rng": b"\x00\xffstate", "cfg": {"when": (1, "a")}, "s": {3, 4}}
     buf = _pack(saved)
     target = {"rng": b"", "cfg": {"when": (0, "")}, "s": set()}
-    packing.unpack_into(buf, target)
+    unpacking.unpack_into(buf, target)
     assert target == saved
 
 
@@ -97,8 +98,8 @@ def test_corrupt_header_is_a_checkpoint_error() -> None:
 
 
 def test_replicated_marker_reaches_the_leaves() -> None:
-    state = {"m": packing.ReplicatedState({"w": torch.ones(2)}), "r": torch.ones(1)}
-    flags = {x.key: x.replicated for x in packing.leaves(state, [])}
+    state = {"m": ReplicatedState({"w": torch.ones(2)}), "r": torch.ones(1)}
+    flags = {x.key: x.replicated for x in walk.leaves(state, [])}
     assert flags == {"m/w": True, "r": False}
 
 
@@ -106,7 +107,7 @@ def test_reused_buffer_with_a_longer_header_packs_correctly() -> None:
     """A local save reuses its buffer and layout from step to step while the header (scalars,
     pickled objects) changes length: the data must move with it."""
     state = {"w": torch.randn(1000), "b": torch.arange(5, dtype=torch.int64)}
-    lv = packing.leaves(state, [])
+    lv = walk.leaves(state, [])
     tensors = [x for x in lv if isinstance(x.value, torch.Tensor)]
     layout = packing.ShardLayout.of(tensors)
     buf = torch.empty(1 << 16, dtype=torch.uint8)
@@ -115,5 +116,5 @@ def test_reused_buffer_with_a_longer_header_packs_correctly() -> None:
         header = packing.header_bytes(layout, {"note": note}, {"step": 1})
         packing.pack_into(buf, layout, header, [x.value for x in tensors])
         target = {"w": torch.zeros(1000), "b": torch.zeros(5, dtype=torch.int64)}
-        packing.fill_leaves(buf, packing.leaves(target, []), keep=lambda k: k != "note")
+        unpacking.fill_leaves(buf, walk.leaves(target, []), keep=lambda k: k != "note")
         assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.local import directory, integrity, packing
+from checkpoint.local import directory, integrity, packing, walk
 from checkpoint.local.reshard import restore_resharded
 from checkpoint.local.restore import Shard, restore
 
@@ -17,7 +17,7 @@ from checkpoint.local.restore import Shard, restore
 def _shard(state: dict[str, Any], *, step: int, owner: int, world: int, keep: set[str]) -> Shard:
     """Pack ``state`` as LocalTier.save does on rank ``owner`` of ``world`` (tensors in ``keep``
     only: fully_parallel splits the replicated ones among the owners)."""
-    leaves = packing.leaves(state, [])
+    leaves = walk.leaves(state, [])
     tensors = [x for x in leaves if isinstance(x.value, torch.Tensor) and x.key in keep]
     objects = {x.key: x.value for x in leaves if not isinstance(x.value, torch.Tensor)}
     layout = packing.ShardLayout.of(tensors)

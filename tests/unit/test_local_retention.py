@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.local import LocalTier, directory, packing
-from checkpoint.local import tier as tier_mod
+from checkpoint.local import LocalTier, directory, packing, unpacking, walk
+from checkpoint.local import peers as peers_mod
 from checkpoint.local.holdings import Holdings
 from checkpoint.local.restore import Shard
 from tests.no_group import NoGroup
@@ -82,20 +82,24 @@ def test_the_store_agreement_runs_on_the_first_and_every_nth_save(monkeypatch: A
     group = NoGroup(token="t")
     tier = LocalTier(local_dir=None, replication_factor=1, algo="atomic", keep=2, group=group)
     calls: list[int] = []
-    monkeypatch.setattr(tier_mod.dist, "get_world_size", lambda pg: 2)
-    monkeypatch.setattr(tier._attempts, "next", lambda pg, token: calls.append(1) or ("x", None))
+    monkeypatch.setattr(peers_mod.dist, "get_world_size", lambda pg: 2)
+    monkeypatch.setattr(
+        tier._peers._attempts, "next", lambda pg, token: calls.append(1) or ("x", None)
+    )
     pg: Any = object()
-    agreed = [tier._next_agreement(pg) is not None for _ in range(2 * tier_mod.AGREE_EVERY + 1)]
-    n = tier_mod.AGREE_EVERY
+    agreed = [
+        tier._peers.next_agreement(pg) is not None for _ in range(2 * peers_mod.AGREE_EVERY + 1)
+    ]
+    n = peers_mod.AGREE_EVERY
     assert [i for i, a in enumerate(agreed) if a] == [0, n, 2 * n]
     group.token = "new"  # a new group (a restart): the count starts again, on every rank
-    assert tier._next_agreement(pg) is not None
+    assert tier._peers.next_agreement(pg) is not None
     tier.close()
 
 
 @pytest.mark.parametrize("payload", [b"", b"\x00\x01rng-state" * 100])
 def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
-    leaves = packing.leaves({"rng": payload, "w": torch.ones(2)}, [])
+    leaves = walk.leaves({"rng": payload, "w": torch.ones(2)}, [])
     obj = next(x.value for x in leaves if x.key == "rng")
     assert obj == {"__restartable_bytes__": base64.b64encode(payload).decode()}
     layout = packing.ShardLayout.of([x for x in leaves if x.key == "w"])
@@ -103,7 +107,7 @@ def test_bytes_leaves_are_plain_base64_in_the_header(payload: bytes) -> None:
     buf = torch.zeros(packing.packed_size(layout, header), dtype=torch.uint8)
     packing.pack_into(buf, layout, header, [x.value for x in leaves if x.key == "w"])
     state: dict[str, Any] = {"rng": b"old", "w": torch.zeros(2)}
-    packing.unpack_into(buf, state)
+    unpacking.unpack_into(buf, state)
     assert state["rng"] == payload and type(state["rng"]) is bytes
 
 

@@ -194,9 +194,9 @@ def test_corrupt_directory_copy_read_in_place_is_overwritten(
     """With a persistent checkpoint to fall back on (min_step set), a directory copy is read
     straight into the state's tensors; one that then fails its checksum must leave nothing of
     itself behind once the older step is restored."""
-    from checkpoint.local import packing
+    from checkpoint.local import parts
 
-    monkeypatch.setattr(packing, "DIRECT_MIN", 256)  # "w" (1 KiB) is read in place
+    monkeypatch.setattr(parts, "DIRECT_MIN", 256)  # "w" (1 KiB) is read in place
     with _tier(tmp_path) as tier:
         tier.save(1, _state(1.0))
         tier.save(2, _state(2.0))
