@@ -31,13 +31,10 @@ class HardwareLedger:
     """``id``: what "other hardware" compares (``hardware_id``, or the default read each time,
     since the current device may change after construction). ``verdict``: the latest verdict.
     ``suspects``: the ranks (and their hardware) that the latest verdict or pending re-run
-    blames. ``faulty``: the hardware that persistent-fault verdicts named, in order, each once.
-    ``retire`` (the machine's ``in_job``): a rank that starts a step on faulty hardware leaves
-    the job (``check`` raises); standalone, the persistent-fault verdict already ended the job."""
+    blames. ``faulty``: the hardware that persistent-fault verdicts named, in order, each once."""
 
-    def __init__(self, hardware_id: str | None = None, *, retire: bool = False) -> None:
+    def __init__(self, hardware_id: str | None = None) -> None:
         self._hardware_id = hardware_id
-        self._retire = retire
         self.verdict: Diagnostic | None = None
         self.suspects = verdicts.Suspects()
         self.faulty: list[str] = []
@@ -46,10 +43,11 @@ class HardwareLedger:
     def id(self) -> str:
         return self._hardware_id or default_hardware_id()
 
-    def check(self, *, iteration: int) -> None:
-        """Before step ``iteration`` (or its re-run) begins: raises ``RerunExit(retire)`` with
-        ``retire`` on hardware known to have had a persistent fault."""
-        if self._retire and self.id in self.faulty:
+    def check(self, *, retire: bool, iteration: int) -> None:
+        """Before step ``iteration`` (or its re-run) begins: with ``retire`` (the machine's
+        ``in_job``), raises ``RerunExit(retire)`` on hardware known to have had a persistent
+        fault. Standalone, the persistent-fault verdict already ended the job."""
+        if retire and self.id in self.faulty:
             raise exits.retired(self.id, self.suspects, iteration=iteration)
 
     def after(self, t: Transition, rec: StepRecord, *, iteration: int) -> None:

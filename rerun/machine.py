@@ -88,7 +88,7 @@ class RerunStateMachine:
             large=self._large,
         )
         self.in_job = in_job
-        self._hardware = HardwareLedger(hardware_id, retire=in_job)
+        self._hardware = HardwareLedger(hardware_id)
         self._replay = StepReplay(
             self.mode, save_func=state_save_func, restore_func=state_restore_func
         )
@@ -134,7 +134,7 @@ class RerunStateMachine:
         """
         if self._state in (State.IDLE, State.WILL_RERUN_ELSEWHERE):
             self._replay.begin(data)
-            self._hardware.check(iteration=self.iteration)
+            self._hardware.check(retire=self.in_job, iteration=self.iteration)
             event, flags = Event.BEGIN, frozenset[Flag]()
         else:
             event, flags = Event.END, self._checks.end_pass(self._state, iteration=self.iteration)

@@ -195,21 +195,21 @@ def test_hardware_ledger_retires_a_job_rank_on_hardware_a_persistent_fault_named
     rec.suspect_hw = "node1:cuda:0"
     persistent = Transition(State.IDLE, run=False, verdict=Diagnostic.PERSISTENT_ERROR)
     for retire, raises in ((False, False), (True, True)):
-        ledger = HardwareLedger("node1:cuda:0", retire=retire)
-        ledger.check(iteration=1)  # nothing known yet
+        ledger = HardwareLedger("node1:cuda:0")
+        ledger.check(retire=retire, iteration=1)  # nothing known yet
         ledger.after(persistent, rec, iteration=3)
         ledger.after(persistent, rec, iteration=4)
         assert ledger.verdict is Diagnostic.PERSISTENT_ERROR
         assert ledger.suspects.hardware == ("node1:cuda:0",)
         assert ledger.faulty == ["node1:cuda:0"]  # named twice, listed once
         if not raises:
-            ledger.check(iteration=5)  # standalone: the verdict already ended the job
+            ledger.check(retire=retire, iteration=5)  # standalone: the verdict ended the job
             continue
         with pytest.raises(RerunExit) as ei:
-            ledger.check(iteration=5)
+            ledger.check(retire=retire, iteration=5)
         assert ei.value.restartable_rank_action == "retire"
     transient = Transition(State.EXIT_FAILED, run=False, verdict=Diagnostic.TRANSIENT_ERROR)
-    other = HardwareLedger("node2:cuda:0", retire=True)
+    other = HardwareLedger("node2:cuda:0")
     other.after(transient, rec, iteration=1)
-    other.check(iteration=2)
+    other.check(retire=True, iteration=2)
     assert other.faulty == [] and other.verdict is Diagnostic.TRANSIENT_ERROR
