@@ -16,25 +16,18 @@ device-to-host read per step; the checks themselves stay on the device until tha
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-import torch
-
-from rerun import agree, exits, persist, verdicts
-from rerun.checks import (
-    Rejection,
-    Value,
-    compare_floats,
-    is_not_finite,
-)
+from rerun import agree, exits, persist
+from rerun.checks import LargeValueTracker, Rejection, Value, compare_floats
 from rerun.data import RerunDataIterator
 from rerun.errors import InvalidTransition, RerunConfigError, RerunExit
+from rerun.hardware import HardwareLedger
 from rerun.injector import RerunErrorInjector
+from rerun.loss_checks import LossChecks
 from rerun.passes import PassChecks
 from rerun.replay import StepReplay
-from rerun.report import report_verdict
 from rerun.state_machine import (
     Diagnostic,
     Event,
@@ -47,18 +40,7 @@ from rerun.state_machine import (
 
 logger = logging.getLogger(__name__)
 
-NAN_LOSS_MESSAGE = "loss is NaN or Inf"
-SPIKY_LOSS_MESSAGE = "Spiky loss"
-REPORT_INTERVAL_ITERATIONS = 100  # determinism stats are logged every this many steps
-
-_BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
-
 Data = RerunDataIterator | list[RerunDataIterator | None] | None
-
-
-def _default_hardware_id() -> str:
-    dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_initialized() else "cpu"
-    return f"{socket.gethostname()}:{dev}"
 
 
 class RerunStateMachine:
@@ -70,22 +52,15 @@ class RerunStateMachine:
     hardware and the same result a correct result / application problem (exit 17). Non-fatal
     checks (spiky loss) only log and continue with the re-run's result.
 
-    Arguments (all but ``mode`` keyword-only):
-
-    * ``mode``: ``disabled``, ``validate_results`` or ``report_determinism_stats``.
-    * ``check_for_nan_in_loss`` / ``check_for_spiky_loss``: what ``validate_loss`` checks;
-      ``spiky_loss_factor`` (> 1) x the running max of the first ``spiky_loss_warmup`` (and
-      later non-spiky) losses is spiky.
-    * ``error_injector``: a ``RerunErrorInjector`` for drills and tests.
-    * ``result_rejected_tracker_filename``: JSON-lines file of rejections (see
-      ``iterations_to_skip``); checked for writability here.
-    * ``hardware_id``: what "other hardware" compares (default ``hostname:cuda:N`` / ``:cpu``).
-    * ``in_job=True`` (under ``@restartable`` with warm reserves): after a persistent-fault
-      verdict the step's work already runs on healthy hardware, so training continues; the
-      faulty hardware is remembered (also in ``state_dict``) and a rank that later starts a step
-      on it raises ``RerunExit`` with ``restartable_rank_action="retire"``.
-    * ``state_save_func`` / ``state_restore_func``: extra RNG-like state to snapshot with the
-      step (e.g. a tensor-parallel CUDA RNG tracker); the saved value must be picklable.
+    The arguments (all but ``mode`` keyword-only; tabled in docs/rerun.md) go to the units that
+    use them: the four loss-check settings to ``rerun.loss_checks.LossChecks``, ``hardware_id``
+    to ``rerun.hardware.HardwareLedger``, ``error_injector`` and
+    ``result_rejected_tracker_filename`` (checked for writability here) to
+    ``rerun.passes.PassChecks``, ``state_save_func`` / ``state_restore_func`` (extra RNG-like
+    state to snapshot with the step, picklable) to ``rerun.replay.StepReplay``. With
+    ``in_job=True`` (under ``@restartable`` with warm reserves) training continues after a
+    persistent-fault verdict (the step's work already runs on healthy hardware), and a rank that
+    later starts a step on the faulty hardware raises ``RerunExit(retire)``.
     """
 
     def __init__(
@@ -103,28 +78,30 @@ class RerunStateMachine:
         state_save_func: Callable[[], Any] | None = None,
         state_restore_func: Callable[[Any], None] | None = None,
     ) -> None:
-        self.mode = _checked_mode(mode, spiky_loss_factor, spiky_loss_warmup)
-        self.check_for_nan_in_loss = check_for_nan_in_loss
-        self.check_for_spiky_loss = check_for_spiky_loss
-        self.spiky_loss_factor = float(spiky_loss_factor)
-        self.spiky_loss_warmup = spiky_loss_warmup
+        self.mode = _checked_mode(mode)
+        self._large = LargeValueTracker()  # is_unexpectedly_large's maxima, the spiky check's too
+        self.loss_checks = LossChecks(
+            check_for_nan_in_loss=check_for_nan_in_loss,
+            check_for_spiky_loss=check_for_spiky_loss,
+            spiky_loss_factor=spiky_loss_factor,
+            spiky_loss_warmup=spiky_loss_warmup,
+            large=self._large,
+        )
         self.in_job = in_job
-        self._injector = error_injector
-        self._hardware_id = hardware_id
-        self._replay = StepReplay(save_func=state_save_func, restore_func=state_restore_func)
+        self._hardware = HardwareLedger(hardware_id)
+        self._replay = StepReplay(
+            self.mode, save_func=state_save_func, restore_func=state_restore_func
+        )
         self._checks = PassChecks(
             self.mode,
             injector=error_injector,
             tracker_path=result_rejected_tracker_filename,
-            rank=self._rank,
+            rank=_rank,
             hardware_id=lambda: self.hardware_id,
         )
 
         self.iteration = 0  # steps started; travels in state_dict
-        self.verdict: Diagnostic | None = None  # the latest verdict
         self._state = State.IDLE
-        self._faulty_hardware: list[str] = []
-        self._suspects = verdicts.Suspects()
         self._rec = self._checks.rec  # the step's record (the checks fill it in)
 
     # -- properties -----------------------------------------------------------------------
@@ -136,11 +113,16 @@ class RerunStateMachine:
     @property
     def hardware_id(self) -> str:
         """Where this rank runs (host and device), to tell "other hardware" after a restart."""
-        return self._hardware_id or _default_hardware_id()
+        return self._hardware.id
 
     @property
     def faulty_hardware(self) -> list[str]:
-        return list(self._faulty_hardware)
+        return list(self._hardware.faulty)
+
+    @property
+    def verdict(self) -> Diagnostic | None:
+        """The latest verdict (None before the first)."""
+        return self._hardware.verdict
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -151,55 +133,32 @@ class RerunStateMachine:
         May raise ``RerunExit(retire)`` with ``in_job`` on hardware known to be faulty.
         """
         if self._state in (State.IDLE, State.WILL_RERUN_ELSEWHERE):
-            self._replay.begin(
-                data, required=self.mode is not RerunMode.DISABLED, mode=self.mode.value
-            )
-            if self.in_job and self.hardware_id in self._faulty_hardware:
-                raise exits.retired(self.hardware_id, self._suspects, iteration=self.iteration)
+            self._replay.begin(data)
+            self._hardware.check(retire=self.in_job, iteration=self.iteration)
             event, flags = Event.BEGIN, frozenset[Flag]()
         else:
             event, flags = Event.END, self._checks.end_pass(self._state, iteration=self.iteration)
         old = self._state
         t = transition(old, event, self.mode, flags, continue_on_persistent=self.in_job)
         self._state = t.state
-        if event is Event.BEGIN and old is State.IDLE:
+        if event is Event.BEGIN and old is State.IDLE:  # a new step (not a re-run's pass)
             self.iteration += 1
             self._rec.new_step()
-            self._replay.new_step()
-        if t.capture:
+            self._replay.start_step(capture=t.capture)
+        elif t.capture:
             self._replay.capture()
-        if event is Event.BEGIN and old is State.IDLE:
-            self._replay.advance(record=t.capture)
         if t.replay:
             self._replay.replay()
-        if t.verdict is not None:
-            self._on_verdict(t.verdict)
-        if t.state in (State.WILL_RERUN_ELSEWHERE, State.EXIT_RESUME_ELSEWHERE):
-            self._suspects = verdicts.suspects_after(self._rec, self._state)
+        self._hardware.after(t, self._rec, iteration=self.iteration)
         if t.run:
             self._rec.new_pass()
         return t.run
 
     def validate_loss(self, loss: Value) -> None:
-        """The built-in loss checks: NaN/Inf (fatal) and, if enabled, spiky loss (non-fatal).
-
-        A CUDA loss stays on the device (no sync until the end of the pass); a CPU loss is read
-        once as a float, since reading it costs no synchronisation and float checks are cheaper
-        than a dozen small tensor operations.
-        """
-        if self.mode is RerunMode.DISABLED:
-            return
-        if isinstance(loss, torch.Tensor) and loss.device.type == "cpu" and loss.numel() == 1:
-            loss = float(loss.detach().item())
-        if self.check_for_nan_in_loss:
-            self.validate_result(loss, is_not_finite, NAN_LOSS_MESSAGE, tolerance=0.0, fatal=True)
-        if self.check_for_spiky_loss:
-            self.validate_result(loss, self._spiky, SPIKY_LOSS_MESSAGE, tolerance=0.0, fatal=False)
-
-    def _spiky(self, value: Value) -> Rejection:
-        return self.is_unexpectedly_large(
-            value, self.spiky_loss_factor, "loss", num_samples=self.spiky_loss_warmup
-        )
+        """The built-in loss checks (``rerun.loss_checks``): NaN/Inf (fatal) and, if enabled,
+        spiky loss (non-fatal), each through ``validate_result``."""
+        if self.mode is not RerunMode.DISABLED:
+            self.loss_checks.validate(loss, self.validate_result)
 
     def is_unexpectedly_large(
         self, value: Value, threshold: float, context: str, num_samples: int = 100
@@ -209,7 +168,7 @@ class RerunStateMachine:
         The first ``num_samples`` values of a context only build the max. NaN/Inf are ignored
         (the NaN check owns them). No host sync for a tensor value.
         """
-        return self._checks.large.check(value, threshold, context, num_samples)
+        return self._large.check(value, threshold, context, num_samples)
 
     def validate_result(
         self,
@@ -228,8 +187,6 @@ class RerunStateMachine:
         position in the step) is compared with the first result: a relative difference above
         ``tolerance`` means "not reproducible". ``fatal=False`` only logs and continues.
         """
-        if self.mode is RerunMode.DISABLED or self._state in _BETWEEN_STEPS:
-            return
         self._checks.validate(
             value,
             rejection_func,
@@ -248,10 +205,7 @@ class RerunStateMachine:
         ``state_dict()``), then exit or ``exit_or_raise()``. ``(False, True, 16|17)``: exit
         without saving. ``(False, False, 0)``: step the optimizer and go on.
         """
-        if self.mode is RerunMode.REPORT_DETERMINISM_STATS and (
-            self.iteration % REPORT_INTERVAL_ITERATIONS == 0
-        ):
-            self._checks.log_stats(self.iteration)
+        self._checks.log_stats(self.iteration)
         return exit_decision(self._state)
 
     def exit_or_raise(self, *, close: Iterable[Any] = (), close_timeout: float = 120.0) -> NoReturn:
@@ -274,25 +228,18 @@ class RerunStateMachine:
         # What happens next, not only the status: in a job the verdict is raised to the restart
         # and nothing exits (the line said "exit code 17" there).
         then = f"exiting with status {exc.exit_code}" if standalone else "raised to the restart"
-        logger.info("rank %d: %s; %s", self._rank(), exc, then)
+        logger.info("rank %d: %s; %s", _rank(), exc, then)
         exits.leave(
             exc,
             standalone=standalone,
-            suspect=self._rank() in self._suspects.ranks,
+            suspect=_rank() in self._hardware.suspects.ranks,
             close=close,
             close_timeout=close_timeout,
         )
 
     def exit_exception(self) -> RerunExit:
         """The ``RerunExit`` describing the current exit decision (not raised)."""
-        return exits.decided(
-            self._state,
-            self.verdict,
-            rank=self._rank(),
-            hardware_id=self.hardware_id,
-            suspects=self._suspects,
-            iteration=self.iteration,
-        )
+        return self._hardware.exit_exception(self._state, rank=_rank(), iteration=self.iteration)
 
     def determinism_stats(self) -> dict[str, dict[str, Any]]:
         """Per message: count, identical, avg, p50, p90, p99, max of relative differences."""
@@ -314,9 +261,9 @@ class RerunStateMachine:
             iteration=self.iteration,
             hardware_id=self.hardware_id,
             rec=self._rec,
-            faulty_hardware=self._faulty_hardware,
-            large_values=self._checks.large.state(),
-            injector=self._injector.state() if self._injector else {},
+            faulty_hardware=self._hardware.faulty,
+            large_values=self._large.state(),
+            injector=self._checks.injector.state() if self._checks.injector else {},
             replay=self._replay,
         )
 
@@ -333,51 +280,24 @@ class RerunStateMachine:
             )
         p = persist.decode(sd)
         self.iteration = p.iteration
-        self._faulty_hardware = p.faulty_hardware
-        self._checks.large.load(p.large_values)
-        if self._injector is not None:
-            self._injector.load(p.injector)
-        if p.state is not State.WILL_RERUN_ELSEWHERE:
-            return
-        if not persist.resumable(p, mode=self.mode, iteration=self.iteration):
-            return
-        self._state = State.WILL_RERUN_ELSEWHERE
-        self._replay.load(p.rng, p.data)
-        self._rec.rejected = p.rejected
-        self._rec.suspect_hw = p.suspect_hw
-
-    # -- internals ------------------------------------------------------------------------
-
-    @staticmethod
-    def _rank() -> int:
-        return agree.rank_and_world()[0]
-
-    def _on_verdict(self, verdict: Diagnostic) -> None:
-        self.verdict = verdict
-        self._suspects = verdicts.suspects_after(self._rec, self._state)
-        if verdict is Diagnostic.PERSISTENT_ERROR:
-            self._faulty_hardware += [
-                h for h in self._suspects.hardware if h not in self._faulty_hardware
-            ]
-        report_verdict(self.iteration, verdict, self._suspects)
+        self._hardware.faulty = p.faulty_hardware
+        self._large.load(p.large_values)
+        if self._checks.injector is not None:
+            self._checks.injector.load(p.injector)
+        if persist.resumable(p, mode=self.mode, iteration=self.iteration):
+            self._state = State.WILL_RERUN_ELSEWHERE
+            self._replay.load(p.rng, p.data)
+            self._rec.resume(p.rejected, p.suspect_hw)
 
 
-def _checked_mode(
-    mode: str | RerunMode, spiky_loss_factor: float, spiky_loss_warmup: int
-) -> RerunMode:
-    """``mode`` as a ``RerunMode``, once the constructor's arguments passed their checks."""
+def _rank() -> int:
+    return agree.rank_and_world()[0]
+
+
+def _checked_mode(mode: str | RerunMode) -> RerunMode:
+    """``mode`` as a ``RerunMode``; ``RerunConfigError`` for an unknown one."""
     modes = [m.value for m in RerunMode]
     value = mode.value if isinstance(mode, RerunMode) else mode
     if value not in modes:
         raise RerunConfigError(f"mode ({mode!r}) must be one of {modes}: pick one of those")
-    if not (isinstance(spiky_loss_factor, (int, float)) and spiky_loss_factor > 1.0):
-        raise RerunConfigError(
-            f"spiky_loss_factor ({spiky_loss_factor!r}) must be a number greater than 1 "
-            "(a loss is spiky when larger than factor x the running max): use e.g. 10.0"
-        )
-    if spiky_loss_warmup < 1:
-        raise RerunConfigError(
-            f"spiky_loss_warmup ({spiky_loss_warmup}) must be >= 1 (losses recorded before "
-            "spikes are flagged): use e.g. 100"
-        )
     return RerunMode(value)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from rerun import agree, tracker
-from rerun.checks import LargeValueTracker, Rejection, Value, as_float
+from rerun.checks import Rejection, Value, as_float
 from rerun.errors import RerunConfigError
 from rerun.injector import RerunErrorInjector
 from rerun.record import StepRecord
@@ -25,10 +25,15 @@ from rerun.stats import QuickStats
 
 logger = logging.getLogger(__name__)
 
+REPORT_INTERVAL_ITERATIONS = 100  # determinism stats are logged every this many steps
+
+# A validate_result call outside forward/backward (before the loop, or after it) records nothing.
+_BETWEEN_STEPS = (State.IDLE, State.WILL_RERUN_ELSEWHERE)
+
 
 class PassChecks:
-    """The step's record (``rec``), the determinism stats per message (``stats``), the running
-    maxima of ``is_unexpectedly_large`` (``large``), and the tracker file of rejections."""
+    """The step's record (``rec``), the determinism stats per message (``stats``), and the
+    tracker file of rejections."""
 
     def __init__(
         self,
@@ -48,7 +53,6 @@ class PassChecks:
         self.tracker = tracker.ResultTracker(tracker_path) if tracker_path is not None else None
         self.rec = StepRecord()
         self.stats: dict[str, QuickStats] = {}
-        self.large = LargeValueTracker()
 
     def validate(
         self,
@@ -62,8 +66,10 @@ class PassChecks:
         state: State,
         iteration: int,
     ) -> None:
-        """Record one ``validate_result`` call of a pass in ``state`` (the machine checked the
-        mode and the state). Raises ``RerunConfigError`` for a value of several elements."""
+        """Record one ``validate_result`` call made in ``state`` (nothing when disabled or
+        between steps). Raises ``RerunConfigError`` for a value of several elements."""
+        if self.mode is RerunMode.DISABLED or state in _BETWEEN_STEPS:
+            return
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise RerunConfigError(
                 f"validate_result value for {message!r} has {value.numel()} elements; it must be "
@@ -71,23 +77,10 @@ class PassChecks:
             )
         rec = self.rec
         seq = rec.next_seq(message)
-        corrupt = self.injector is not None and self.injector.corrupts(
-            state,
-            rank=self._rank(),
-            iteration=iteration,
-            message=message,
-            seq=seq,
-            hardware_id=self._hardware_id(),
-        )
+        corrupt = self._injects(state, iteration=iteration, message=message, seq=seq)
         if isinstance(value, torch.Tensor):
             value = value.detach()  # keep the number, not the autograd graph
         if corrupt:
-            logger.warning(
-                "iteration %d: injecting a %s into %r",
-                iteration,
-                self.injector.kind.value if self.injector else "",
-                message,
-            )
             value = math.nan
         if state is State.INITIAL_RUN:
             if self.mode is RerunMode.REPORT_DETERMINISM_STATS:
@@ -104,6 +97,23 @@ class PassChecks:
                 self.stats.setdefault(message, QuickStats()).add(diff)
             return
         rec.add_rerun(message, seq, value, comparison_func)
+
+    def _injects(self, state: State, *, iteration: int, message: str, seq: int) -> bool:
+        """Whether the error injector corrupts this call (its value becomes NaN), logged."""
+        injector = self.injector
+        if injector is None or not injector.corrupts(
+            state,
+            rank=self._rank(),
+            iteration=iteration,
+            message=message,
+            seq=seq,
+            hardware_id=self._hardware_id(),
+        ):
+            return False
+        logger.warning(
+            "iteration %d: injecting a %s into %r", iteration, injector.kind.value, message
+        )
+        return True
 
     def end_pass(self, state: State, *, iteration: int) -> frozenset[Flag]:
         """This rank's outcome of the pass, agreed with every rank (one collective)."""
@@ -151,9 +161,14 @@ class PassChecks:
             else ("reproduced" if rec.reproduced() else "did not reproduce")
         )
         logger.warning(
-            "rank %d iteration %d: %r %s %s%s", self._rank(), iteration, r.message, what,
-            where, "" if r.fatal else " (non-fatal: continuing with the re-run's result)",
-        )  # fmt: skip
+            "rank %d iteration %d: %r %s %s%s",
+            self._rank(),
+            iteration,
+            r.message,
+            what,
+            where,
+            "" if r.fatal else " (non-fatal: continuing with the re-run's result)",
+        )
         return flag
 
     def track(self, status: str, result: float, message: str, iteration: int) -> None:
@@ -169,7 +184,12 @@ class PassChecks:
             )
 
     def log_stats(self, iteration: int) -> None:
-        """The determinism stats of every message so far, one INFO line each."""
+        """In ``report_determinism_stats`` mode, every ``REPORT_INTERVAL_ITERATIONS`` steps:
+        the determinism stats of every message so far, one INFO line each."""
+        if self.mode is not RerunMode.REPORT_DETERMINISM_STATS:
+            return
+        if iteration % REPORT_INTERVAL_ITERATIONS != 0:
+            return
         for msg, st in sorted(self.stats.items()):
             logger.info(
                 "determinism stats at iteration %d for %r: %s",

@@ -28,10 +28,25 @@ logger = logging.getLogger(__name__)
 STATE_DICT_VERSION = 1
 
 _KEYS = (
-    "version", "mode", "state", "iteration", "rank", "world_size", "hardware_id",
-    "failed_message", "failed_seq", "failed_fatal", "failed_tolerance", "initial_result",
-    "suspect_hardware", "faulty_hardware", "large_values", "injector", "rng", "data",
-)  # fmt: skip
+    "version",
+    "mode",
+    "state",
+    "iteration",
+    "rank",
+    "world_size",
+    "hardware_id",
+    "failed_message",
+    "failed_seq",
+    "failed_fatal",
+    "failed_tolerance",
+    "initial_result",
+    "suspect_hardware",
+    "faulty_hardware",
+    "large_values",
+    "injector",
+    "rng",
+    "data",
+)
 
 
 @dataclass
@@ -92,15 +107,22 @@ def capture(
 
 
 def resumable(p: Persisted, *, mode: RerunMode, iteration: int) -> bool:
-    """Whether the pending re-run of ``p`` resumes in this job: the same world size, and a mode
-    that validates results; otherwise it is dropped with a warning, like a resharded job."""
+    """Whether ``p`` holds a pending re-run that resumes in this job: the same world size, and
+    a mode that validates results; otherwise one is dropped with a warning, like a resharded
+    job."""
+    if p.state is not State.WILL_RERUN_ELSEWHERE:
+        return False
     world = agree.rank_and_world()[1]
     if p.world_size != world or mode is not RerunMode.VALIDATE_RESULTS:
         logger.warning(
             "iteration %d: a pending re-run from a job with world size %d in mode %s is "
             "ignored (now world size %d, mode %s)",
-            iteration, p.world_size, p.mode, world, mode.value,
-        )  # fmt: skip
+            iteration,
+            p.world_size,
+            p.mode,
+            world,
+            mode.value,
+        )
         return False
     return True
 

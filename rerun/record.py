@@ -42,6 +42,12 @@ class StepRecord:
         self.rerun_diff: float | None = None
         self.rerun_result = math.nan
 
+    def resume(self, rejected: Rejected | None, suspect_hw: str) -> None:
+        """A pending re-run restored from a checkpoint: the call to compare, and where it
+        reproduced."""
+        self.rejected = rejected
+        self.suspect_hw = suspect_hw
+
     def new_step(self) -> None:
         self.rejected = None
         self.suspect_hw = ""

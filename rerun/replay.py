@@ -1,7 +1,7 @@
 """What re-running the current step needs: its RNG snapshot and its microbatches.
 
 Owned by ``RerunStateMachine`` (``rerun.machine``), one per machine, used on the training loop's
-thread from ``should_run_forward_backward`` (``begin``, ``new_step``, ``capture``, ``advance``,
+thread from ``should_run_forward_backward`` (``begin``, ``start_step``, ``capture``,
 ``replay``) and from ``state_dict`` / ``load_state_dict`` (``data``, ``load``). Never blocks.
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 from rerun import data as data_mod
 from rerun import rng
 from rerun.data import RerunDataIterator
+from rerun.state_machine import RerunMode
 
 
 class StepReplay:
@@ -21,31 +22,35 @@ class StepReplay:
 
     def __init__(
         self,
+        mode: RerunMode,
         *,
         save_func: Callable[[], Any] | None,
         restore_func: Callable[[Any], None] | None,
     ) -> None:
+        """``mode``: the machine's (every mode but ``disabled`` requires the step's data)."""
+        self._mode = mode
         self._save_func, self._restore_func = save_func, restore_func
         self.iterators: list[RerunDataIterator] = []
         self.snapshot: rng.RngSnapshot | None = None
         self.loaded_data: list[list[Any]] | None = None  # microbatches of a pending re-run
 
-    def begin(self, data: Any, *, required: bool, mode: str) -> None:
+    def begin(self, data: Any) -> None:
         """Take the step's data iterators (``should_run_forward_backward``'s ``data``)."""
-        self.iterators = data_mod.as_iterators(data, required=required, mode=mode)
+        required = self._mode is not RerunMode.DISABLED
+        self.iterators = data_mod.as_iterators(data, required=required, mode=self._mode.value)
 
-    def new_step(self) -> None:
-        """A new step starts: a loaded re-run's microbatches are spent."""
+    def start_step(self, *, capture: bool) -> None:
+        """A new step starts: a loaded re-run's microbatches are spent; with ``capture`` the RNG
+        is snapshot before the step's first pass and the iterators record its microbatches."""
         self.loaded_data = None
+        if capture:
+            self.capture()
+        for it in self.iterators:
+            it.advance(record=capture)
 
     def capture(self) -> None:
         """Snapshot the RNG state (and the extra state of ``state_save_func``)."""
         self.snapshot = rng.capture(self._save_func)
-
-    def advance(self, *, record: bool) -> None:
-        """Each iterator moves to the step's microbatches, recording them when ``record``."""
-        for it in self.iterators:
-            it.advance(record=record)
 
     def replay(self) -> None:
         """Restore the snapshot and rewind the iterators to the step's first microbatch."""

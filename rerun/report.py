@@ -20,9 +20,12 @@ def report_verdict(iteration: int, verdict: Diagnostic, suspects: Suspects) -> N
     """Log ``verdict`` at ``iteration`` (rerun's iteration is the training step) and journal it
     when a journal is open in this process."""
     logger.info(
-        "iteration %d verdict: %s (suspect ranks %s, hardware %s)", iteration,
-        verdict.value, list(suspects.ranks), list(suspects.hardware),
-    )  # fmt: skip
+        "iteration %d verdict: %s (suspect ranks %s, hardware %s)",
+        iteration,
+        verdict.value,
+        list(suspects.ranks),
+        list(suspects.hardware),
+    )
     if not _journal.handlers:
         return
     _journal.debug(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from straggler import scores
 from straggler.config import DetectorConfig
+from straggler.decide import decide, rank_numbers
 from straggler.errors import ConfigError
 from straggler.gather import StoreRounds
 from straggler.report import Report
@@ -69,11 +70,7 @@ class Detector:
         # The restart context's replace_rank(rank, reason=, tag=) (duck-typed: no inprocess import).
         self._demote: Callable[..., bool] | None = None
         if context is not None:
-            if store is not None or rank is not None or world_size is not None:
-                raise ConfigError(
-                    "Detector got context= and store/rank/world_size: pass one of them "
-                    "(context= reads all three from the restart context)"
-                )
+            _check_context_alone(store, rank, world_size)
             store, rank, world_size = context.store, context.rank, context.world_size
             self._demote = getattr(context, "replace_rank", None)
         rank = 0 if rank is None else rank
@@ -84,17 +81,11 @@ class Detector:
         self.on_report = on_report
         self.clock = clock
         self.cpu_clock = cpu_clock
-        self._rounds = (
-            None
-            if store is None
-            else StoreRounds(
-                store,
-                rank=rank,
-                world_size=world_size,
-                timeout=config.gather_timeout,
-                clock=clock,
+        self._rounds: StoreRounds | None = None  # None: a single rank without a store
+        if store is not None:
+            self._rounds = StoreRounds(
+                store, rank=rank, world_size=world_size, timeout=config.gather_timeout, clock=clock
             )
-        )
         self._cuda = cuda_timing(config.timer)
         self._sections: dict[str, Section] = {}
         self._history: deque[dict[str, float]] = deque(maxlen=config.individual_window)
@@ -180,82 +171,31 @@ class Detector:
             individual, ind_sections = scores.individual_score(times, list(self._history))
         if times:
             self._history.append(times)
-        mine = json.dumps(
-            {
-                "host": self.host,
-                "times": times,
-                "individual": individual,
-                "section_individual": ind_sections,
-            }
-        )
+        mine = rank_numbers(self.host, times, individual, ind_sections)
 
-        def decide(present: dict[int, str], missing: tuple[int, ...]) -> str:
-            report = self._decide(step, present, missing, started=started)
+        def publish(present: dict[int, str], missing: tuple[int, ...]) -> str:
+            """The report and the next plan, decided by whichever rank publishes first."""
+            report = decide(
+                cfg,
+                present,
+                missing,
+                round=self._round,
+                step=step,
+                streaks=self._streaks,
+                started=started,
+                clock=self.clock,
+            )
             return json.dumps({"report": report.to_json(), "plan": proposal.to_json()})
 
         if self._rounds is None:
-            answer = decide({self.rank: mine}, ())
+            answer = publish({self.rank: mine}, ())
         else:
-            answer = self._rounds.report(self._round, mine, decide)
+            answer = self._rounds.report(self._round, mine, publish)
         published = json.loads(answer)
         self._plan = Plan.from_json(published["plan"])
         report = Report.from_json(published["report"])
         self._act(report)
         return report
-
-    def _decide(
-        self, step: int, present: dict[int, str], missing: tuple[int, ...], *, started: float
-    ) -> Report:
-        """The report from every rank's numbers (run by whichever rank publishes first)."""
-        cfg = self.config
-        numbers = {r: json.loads(v) for r, v in present.items()}
-        timed = {r: n["times"] for r, n in numbers.items() if n["times"]}
-        relative: dict[int, float] = {}
-        section_relative: dict[str, dict[int, float]] = {}
-        if cfg.calc_relative_gpu_perf:
-            relative, section_relative = scores.relative_scores(timed, reference=cfg.relative_to)
-        individual: dict[int, float] = {}
-        section_individual: dict[str, dict[int, float]] = {}
-        job_trend = 1.0
-        if cfg.calc_individual_gpu_perf:
-            individual, job_trend = scores.beyond_job_trend(
-                {r: n["individual"] for r, n in numbers.items() if n["times"]}
-            )
-            for r, n in numbers.items():
-                for s, v in n["section_individual"].items():
-                    section_individual.setdefault(s, {})[r] = v
-        stragglers = scores.find_stragglers(
-            relative,
-            individual,
-            relative_threshold=cfg.gpu_relative_perf_threshold,
-            individual_threshold=cfg.gpu_individual_perf_threshold,
-        )
-        streaks = scores.update_streaks(self._streaks, list(stragglers))
-        demote: int | None = None
-        deferred: tuple[int, ...] = ()
-        if cfg.replace_if_detected:
-            demote, deferred = scores.pick_demotion(
-                streaks,
-                scores.min_scores(relative, individual),
-                after=cfg.replace_after_reports,
-            )
-        return Report(
-            round=self._round,
-            step=step,
-            hosts={r: n["host"] for r, n in numbers.items()},
-            relative=relative,
-            individual=individual,
-            section_relative=section_relative,
-            section_individual=section_individual,
-            stragglers=stragglers,
-            streaks=streaks,
-            demote=demote,
-            deferred=deferred,
-            stop=cfg.stop_if_detected and bool(stragglers),
-            missing=missing,
-            job_trend=job_trend,
-            elapsed=self.clock() - started,
-        )
 
     def _act(self, report: Report) -> None:
         """Log the published report, then stop or demote as it says (every rank the same)."""
@@ -296,6 +236,15 @@ def _config_from(config: DetectorConfig | None, options: dict[str, Any]) -> Dete
         return DetectorConfig(**options)
     except TypeError as exc:
         raise ConfigError(f"Detector: {exc}: the options are DetectorConfig's") from None
+
+
+def _check_context_alone(*members: object) -> None:
+    """``context=`` reads the store, the rank and the world size: none may be given beside it."""
+    if any(m is not None for m in members):
+        raise ConfigError(
+            "Detector got context= and store/rank/world_size: pass one of them "
+            "(context= reads all three from the restart context)"
+        )
 
 
 def _check_membership(

@@ -68,8 +68,12 @@ def test_a_reserves_death_does_not_interrupt_the_active_ranks() -> None:
     # 2 active + 1 reserve; the config's drill SIGKILLs the reserve (initial rank 2) 0.3-0.6 s
     # after the ranks met. Before issue 35 its watchdog ended the iteration: every active rank
     # restarted once. Now it is only marked gone; the launcher respawns its slot.
-    drill = {"simulate_fault": True, "simulated_fault_type": "rank_killed",
-             "simulated_fault_rank": 2, "simulated_fault_base_delay": 0.3}  # fmt: skip
+    drill = {
+        "simulate_fault": True,
+        "simulated_fault_type": "rank_killed",
+        "simulated_fault_rank": 2,
+        "simulated_fault_base_delay": 0.3,
+    }
     opts = {"steps": 40, "step_time": 0.05, "config": {"active_world_size": 2, **drill}}
     job, d = launch(3, opts, "--max-respawns", "1")
     assert job.returncode == 0, job.output

@@ -43,11 +43,29 @@ def _launch(
     env.pop("RESTARTABLE_SECRET", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "2",
-             "--master-port", str(port), "--max-restarts", "0", "--max-respawns", "0",
-             "tests/dist/workers_control.py", str(tmp / name), str(steps), str(hang_at)],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "inprocess.launch",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(port),
+                "--max-restarts",
+                "0",
+                "--max-respawns",
+                "0",
+                "tests/dist/workers_control.py",
+                str(tmp / name),
+                str(steps),
+                str(hang_at),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return proc, log
 
 
@@ -63,9 +81,12 @@ def _finish(proc: subprocess.Popen[bytes], log: Path) -> tuple[int, str]:
 
 def _client(port: int) -> dist.TCPStore:
     return dist.TCPStore(
-        "127.0.0.1", port, is_master=False, wait_for_workers=False,
+        "127.0.0.1",
+        port,
+        is_master=False,
+        wait_for_workers=False,
         timeout=datetime.timedelta(seconds=10),
-    )  # fmt: skip
+    )
 
 
 def _ranks_of(launcher: int) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -89,8 +88,8 @@ def test_restartable_job_on_etcd_survives_exception_kill_and_leader_loss(
 def test_launcher_with_store_flag_survives_exception_and_kill(cluster: EtcdCluster) -> None:
     # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its id):
     # "iteration 0 is done" would end every rank at once if the launcher did not clear it.
-    from inprocess.protocol import keys
     from inprocess.etcd import EtcdStore
+    from inprocess.protocol import keys
 
     with EtcdStore(cluster.url, prefix="launch-x", timeout=10) as stale:
         stale.set(keys.end_key(0), keys.OUTCOME_DONE)
@@ -130,9 +129,23 @@ def test_two_launchers_on_etcd_lose_node_0_and_node_1_trains_on(
         "dir": str(tmp_path),
         "config": {**FAST, "active_world_size": 2, "min_active_world_size": 2},
     }
-    opts = {"dir": str(tmp_path), "nproc": 2, "kill_after_step": 2, "kill_node": 0, "job": job,
-            "launcher_args": ["--monitor-interval", "0.05", "--stop-grace", "2",
-                              "--store", cluster.url, "--job-id", "two-nodes"]}  # fmt: skip
+    opts = {
+        "dir": str(tmp_path),
+        "nproc": 2,
+        "kill_after_step": 2,
+        "kill_node": 0,
+        "job": job,
+        "launcher_args": [
+            "--monitor-interval",
+            "0.05",
+            "--stop-grace",
+            "2",
+            "--store",
+            cluster.url,
+            "--job-id",
+            "two-nodes",
+        ],
+    }
     out = run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120)
     assert out.returncode == 0, out.output + (tmp_path / "node0.log").read_text()
     done = results(tmp_path)
@@ -154,8 +167,12 @@ def test_in_job_restart_on_etcd_uses_a_fresh_namespace_per_round(cluster: EtcdCl
     from tests.dist.test_launcher_recovery import launch, results, steps
     from tests.dist.workers_launcher_recovery import clean_loss
 
-    opts = {"steps": 8, "ckpt_every": 2, "raise_at": {"step": 5, "rank": 1, "once": True},
-            "config": {"max_iterations": 1}}  # fmt: skip
+    opts = {
+        "steps": 8,
+        "ckpt_every": 2,
+        "raise_at": {"step": 5, "rank": 1, "once": True},
+        "config": {"max_iterations": 1},
+    }
     flags = ("--max-restarts", "1", "--store", cluster.url, "--job-id", "inj")
     job, d = launch(2, opts, *flags)
     assert job.returncode == 0, job.output

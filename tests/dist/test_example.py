@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from inprocess import faults, journal
-from inprocess.report import attribution
 from inprocess.preemption import PREEMPTED_EXIT_CODE
+from inprocess.report import attribution
 from tests.etcd_cluster import EtcdCluster
 from tests.etcd_cluster import skip_reason as etcd_skip_reason
 from tests.multiproc import REPO_ROOT, run_job, slow
@@ -147,8 +147,8 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
 ) -> None:
     # Issue 18: faults with every key of the job on a 3-member etcd cluster (the launcher's
     # control keys included): one restart per fault and the clean run's final loss.
-    from inprocess.protocol import keys
     from inprocess.etcd import EtcdStore
+    from inprocess.protocol import keys
 
     with EtcdCluster(members=3) as cluster:
         # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its
@@ -188,9 +188,21 @@ def test_the_quick_start_demo_on_etcd_and_on_the_tcpstore_end_with_the_same_loss
             if name == "etcd":
                 cluster = stack.enter_context(EtcdCluster(members=3))
                 launcher = ("--store", cluster.url)
-            argv = ["-m", "inprocess.launch", "--nproc-per-node", "4", *launcher,
-                    "examples/train.py", "--faults", "demo", "--run-dir", str(tmp_path / name),
-                    "--active", "2", *ETCD_TIMEOUTS]  # fmt: skip
+            argv = [
+                "-m",
+                "inprocess.launch",
+                "--nproc-per-node",
+                "4",
+                *launcher,
+                "examples/train.py",
+                "--faults",
+                "demo",
+                "--run-dir",
+                str(tmp_path / name),
+                "--active",
+                "2",
+                *ETCD_TIMEOUTS,
+            ]
             job = run_job(argv, deadline=400)
             assert job.returncode == 0, job.output
             rep = _report(tmp_path / name)
@@ -208,8 +220,9 @@ def test_a_shrink_without_reserve_resumes_from_the_newest_step_of_any_tier(
     # interrupted, the node-local copies of the 3-rank world resharded onto 2 (they went back
     # to step 0 "from the no tier": the persistent saves of steps 20 had been cancelled).
     run_dir = tmp_path / "run"
-    job = _launch(run_dir, nproc=3, faults="exception@rank1:step10,kill@rank1:step20",
-                  extra=["--active", "3"])  # fmt: skip
+    job = _launch(
+        run_dir, nproc=3, faults="exception@rank1:step10,kill@rank1:step20", extra=["--active", "3"]
+    )
     assert job.returncode == 0, job.output
     warning = [line for line in job.output.splitlines() if "warm reserve(s)" in line]
     assert len(warning) == 1 and "kill@rank1:step20" in warning[0], job.output
@@ -253,8 +266,13 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path: Path
 
 def test_a_fault_on_a_rank_that_does_not_train_is_refused(tmp_path: Path) -> None:
     # 4 ranks, one kill -> 3 train: rank 3 never trains, so its fault would never fire.
-    argv = ["examples/train.py", "--run-dir", str(tmp_path), "--faults", "kill@rank1:step5,"
-            "exception@rank3:step10"]  # fmt: skip
+    argv = [
+        "examples/train.py",
+        "--run-dir",
+        str(tmp_path),
+        "--faults",
+        "kill@rank1:step5,exception@rank3:step10",
+    ]
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}
     proc = subprocess.run(
         [sys.executable, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
@@ -275,8 +293,15 @@ MISUSE_WARNINGS = (
 
 
 def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -> None:
-    quick_start = ["-m", "inprocess.launch", "--nproc-per-node", "4",
-                   str(REPO_ROOT / "examples" / "train.py"), "--faults", "demo"]  # fmt: skip
+    quick_start = [
+        "-m",
+        "inprocess.launch",
+        "--nproc-per-node",
+        "4",
+        str(REPO_ROOT / "examples" / "train.py"),
+        "--faults",
+        "demo",
+    ]
     first = run_job(quick_start, deadline=180, cwd=tmp_path)
     assert first.returncode == 0, first.output
     run_dir = tmp_path / "runs" / "example"
@@ -298,10 +323,12 @@ def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -
     found = attribution.analyse(journal.read(run_dir / "journal"))
     injected = [f for f in found if f.origin == "injected"]
     assert [(f.fault.injected, f.fault_class) for f in injected] == [
-        ("exception@rank1:step50", "exception"), ("kill@rank1:step100", "kill"),
-        ("hang@rank0:step150", "hang"), ("nan@rank1:step200", "numerical"),
+        ("exception@rank1:step50", "exception"),
+        ("kill@rank1:step100", "kill"),
+        ("hang@rank0:step150", "hang"),
+        ("nan@rank1:step200", "numerical"),
         ("exception@rank0:step250", "exception"),
-    ], [f.line() for f in found]  # fmt: skip
+    ], [f.line() for f in found]
     assert not any(f.origin == "hardware" or f.exclude for f in found), [f.line() for f in found]
     report = (run_dir / "report.json").read_text()
 
@@ -326,8 +353,11 @@ def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -
     ]
     assert (run_dir / "report.json").read_text() == report  # untouched
 
-    fresh = run_job([*quick_start[:-2], "--faults", "exception@rank0:step5", "--steps", "10",
-                     "--fresh"], deadline=90, cwd=tmp_path)  # fmt: skip
+    fresh = run_job(
+        [*quick_start[:-2], "--faults", "exception@rank0:step5", "--steps", "10", "--fresh"],
+        deadline=90,
+        cwd=tmp_path,
+    )
     assert fresh.returncode == 0, fresh.output
     assert [f.fault for f in faults.fired(run_dir)] == ["exception@rank0:step5"]
     assert [f["fault"] for f in _report(run_dir)["faults"]] == ["exception@rank0:step5"]
@@ -347,8 +377,18 @@ def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -
 def test_bad_input_is_one_line_once_and_exit_2(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
-    argv = ["-m", "inprocess.launch", "--nproc-per-node", "2", "examples/train.py",
-            "--run-dir", str(tmp_path), "--active", "2", *args]  # fmt: skip
+    argv = [
+        "-m",
+        "inprocess.launch",
+        "--nproc-per-node",
+        "2",
+        "examples/train.py",
+        "--run-dir",
+        str(tmp_path),
+        "--active",
+        "2",
+        *args,
+    ]
     job = run_job(argv, deadline=60)
     assert job.returncode == 2, job.output
     assert job.output.count("train.py: error:") == 1, job.output

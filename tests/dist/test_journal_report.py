@@ -60,12 +60,16 @@ def test_report_of_a_script_that_never_pings_nor_saves(tmp_path: Path) -> None:
     outs = run_ranks(
         2,
         target="tests.dist.workers_journal:job",
-        kwargs={"root": str(tmp_path / "ckpt"), "record_dir": str(tmp_path / "faults"),
-                "ping": False, "step_s": 0.05},
+        kwargs={
+            "root": str(tmp_path / "ckpt"),
+            "record_dir": str(tmp_path / "faults"),
+            "ping": False,
+            "step_s": 0.05,
+        },
         host_store=True,
         deadline=60,
         env={journal.ENV_DIR: str(jdir)},
-    )  # fmt: skip
+    )
     assert [o.result["value"] for o in outs] == [80, 80]  # 15 steps done, then 40 from 0
     (rep,) = report.reports(jdir)
     assert rep.progress_source == "probe" and rep.steps is None

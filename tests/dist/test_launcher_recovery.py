@@ -11,7 +11,6 @@ covers their rules; see docs/launching.md).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,10 +20,9 @@ from typing import Any
 
 import pytest
 
-from inprocess.launch.autoresume import EXIT_REQUEUE
 from inprocess import journal
-from inprocess.report import attribution
 from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
+from inprocess.report import attribution
 from tests.dist.workers_launcher_recovery import clean_loss
 from tests.multiproc import REPO_ROOT, JobOutput, run_job, slow
 
@@ -46,10 +44,24 @@ def launch(
     launcher finds that directory through the store and journals there too)."""
     d = Path(tempfile.mkdtemp(prefix="launcher-recovery-"))
     journal_dir = str(d / "journal")
-    opts = {**opts, "dir": str(d), "config": {**FAST, "journal_dir": journal_dir,
-                                               **opts.get("config", {})}}  # fmt: skip
-    argv = ["-m", "inprocess.launch", "--nproc-per-node", str(n), "--monitor-interval", "0.05",
-            "--stop-grace", "2", *flags, SCRIPT, json.dumps(opts)]  # fmt: skip
+    opts = {
+        **opts,
+        "dir": str(d),
+        "config": {**FAST, "journal_dir": journal_dir, **opts.get("config", {})},
+    }
+    argv = [
+        "-m",
+        "inprocess.launch",
+        "--nproc-per-node",
+        str(n),
+        "--monitor-interval",
+        "0.05",
+        "--stop-grace",
+        "2",
+        *flags,
+        SCRIPT,
+        json.dumps(opts),
+    ]
     return run_job(argv, deadline=deadline), d
 
 
@@ -66,8 +78,11 @@ def downtime_report(d: Path) -> tuple[str, dict[str, Any]]:
     out = d / "report.json"
     cli = subprocess.run(
         [sys.executable, "-m", "inprocess.report", str(d / "journal"), "--json", str(out)],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
     assert cli.returncode == 0, cli.stdout + cli.stderr
     (launch,) = json.loads(out.read_text())["launches"]  # one launch id for every process
     return cli.stdout, launch
@@ -78,8 +93,12 @@ def test_respawned_processes_refill_the_pool_through_four_kills() -> None:
     # 3 active + 1 reserve; ctx.rank 1 is SIGKILLed in iterations 0..3. From the second kill on,
     # the kill waits until a respawned process waits in the pool: the job then never shrinks.
     kills = [{"iteration": i, "rank": 1, "step": 2 + i, "refill": i > 0} for i in range(4)]
-    opts = {"steps": 8, "step_time": 0.05, "kills": kills,
-            "config": {"active_world_size": 3, "min_active_world_size": 3}}  # fmt: skip
+    opts = {
+        "steps": 8,
+        "step_time": 0.05,
+        "kills": kills,
+        "config": {"active_world_size": 3, "min_active_world_size": 3},
+    }
     job, d = launch(4, opts, "--max-respawns", "2")
     assert job.returncode == 0, job.output
     fired = [json.loads(x) for x in (d / "kills.jsonl").read_text().splitlines()]
@@ -131,8 +150,12 @@ def test_in_process_stop_leads_to_in_job_restart_that_resumes_from_the_checkpoin
     # rank, which resume from the checkpoint of step 3 (every 2 steps) and finish.
     d_flag = Path(tempfile.mkdtemp()) / "autoresume.json"
     d_flag.write_text(json.dumps({"attempt": 0}))  # a stale flag of an earlier attempt
-    opts = {"steps": 8, "ckpt_every": 2, "raise_at": {"step": 5, "rank": 1, "once": True},
-            "config": {"max_iterations": 1}}  # fmt: skip
+    opts = {
+        "steps": 8,
+        "ckpt_every": 2,
+        "raise_at": {"step": 5, "rank": 1, "once": True},
+        "config": {"max_iterations": 1},
+    }
     job, d = launch(2, opts, "--max-restarts", "1", "--autoresume-file", str(d_flag))
     assert job.returncode == 0, job.output
     assert "in-job restart 1/1: the in-process restart gave up: max_iterations (1)" in job.output
@@ -157,8 +180,12 @@ def test_config_drill_kills_one_rank_once_and_the_report_shows_the_respawn() -> 
     # RestartConfig(simulate_fault=True, ...), not a launcher flag: rank 1 SIGKILLs itself
     # 0.3-0.6 s after the ranks met; the reserve takes over, the launcher respawns the slot,
     # and no restart (the in-process one, nor the respawned process) fires the drill again.
-    drill = {"simulate_fault": True, "simulated_fault_type": "rank_killed",
-             "simulated_fault_rank": 1, "simulated_fault_base_delay": 0.3}  # fmt: skip
+    drill = {
+        "simulate_fault": True,
+        "simulated_fault_type": "rank_killed",
+        "simulated_fault_rank": 1,
+        "simulated_fault_base_delay": 0.3,
+    }
     opts = {"steps": 60, "step_time": 0.05, "config": {"active_world_size": 2, **drill}}
     job, d = launch(3, opts, "--max-respawns", "1")
     assert job.returncode == 0, job.output
@@ -186,8 +213,16 @@ def test_config_drill_kills_one_rank_once_and_the_report_shows_the_respawn() -> 
 def test_restart_budget_spent_ends_with_requeue_status_and_flag() -> None:
     flag = Path(tempfile.mkdtemp()) / "autoresume.json"
     opts = {"steps": 4, "raise_at": {"step": 1, "rank": 0}, "config": {"max_iterations": 1}}
-    job, _ = launch(1, opts, "--max-restarts", "1", "--num-job-retries-on-failure", "2",
-                    "--autoresume-file", str(flag))  # fmt: skip
+    job, _ = launch(
+        1,
+        opts,
+        "--max-restarts",
+        "1",
+        "--num-job-retries-on-failure",
+        "2",
+        "--autoresume-file",
+        str(flag),
+    )
     assert job.returncode == EXIT_REQUEUE, job.output
     assert job.output.count("in-job restart 1/1") == 1, job.output
     assert "in-job restarts exhausted (1 of --max-restarts 1)" in job.output
@@ -201,11 +236,26 @@ def test_crash_looping_respawn_is_retired_and_the_job_goes_on() -> None:
     # The launcher's fault drill kills rank 0 0.3-0.6 s into the job and the reserve takes over;
     # the job (60 x 0.05 s) runs long enough for two start-up crashes of rank 0's respawns and
     # the backoff before the second.
-    opts = {"steps": 60, "step_time": 0.05, "crash_respawned": True,
-            "config": {"active_world_size": 1}}  # fmt: skip
-    job, d = launch(2, opts, "--max-respawns", "2", "--respawn-backoff", "0.2",
-                    "--simulated-fault-type", "rank_killed", "--simulated-fault-rank", "0",
-                    "--simulated-fault-base-delay", "0.3")  # fmt: skip
+    opts = {
+        "steps": 60,
+        "step_time": 0.05,
+        "crash_respawned": True,
+        "config": {"active_world_size": 1},
+    }
+    job, d = launch(
+        2,
+        opts,
+        "--max-respawns",
+        "2",
+        "--respawn-backoff",
+        "0.2",
+        "--simulated-fault-type",
+        "rank_killed",
+        "--simulated-fault-rank",
+        "0",
+        "--simulated-fault-base-delay",
+        "0.3",
+    )
     assert job.returncode == 0, job.output
     assert "fault drill: rank_killed on rank 0" in job.output
     assert job.output.count("crashes at start-up") == 2, job.output
@@ -217,18 +267,25 @@ def test_crash_looping_respawn_is_retired_and_the_job_goes_on() -> None:
 def _two_nodes(job: dict[str, Any], *launcher_args: str) -> tuple[JobOutput, Path]:
     d = Path(tempfile.mkdtemp(prefix="two-nodes-"))
     job = {**job, "dir": str(d), "config": {**FAST, **job["config"]}}
-    opts = {"dir": str(d), "nproc": 2, "kill_after_step": 2, "job": job,
-            "launcher_args": ["--monitor-interval", "0.05", "--stop-grace", "2",
-                              *launcher_args]}  # fmt: skip
+    opts = {
+        "dir": str(d),
+        "nproc": 2,
+        "kill_after_step": 2,
+        "job": job,
+        "launcher_args": ["--monitor-interval", "0.05", "--stop-grace", "2", *launcher_args],
+    }
     return run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120), d
 
 
 @slow("a launcher case")
 def test_lost_node_with_enough_ranks_left_the_job_goes_on() -> None:
     job, d = _two_nodes(
-        {"steps": 12, "step_time": 0.1, "config": {"active_world_size": 3,
-                                                    "min_active_world_size": 2}}
-    )  # fmt: skip
+        {
+            "steps": 12,
+            "step_time": 0.1,
+            "config": {"active_world_size": 3, "min_active_world_size": 2},
+        }
+    )
     assert job.returncode == 0, job.output
     assert {r["world_size"] for r in results(d).values()} == {2}, job.output
 
@@ -237,10 +294,18 @@ def test_lost_node_with_enough_ranks_left_the_job_goes_on() -> None:
 def test_lost_node_without_enough_ranks_ends_with_requeue_status() -> None:
     flag = Path(tempfile.mkdtemp()) / "flag.json"
     job, _ = _two_nodes(
-        {"steps": 12, "step_time": 0.1, "config": {"active_world_size": 3,
-                                                    "min_active_world_size": 3}},
-        "--max-restarts", "1", "--node-timeout", "3", "--autoresume-file", str(flag),
-    )  # fmt: skip
+        {
+            "steps": 12,
+            "step_time": 0.1,
+            "config": {"active_world_size": 3, "min_active_world_size": 3},
+        },
+        "--max-restarts",
+        "1",
+        "--node-timeout",
+        "3",
+        "--autoresume-file",
+        str(flag),
+    )
     assert job.returncode == EXIT_REQUEUE, job.output
     assert "a node is gone" in job.output
     assert json.loads(flag.read_text())["status"] == EXIT_REQUEUE
@@ -256,8 +321,16 @@ def test_a_bug_every_rank_hits_ends_the_job_without_restart_or_requeue() -> None
     flag = Path(tempfile.mkdtemp()) / "autoresume.json"
     flag.write_text("{}")  # a stale flag of an earlier attempt: removed
     opts = {"steps": 4, "raise_at": {"step": 1, "rank": None}}
-    job, d = launch(2, opts, "--max-restarts", "1", "--num-job-retries-on-failure", "2",
-                    "--autoresume-file", str(flag))  # fmt: skip
+    job, d = launch(
+        2,
+        opts,
+        "--max-restarts",
+        "1",
+        "--num-job-retries-on-failure",
+        "2",
+        "--autoresume-file",
+        str(flag),
+    )
     assert job.returncode == EXIT_APPLICATION, job.output
     assert "in-job restart" not in job.output, job.output
     assert "exit 70 (application fault (not requeued))" in job.output, job.output

@@ -8,10 +8,7 @@ same final loss; Lightning's rank after a renumbering is the group's.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-import pytest
 
 from tests.multiproc import free_port, run_job, run_ranks, slow
 
@@ -33,8 +30,20 @@ def test_sigkills_resume_from_the_local_tier_then_the_persistent_one_to_the_clea
     d = tmp_path
     kills = [{"rank": 1, "step": 5}, {"rank": 1, "step": 9, "wipe": True}]
     opts = {"dir": str(d), "epochs": 12, "kills": kills, "clean_port": free_port()}
-    argv = ["-m", "inprocess.launch", "--nproc-per-node", "2", "--monitor-interval", "0.05",
-            "--stop-grace", "2", "--max-restarts", "2", SCRIPT, json.dumps(opts)]  # fmt: skip
+    argv = [
+        "-m",
+        "inprocess.launch",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.05",
+        "--stop-grace",
+        "2",
+        "--max-restarts",
+        "2",
+        SCRIPT,
+        json.dumps(opts),
+    ]
     job = run_job(argv, deadline=150.0)
     assert job.returncode == 0, job.output
     output = job.output
@@ -44,11 +53,18 @@ def test_sigkills_resume_from_the_local_tier_then_the_persistent_one_to_the_clea
     killed = {int((d / f"killed.{i}").read_text()) for i in (0, 1)}
     assert len(killed) == 2 and results[1]["pid"] not in killed, output
     # Where each launch came back from: the journal's restore records (every rank, per launch).
-    journal = [json.loads(line) for f in (d / "ft" / "journal").glob("*.jsonl")
-               for line in f.read_text().splitlines()]  # fmt: skip
+    journal = [
+        json.loads(line)
+        for f in (d / "ft" / "journal").glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     restores = sorted((r["step"], r["tier"], r["rank"]) for r in journal if r["event"] == "restore")
-    assert restores == [(5, "local_dir", 0), (5, "local_dir", 1),
-                        (8, "persistent", 0), (8, "persistent", 1)], restores  # fmt: skip
+    assert restores == [
+        (5, "local_dir", 0),
+        (5, "local_dir", 1),
+        (8, "persistent", 0),
+        (8, "persistent", 1),
+    ], restores
     assert "names step 9; the newest step every rank can restore is 8" in output, output
     for rank, r in results.items():
         assert r["restore"] == [8, "persistent"], (rank, r["restore"])
@@ -74,10 +90,23 @@ def test_fit_restarts_in_place_and_a_reserve_takes_the_lost_ranks_place(tmp_path
     # rank 1, both resume from step 5 (the reserve from the dead rank's node-local copy), with
     # no launcher restart (--max-restarts 0), to the clean run's final loss and weights.
     d = tmp_path
-    opts = {"dir": str(d), "epochs": 12, "kills": [{"rank": 1, "step": 5}],
-            "clean_port": free_port(), "config": {"active_world_size": 2}}  # fmt: skip
-    argv = ["-m", "inprocess.launch", "--nproc-per-node", "3", "--max-restarts", "0", SCRIPT,
-            json.dumps(opts)]  # fmt: skip
+    opts = {
+        "dir": str(d),
+        "epochs": 12,
+        "kills": [{"rank": 1, "step": 5}],
+        "clean_port": free_port(),
+        "config": {"active_world_size": 2},
+    }
+    argv = [
+        "-m",
+        "inprocess.launch",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "0",
+        SCRIPT,
+        json.dumps(opts),
+    ]
     job = run_job(argv, deadline=150.0)
     assert job.returncode == 0, job.output
     assert "in-job restart" not in job.output, job.output

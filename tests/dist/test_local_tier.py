@@ -134,10 +134,15 @@ def test_peer_restore_into_state_needs_no_second_copy(tmp_path: Path) -> None:
         outs = run_ranks(
             2,
             target=f"{W}:restore_fresh",
-            kwargs={"base": base, "algo": "atomic", "min_step": min_step, "big": big,
-                    "small_parts": False},
+            kwargs={
+                "base": base,
+                "algo": "atomic",
+                "min_step": min_step,
+                "big": big,
+                "small_parts": False,
+            },
             **two_nodes,
-        )  # fmt: skip
+        )
         r = outs[1].result
         assert (r["step"], r["tier"], r["ok"]) == (2, "peer", True), r
         growth[min_step] = r["peak_rss_growth_mib"]

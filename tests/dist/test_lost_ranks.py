@@ -41,9 +41,13 @@ class Job(NamedTuple):
 
 
 def run(
-    n: int, *, config: dict[str, Any], faults: list[dict[str, Any]], deadline: float = 60.0,
+    n: int,
+    *,
+    config: dict[str, Any],
+    faults: list[dict[str, Any]],
+    deadline: float = 60.0,
     **kwargs: Any,
-) -> Job:  # fmt: skip
+) -> Job:
     """Run the job; return the outputs, who ran as which rank, and the faults that fired."""
     local_world_size = kwargs.pop("local_world_size", None)
     calls_dir = Path(tempfile.mkdtemp(prefix="lost-ranks-"))
@@ -173,11 +177,15 @@ def test_reserves_exhausted_stop_with_one_clear_error_and_launcher_fails() -> No
     }
     job = run_job(
         [
-            "-m", "inprocess.launch", "--nproc-per-node", "3",
-            "tests/dist/workers_lost_ranks.py", json.dumps(kwargs),
+            "-m",
+            "inprocess.launch",
+            "--nproc-per-node",
+            "3",
+            "tests/dist/workers_lost_ranks.py",
+            json.dumps(kwargs),
         ],
         deadline=60,
-    )  # fmt: skip
+    )
     assert job.returncode != 0, job.output
     assert active_per_iteration(calls_dir) == {0: {0: 0, 1: 1}, 1: {0: 0, 1: 2}}
     assert recorded(calls_dir) == [("kill", 1, 1, 0, 1), ("kill", 1, 2, 1, 1)]

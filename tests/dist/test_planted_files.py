@@ -27,14 +27,34 @@ _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start
 
 
 def _launch(job: Path, journal: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-           "RESTARTABLE_JOURNAL_DIR": str(journal)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "RESTARTABLE_JOURNAL_DIR": str(journal),
+    }
     return subprocess.run(
-        [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "--max-restarts", "0", "--max-respawns", "0",
-         "tests/dist/workers_private.py", str(job)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=_DEADLINE_S,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "inprocess.launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--max-restarts",
+            "0",
+            "--max-respawns",
+            "0",
+            "tests/dist/workers_private.py",
+            str(job),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_DEADLINE_S,
+    )
 
 
 def _craft_newest(root: Path, marker: Path) -> Path:

@@ -35,11 +35,28 @@ def test_every_file_a_job_writes_is_0600(tmp_path: Path) -> None:
         "RESTARTABLE_JOURNAL_DIR": str(job / "journal"),
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "--max-restarts", "0", "--max-respawns", "0",
-         "tests/dist/workers_private.py", str(job)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=_DEADLINE_S, umask=0o022,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "inprocess.launch",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "--max-restarts",
+            "0",
+            "--max-respawns",
+            "0",
+            "tests/dist/workers_private.py",
+            str(job),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_DEADLINE_S,
+        umask=0o022,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     modes = _modes(job)

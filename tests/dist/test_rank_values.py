@@ -1,5 +1,6 @@
 """Issue 47: a plain value that differs between ranks is named after the first persistent save
-(at the next save, never waiting on a peer), with ``PerRank`` (the persistent tier keeps one copy: every rank would restore the same)."""
+(at the next save, never waiting on a peer), with ``PerRank`` (the persistent tier keeps one
+copy: every rank would restore the same)."""
 
 from __future__ import annotations
 

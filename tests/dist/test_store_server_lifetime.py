@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from inprocess.protocol.environment import read_env
 from inprocess.errors import ConfigError
+from inprocess.protocol.environment import read_env
 from inprocess.protocol.keys import GONE_KEY
 from inprocess.store_server import client, connect, mark_left
 from tests.multiproc import free_port
@@ -23,10 +23,18 @@ _EXIT_S = 30.0  # the server polls every second; a loaded machine needs headroom
 
 def _server(port: int, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "inprocess.store_server", "--port", str(port),
-         "--world-size", "2", *extra],
+        [
+            sys.executable,
+            "-m",
+            "inprocess.store_server",
+            "--port",
+            str(port),
+            "--world-size",
+            "2",
+            *extra,
+        ],
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def _gone(proc: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -48,13 +56,30 @@ def test_a_rank_never_joins_another_launchs_store(port: int) -> None:
     # (before: `connectFullMesh failed` in the new job).
     old = _server(port, "--token", "slurm-7-0")
     try:
-        env = read_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), "SLURM_JOB_ID": "8"})  # fmt: skip
-        with pytest.raises(ConfigError, match=r"belongs to launch slurm-7-0, not to this launch "
-                           r"\(slurm-8-0\)"):  # fmt: skip
+        env = read_env(
+            {
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "SLURM_JOB_ID": "8",
+            }
+        )
+        with pytest.raises(
+            ConfigError,
+            match=r"belongs to launch slurm-7-0, not to this launch "
+            r"\(slurm-8-0\)",
+        ):
             connect(env, timeout=30.0)
-        same = read_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": str(port), "RESTARTABLE_LAUNCH_ID": "slurm-7-0"})  # fmt: skip
+        same = read_env(
+            {
+                "RANK": "1",
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RESTARTABLE_LAUNCH_ID": "slurm-7-0",
+            }
+        )
         connect(same, timeout=30.0)  # its own launch's ranks still get in
     finally:
         old.kill()

@@ -72,13 +72,21 @@ def test_restarts_of_the_readme_style_script_take_no_group_timeout(tmp_path: Pat
 def test_the_minimal_example_survives_a_fault_and_runs_twice(tmp_path: Path) -> None:
     # examples/minimal.py, shown in the README: one exception on rank 1 at step 30; the same
     # command again, as a user repeats it, in the same directory.
-    command = ["-m", "inprocess.launch", "--nproc-per-node", "3",
-               str(REPO_ROOT / "examples" / "minimal.py"), "--fail-at", "30"]  # fmt: skip
+    command = [
+        "-m",
+        "inprocess.launch",
+        "--nproc-per-node",
+        "3",
+        str(REPO_ROOT / "examples" / "minimal.py"),
+        "--fail-at",
+        "30",
+    ]
     job = run_job(command, deadline=120, cwd=tmp_path)
     assert job.returncode == 0, job.output
-    assert re.search(r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d: memory on 2 ranks ", job.output), (
-        job.output
-    )
+    assert re.search(
+        r"\[rank 0\] restart 1: exception on rank 1; .* resumed step 2\d: memory on 2 ranks ",
+        job.output,
+    ), job.output
     assert re.search(r"\[rank 0\] done: loss \d", job.output), job.output
     assert "RuntimeError: injected fault at step 30" in job.output
     # Again: the run finished, so nothing trains, nothing restarts, and it says so.

@@ -43,11 +43,28 @@ def _launch(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
     env.pop("RESTARTABLE_SECRET", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "2",
-             "--master-port", str(port), "--max-restarts", "0", "--max-respawns", "0",
-             "tests/dist/workers_probe.py", str(tmp / "job"), str(STEPS)],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "inprocess.launch",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(port),
+                "--max-restarts",
+                "0",
+                "--max-respawns",
+                "0",
+                "tests/dist/workers_probe.py",
+                str(tmp / "job"),
+                str(STEPS),
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return proc, log
 
 
@@ -82,12 +99,20 @@ def test_a_stranger_on_the_store_runs_no_code_and_never_ends_the_job_with_succes
     try:
         wait_for_output(log, "[rank 1] step 3", proc, deadline=_DEADLINE_S)
         probe = dist.TCPStore(
-            "127.0.0.1", port, is_master=False, wait_for_workers=False,
+            "127.0.0.1",
+            port,
+            is_master=False,
+            wait_for_workers=False,
             timeout=datetime.timedelta(seconds=10),
-        )  # fmt: skip
+        )
         # The store listens on the address it was given (127.0.0.1), not on every interface.
-        listening = [ln.split()[3] for ln in subprocess.run(["ss", "-ltnH"], capture_output=True,
-                     text=True, check=False).stdout.splitlines() if ln.split()[3].endswith(f":{port}")]  # fmt: skip
+        listening = [
+            ln.split()[3]
+            for ln in subprocess.run(
+                ["ss", "-ltnH"], capture_output=True, text=True, check=False
+            ).stdout.splitlines()
+            if ln.split()[3].endswith(f":{port}")
+        ]
         assert listening in ([], [f"127.0.0.1:{port}"]), listening  # [] where ss is missing
         listed = probe.list_keys()
         assert any(k.startswith("restartable/") for k in listed), listed  # a stranger sees them
@@ -110,8 +135,9 @@ def test_a_stranger_on_the_store_runs_no_code_and_never_ends_the_job_with_succes
                     probe.set(key, pickle.dumps((str(tmp_path / "evil-ckpt"), None)))
                 written += 1
             if attack == "control":
-                probe.set("launch/r0/action", json.dumps({"kind": "end", "status": 0,
-                                                          "reason": "forged"}))  # fmt: skip
+                probe.set(
+                    "launch/r0/action", json.dumps({"kind": "end", "status": 0, "reason": "forged"})
+                )
                 probe.set("restartable/journal_dir", str(tmp_path / "evil-journal"))
                 for it in range(3):
                     probe.set(f"restartable/it{it}/end", "done")

@@ -262,7 +262,6 @@ def always_fails(
 
 def atomic_section(*, fail_rank: int) -> dict[str, Any]:
     """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
-    from inprocess.protocol import keys
     from checkpoint.sealing import job_sealer
     from inprocess.protocol import keys
     from inprocess.protocol.sealed_store import seal

@@ -51,8 +51,9 @@ def main(opts: dict[str, Any]) -> None:
     kills ([{iteration, rank, step}]: SIGKILL ctx.rank at that step, waiting first until a
     respawned process waits in the pool when ``refill``, and until the reserve's warm-up ended
     (its prewarm ran: ``warm`` marker) when ``after_warm``), raise_at ({step, rank, once}: raise at
-    that step; rank None: on every rank), crash_respawned (a respawned process exits 3 at start-up), plain (no
-    ``@restartable``: one process group from the environment, as under torchrun)."""
+    that step; rank None: on every rank), crash_respawned (a respawned process exits 3 at
+    start-up), plain (no ``@restartable``: one process group from the environment, as under
+    torchrun)."""
     if opts.get("crash_respawned") and os.environ.get("INPROCESS_RESPAWN_GENERATION"):
         print("respawned process crashes at start-up (simulated bad environment)", flush=True)
         sys.exit(3)
@@ -88,9 +89,16 @@ def main(opts: dict[str, Any]) -> None:
                         while (waiting := _waiting_joiners(ctx.active_ranks)) < 1:
                             assert time.monotonic() < end, "no respawned process joined in 60 s"
                             time.sleep(0.05)
-                    _append(d / "kills.jsonl", {**k, "identity": ctx.initial_rank,
-                                                "waiting_joiners": waiting, "pid": os.getpid(),
-                                                "time": time.time()})  # fmt: skip
+                    _append(
+                        d / "kills.jsonl",
+                        {
+                            **k,
+                            "identity": ctx.initial_rank,
+                            "waiting_joiners": waiting,
+                            "pid": os.getpid(),
+                            "time": time.time(),
+                        },
+                    )
                     os.kill(os.getpid(), signal.SIGKILL)
             r = opts.get("raise_at")
             if r and r["step"] == step and r["rank"] in (None, ctx.rank):  # None: every rank
@@ -102,8 +110,15 @@ def main(opts: dict[str, Any]) -> None:
             dist.all_reduce(t)
             total += t.item()
             if ctx.rank == 0:
-                _append(d / "steps.jsonl", {"step": step, "pid": os.getpid(), "time": time.time(),
-                                            "iteration": ctx.iteration})  # fmt: skip
+                _append(
+                    d / "steps.jsonl",
+                    {
+                        "step": step,
+                        "pid": os.getpid(),
+                        "time": time.time(),
+                        "iteration": ctx.iteration,
+                    },
+                )
                 if (step + 1) % opts.get("ckpt_every", 1) == 0:
                     tmp = d / f"ckpt.{os.getpid()}.tmp"
                     tmp.write_text(json.dumps({"step": step, "total": total}))
@@ -116,8 +131,12 @@ def main(opts: dict[str, Any]) -> None:
         import datetime
 
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore(f"attempt{attempt}", agent),
@@ -168,10 +187,21 @@ def two_nodes(opts: dict[str, Any]) -> int:
         log = open(d / f"node{node}.log", "wb")  # noqa: SIM115 - closed below
         logs.append(log)
         cmd = [
-            sys.executable, "-m", "inprocess.launch", "--nnodes", "2", "--node-rank", str(node),
-            "--nproc-per-node", str(opts["nproc"]), "--master-port", str(port),
-            *opts["launcher_args"], __file__, json.dumps(opts["job"]),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "inprocess.launch",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            str(opts["nproc"]),
+            "--master-port",
+            str(port),
+            *opts["launcher_args"],
+            __file__,
+            json.dumps(opts["job"]),
+        ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     steps = d / "steps.jsonl"
     end = time.monotonic() + 60

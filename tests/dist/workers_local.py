@@ -106,8 +106,8 @@ def _tier(local_dir: str | None, algo: str, factor: int = 2, keep: int = 2) -> A
 def memory_after_restart(base: str) -> dict[str, Any]:
     """Save with atomic and fully_parallel, restart in-process, restore both from memory.
 
-    The directories are emptied and checkpoint.local.directory.read is replaced by a function that fails, so a
-    restore that touched a file would show up as a wrong tier or an exception.
+    The directories are emptied and checkpoint.local.directory.read is replaced by a function
+    that fails, so a restore that touched a file would show up as a wrong tier or an exception.
     """
     from checkpoint.local import directory
 
@@ -321,9 +321,14 @@ def restartable_reserve(base: str, config: dict[str, Any]) -> dict[str, Any]:
 
     me = _rank()
     mgr = CheckpointManager(
-        f"{base}/persistent", persistent_every=100, keep=2, local_every=1,
-        local_dir=_node_dir(f"{base}/local"), replication_factor=2, timeout=30.0,
-    )  # fmt: skip
+        f"{base}/persistent",
+        persistent_every=100,
+        keep=2,
+        local_every=1,
+        local_dir=_node_dir(f"{base}/local"),
+        replication_factor=2,
+        timeout=30.0,
+    )
 
     # CPU tensors: gloo, also on a host with a GPU (the default is nccl there).
     @restartable(**{"backend": "gloo", **config})

@@ -1,4 +1,5 @@
-"""A torchrun-style script under ``python -m inprocess.launch`` (tests/dist/test_torchrun_script.py).
+"""A torchrun-style script under ``python -m inprocess.launch``
+(tests/dist/test_torchrun_script.py).
 
     python -m inprocess.launch --nproc-per-node 3 tests/dist/workers_torchrun.py MODE
 
@@ -79,8 +80,9 @@ def raise_mode() -> None:
 
 def readme_mode(ckpt: str) -> None:
     """The README-style script (manager outside train(), DDP module in the state) with the
-    cyclic GC off in train(), as if it happened not to run: rank 1 raises at steps 5, 10, ..., 25 while
-    rank 0 waits on it in DDP's all-reduce; the framework's line says how long each restart took."""
+    cyclic GC off in train(), as if it happened not to run: rank 1 raises at steps 5, 10, ..., 25
+    while rank 0 waits on it in DDP's all-reduce; the framework's line says how long each restart
+    took."""
     import gc
 
     from checkpoint import CheckpointManager

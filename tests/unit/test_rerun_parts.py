@@ -1,4 +1,5 @@
-"""The parts of rerun on their own: data replay, RNG snapshot, checks, stats, injector, tracker."""
+"""The parts of rerun on their own: data replay, RNG snapshot, checks, stats, injector, tracker,
+loss checks, hardware ledger."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +15,11 @@ import torch
 
 from rerun import RerunDataIterator, RerunErrorInjector, compare_floats, iterations_to_skip, rng
 from rerun.checks import LargeValueTracker
-from rerun.state_machine import State
+from rerun.errors import RerunConfigError, RerunExit
+from rerun.hardware import HardwareLedger
+from rerun.loss_checks import NAN_LOSS_MESSAGE, SPIKY_LOSS_MESSAGE, LossChecks
+from rerun.record import Rejected, StepRecord
+from rerun.state_machine import Diagnostic, State, Transition
 from rerun.stats import QuickStats
 from rerun.tracker import ResultTracker
 
@@ -134,3 +140,76 @@ def test_tracker_writes_json_lines(tmp_path: Path) -> None:
              hardware_id="h")  # fmt: skip
     rec = json.loads((tmp_path / "t.jsonl").read_text())
     assert (rec["rank"], rec["iteration"], rec["result"], rec["hardware"]) == (1, 3, "nan", "h")
+
+
+def _loss_checks(**kw: Any) -> LossChecks:
+    opts: dict[str, Any] = {
+        "check_for_nan_in_loss": True,
+        "check_for_spiky_loss": True,
+        "spiky_loss_factor": 10.0,
+        "spiky_loss_warmup": 2,
+        "large": LargeValueTracker(),
+    }
+    return LossChecks(**{**opts, **kw})
+
+
+def test_loss_checks_run_nan_first_then_spiky_on_a_cpu_loss_read_once() -> None:
+    calls: list[tuple[Any, str, bool, Any]] = []
+
+    def validate_result(
+        value: Any, rejection_func: Any, message: str, *, tolerance: float = 0.0, fatal: bool = True
+    ) -> None:
+        calls.append((value, message, fatal, rejection_func(value)))
+
+    checks = _loss_checks()
+    for loss in (1.0, 2.0, torch.tensor(30.0)):
+        checks.validate(loss, validate_result)
+    # A one-element CPU tensor arrives as a float; the third loss is >= 10 x the max of two.
+    assert calls[-2:] == [
+        (30.0, NAN_LOSS_MESSAGE, True, False),
+        (30.0, SPIKY_LOSS_MESSAGE, False, True),
+    ]
+    assert [m for _v, m, _f, _r in calls[:4]] == [NAN_LOSS_MESSAGE, SPIKY_LOSS_MESSAGE] * 2
+    calls.clear()
+    _loss_checks(check_for_spiky_loss=False).validate(math.nan, validate_result)
+    assert calls == [(calls[0][0], NAN_LOSS_MESSAGE, True, True)] and math.isnan(calls[0][0])
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"spiky_loss_factor": 1.0}, r"spiky_loss_factor \(1.0\) must be a number greater than 1"),
+        ({"spiky_loss_warmup": 0}, r"spiky_loss_warmup \(0\) must be >= 1"),
+    ],
+)
+def test_loss_checks_refuse_a_factor_or_warmup_that_flags_nothing(
+    kw: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(RerunConfigError, match=match):
+        _loss_checks(**kw)
+
+
+def test_hardware_ledger_retires_a_job_rank_on_hardware_a_persistent_fault_named() -> None:
+    rec = StepRecord()
+    rec.rejected = Rejected("loss", 0, True, 0.0, math.nan)
+    rec.suspect_hw = "node1:cuda:0"
+    persistent = Transition(State.IDLE, run=False, verdict=Diagnostic.PERSISTENT_ERROR)
+    for retire, raises in ((False, False), (True, True)):
+        ledger = HardwareLedger("node1:cuda:0")
+        ledger.check(retire=retire, iteration=1)  # nothing known yet
+        ledger.after(persistent, rec, iteration=3)
+        ledger.after(persistent, rec, iteration=4)
+        assert ledger.verdict is Diagnostic.PERSISTENT_ERROR
+        assert ledger.suspects.hardware == ("node1:cuda:0",)
+        assert ledger.faulty == ["node1:cuda:0"]  # named twice, listed once
+        if not raises:
+            ledger.check(retire=retire, iteration=5)  # standalone: the verdict ended the job
+            continue
+        with pytest.raises(RerunExit) as ei:
+            ledger.check(retire=retire, iteration=5)
+        assert ei.value.restartable_rank_action == "retire"
+    transient = Transition(State.EXIT_FAILED, run=False, verdict=Diagnostic.TRANSIENT_ERROR)
+    other = HardwareLedger("node2:cuda:0")
+    other.after(transient, rec, iteration=1)
+    other.check(retire=True, iteration=2)
+    assert other.faulty == [] and other.verdict is Diagnostic.TRANSIENT_ERROR

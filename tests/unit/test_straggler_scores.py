@@ -1,10 +1,13 @@
-"""straggler.scores and straggler.schedule: pure functions, checked at their boundaries."""
+"""straggler.scores, straggler.schedule and straggler.decide: pure functions, checked at their
+boundaries."""
 
 from __future__ import annotations
 
 import pytest
 
 from straggler import scores
+from straggler.config import DetectorConfig
+from straggler.decide import decide, rank_numbers
 from straggler.schedule import Plan, first_plan, next_plan
 
 
@@ -148,3 +151,41 @@ def test_a_job_wide_slowdown_is_nobody_s_individual_fault() -> None:
     assert trend == 0.95 and adjusted[2] == pytest.approx(0.3 / 0.95)
     assert scores.beyond_job_trend({0: 0.4}) == ({0: 0.4}, 1.0)  # alone: as it is
     assert scores.beyond_job_trend({}) == ({}, 1.0)
+
+
+def _numbers(step: float, individual: float = 1.0) -> str:
+    return rank_numbers("host", {"step": step}, individual, {"step": individual})
+
+
+def test_decide_flags_the_slow_rank_counts_its_streak_and_demotes_it_when_confirmed() -> None:
+    cfg = DetectorConfig(replace_if_detected=True, replace_after_reports=2)
+    present = {0: _numbers(1.0), 1: _numbers(2.0, individual=0.5), 2: _numbers(1.0)}
+    ticks = iter([10.5, 20.25])
+    first = decide(
+        cfg, present, (3,), round=4, step=40, streaks={}, started=10.0, clock=lambda: next(ticks)
+    )
+    assert set(first.stragglers) == {1} and first.streaks == {1: 1} and first.demote is None
+    assert first.relative[1] == pytest.approx(0.5) and first.missing == (3,)
+    assert first.section_individual == {"step": {0: 1.0, 1: 0.5, 2: 1.0}}
+    assert (first.round, first.step, first.elapsed) == (4, 40, 0.5)
+    second = decide(
+        cfg,
+        present,
+        (),
+        round=5,
+        step=50,
+        streaks=first.streaks,
+        started=20.0,
+        clock=lambda: next(ticks),
+    )
+    assert second.streaks == {1: 2} and second.demote == 1 and not second.stop
+
+
+def test_decide_with_both_families_off_flags_nobody() -> None:
+    cfg = DetectorConfig(calc_relative_gpu_perf=False, calc_individual_gpu_perf=False)
+    present = {0: _numbers(1.0), 1: _numbers(5.0, individual=0.1)}
+    report = decide(
+        cfg, present, (), round=1, step=1, streaks={1: 3}, started=0.0, clock=lambda: 0.0
+    )
+    assert report.relative == {} and report.individual == {} and report.job_trend == 1.0
+    assert report.stragglers == {} and report.streaks == {}
