@@ -23,7 +23,7 @@ a small JSON file and resumes from it on every start):
   apart): whether the job finished on 3 ranks without an in-job restart, the gaps between the
   kills, and the downtime per fault (kill -> the next step finished, less one step time);
   decisions short of ranks wait for the respawns on their way (issue 35).
-* ``watchdog``: one watchdog process (``inprocess.watchdog.owner.Watchdog``) against a real
+* ``watchdog``: one watchdog process (``inprocess.watchdog_owner.Watchdog``) against a real
   TCPStore: start -> ready (wall and CPU seconds), resident memory, whether torch is mapped.
 
 Targets (issue 35; same run): ``refill.median_kill_to_ready_reserve_s`` <= 0.5,
@@ -149,7 +149,7 @@ def watchdog_once() -> dict[str, Any]:
 
     from torch.distributed import TCPStore
 
-    from inprocess.watchdog.owner import Watchdog
+    from inprocess.watchdog_owner import Watchdog
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))  # fmt: skip

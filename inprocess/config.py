@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from inprocess import config_checks
 from inprocess.config_checks import (  # re-exported: their import path stays inprocess.config
@@ -13,6 +10,8 @@ from inprocess.config_checks import (  # re-exported: their import path stays in
     GRANULARITIES,
     SIMULATED_FAULT_TYPES,
 )
+from inprocess.config_fields import RestartFields
+from inprocess.config_timeouts import group_timeouts
 from inprocess.errors import ConfigError
 
 __all__ = [
@@ -22,15 +21,9 @@ __all__ = [
     "RestartConfig",
 ]
 
-# NVIDIA's default heartbeat interval; a shorter hard_timeout shortens it (a third of it).
-_HEARTBEAT_INTERVAL_CAP = 30.0
-# The default bound of a restart decision's wait for respawns: a cold start of a rank (python,
-# torch, the script, its watchdog) took 4-7 s on a loaded 2-core host (issue 35).
-_RESPAWN_WAIT_CAP = 10.0
-
 
 @dataclass(frozen=True, kw_only=True)
-class RestartConfig:
+class RestartConfig(RestartFields):
     """How ``@restartable`` detects faults and restarts ``train()``. Durations are seconds.
 
     Names follow Megatron-Bridge's ``InProcessRestartConfig`` where the meaning is the same.
@@ -96,45 +89,16 @@ class RestartConfig:
       one of the two. Not again after a restart, in a respawned process or in a later round
       of ``inprocess.launch`` (``inprocess.faults.drill``). The launcher has the same drill as
       flags.
-    """
 
-    soft_timeout: float = 60.0
-    hard_timeout: float = 90.0
-    heartbeat_interval: float | None = None
-    heartbeat_timeout: float | None = None
-    barrier_timeout: float = 120.0
-    respawn_wait_timeout: float | None = None
-    completion_timeout: float = 120.0
-    max_iterations: int | None = None
-    active_world_size: int | None = None
-    min_active_world_size: int = 1
-    granularity: str = "rank"
-    max_rank_faults: int | None = None
-    empty_cuda_cache: bool = True
-    freeze_gc: bool = True
-    monitor_process_logdir: str | None = None
-    termination_grace_time: float = 1.0
-    init_process_group: bool = True
-    backend: str | None = None
-    max_same_fault: int = 3
-    prewarm: Callable[[], Any] | None = None
-    health_checks: Sequence[Callable[[], Any]] = field(default_factory=tuple)
-    calculate_timeouts: bool = False
-    rank_section_timeouts: Mapping[str, float] = field(default_factory=dict)
-    rank_out_of_section_timeout: float | None = None
-    safety_factor: float = 5.0
-    timeouts_state_path: str | os.PathLike[str] | None = None
-    journal_dir: str | os.PathLike[str] | None = None
-    store: str | None = None
-    simulate_fault: bool = False
-    simulated_fault_type: str = "random"
-    simulated_fault_rank: int | None = None
-    simulated_fault_base_delay: float = 0.0
+    The durations from ``soft_timeout`` to ``termination_grace_time`` are also grouped as
+    ``cfg.timeouts`` (``inprocess.config_timeouts.Timeouts``).
+    """
 
     def __post_init__(self) -> None:
         # The rules live in inprocess.config_checks; the order is the order errors are found
         # in. The ones that warn are called from here, so that their stacklevel names the
         # caller of RestartConfig(...).
+        group_timeouts(self)  # first: the checks read the durations from cfg.timeouts
         config_checks.timeouts(self)
         config_checks.heartbeat(self)
         config_checks.store(self)
@@ -148,13 +112,7 @@ class RestartConfig:
     def check_store_timeouts(self, url: str, *, source: str) -> None:
         """``soft_timeout`` must outlast an etcd leader election when the store is ``url``
         (``source`` names the setting it came from: ``store`` or ``INPROCESS_STORE``)."""
-        if self.soft_timeout < ETCD_MIN_SOFT_TIMEOUT:
-            raise ConfigError(
-                f"soft_timeout ({self.soft_timeout}) must be >= {ETCD_MIN_SOFT_TIMEOUT} with "
-                f"the etcd store ({source}={url!r}): losing the etcd leader stalls every store "
-                "call for 1-2 s, which a shorter soft timeout turns into a restart; raise "
-                "soft_timeout"
-            )
+        config_checks.store_timeouts(self, url, source=source)
 
     @property
     def section_limits(self) -> dict[str, float]:
@@ -167,9 +125,7 @@ class RestartConfig:
     @property
     def effective_respawn_wait_timeout(self) -> float:
         """``respawn_wait_timeout``, or ``min(10, barrier_timeout / 2)`` when unset."""
-        if self.respawn_wait_timeout is not None:
-            return self.respawn_wait_timeout
-        return min(_RESPAWN_WAIT_CAP, self.barrier_timeout / 2)
+        return self.timeouts.effective_respawn_wait_timeout
 
     @property
     def effective_heartbeat_interval(self) -> float:
@@ -178,9 +134,7 @@ class RestartConfig:
         Derived here rather than stored, so ``dataclasses.replace(cfg, hard_timeout=...)``
         derives it again instead of keeping a value the user never set.
         """
-        if self.heartbeat_interval is not None:
-            return self.heartbeat_interval
-        return min(_HEARTBEAT_INTERVAL_CAP, self.hard_timeout / 3)
+        return self.timeouts.effective_heartbeat_interval
 
     def validate_world(self, world_size: int) -> None:
         """Check the values that depend on the job's size (called once the world is known)."""

@@ -15,13 +15,11 @@ import os
 import types
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from inprocess.config_fields import RestartFields
 from inprocess.errors import ConfigError
 from inprocess.timeouts.estimator import SECTIONS
-
-if TYPE_CHECKING:
-    from inprocess.config import RestartConfig
 
 GRANULARITIES = ("rank", "node")
 # The fault drill's kinds (Megatron-Bridge's FaultToleranceConfig names; inprocess.faults.drill).
@@ -31,7 +29,7 @@ SIMULATED_FAULT_TYPES = ("rank_hung", "rank_killed", "random")
 ETCD_MIN_SOFT_TIMEOUT = 5.0
 
 
-def timeouts(cfg: RestartConfig) -> None:
+def timeouts(cfg: RestartFields) -> None:
     """The durations are positive and ``hard_timeout`` outlasts ``soft_timeout``."""
     if cfg.journal_dir is not None and not isinstance(cfg.journal_dir, (str, os.PathLike)):
         raise ConfigError(
@@ -60,7 +58,7 @@ def timeouts(cfg: RestartConfig) -> None:
         )
 
 
-def counts(cfg: RestartConfig) -> None:
+def counts(cfg: RestartFields) -> None:
     """The counts are positive integers and the active world's bounds are in order."""
     for name in ("max_iterations", "active_world_size", "max_rank_faults"):
         value = getattr(cfg, name)
@@ -75,7 +73,7 @@ def counts(cfg: RestartConfig) -> None:
         )
 
 
-def choices(cfg: RestartConfig) -> None:
+def choices(cfg: RestartFields) -> None:
     """``granularity``, ``backend``, ``prewarm`` and ``health_checks`` (made a tuple)."""
     if cfg.granularity not in GRANULARITIES:
         raise ConfigError(
@@ -99,7 +97,7 @@ def choices(cfg: RestartConfig) -> None:
     object.__setattr__(cfg, "health_checks", checks)
 
 
-def flags(cfg: RestartConfig) -> None:
+def flags(cfg: RestartFields) -> None:
     """The boolean switches are bools."""
     for name in ("empty_cuda_cache", "freeze_gc", "init_process_group"):
         value = getattr(cfg, name)
@@ -110,7 +108,7 @@ def flags(cfg: RestartConfig) -> None:
             )
 
 
-def drill(cfg: RestartConfig) -> None:
+def drill(cfg: RestartFields) -> None:
     """The fault drill's settings; warns (at the caller of ``RestartConfig(...)``) when
     they are set but the drill is off."""
     if not isinstance(cfg.simulate_fault, bool):
@@ -159,7 +157,7 @@ def drill(cfg: RestartConfig) -> None:
         )
 
 
-def section_timeouts(cfg: RestartConfig) -> None:
+def section_timeouts(cfg: RestartFields) -> None:
     """The section timeouts; warns when ``timeouts_state_path`` is set but nothing is learnt."""
     if not isinstance(cfg.calculate_timeouts, bool):
         raise ConfigError(
@@ -208,7 +206,7 @@ def section_timeouts(cfg: RestartConfig) -> None:
         )
 
 
-def store(cfg: RestartConfig) -> None:
+def store(cfg: RestartFields) -> None:
     """``store`` is an etcd URL whose timeouts hold (``check_store_timeouts``)."""
     if cfg.store is None:
         return
@@ -218,10 +216,22 @@ def store(cfg: RestartConfig) -> None:
         parse_url(cfg.store)
     except ConfigError as exc:
         raise ConfigError(f"store: {exc}") from None
-    cfg.check_store_timeouts(cfg.store, source="store")
+    store_timeouts(cfg, cfg.store, source="store")
 
 
-def respawn_wait(cfg: RestartConfig) -> None:
+def store_timeouts(cfg: RestartFields, url: str, *, source: str) -> None:
+    """``soft_timeout`` outlasts an etcd leader election (the store is ``url``, from the
+    setting ``source``; ``RestartConfig.check_store_timeouts``)."""
+    if cfg.soft_timeout < ETCD_MIN_SOFT_TIMEOUT:
+        raise ConfigError(
+            f"soft_timeout ({cfg.soft_timeout}) must be >= {ETCD_MIN_SOFT_TIMEOUT} with "
+            f"the etcd store ({source}={url!r}): losing the etcd leader stalls every store "
+            "call for 1-2 s, which a shorter soft timeout turns into a restart; raise "
+            "soft_timeout"
+        )
+
+
+def respawn_wait(cfg: RestartFields) -> None:
     if cfg.respawn_wait_timeout is None:
         return
     if not 0 <= cfg.respawn_wait_timeout < cfg.barrier_timeout:
@@ -232,10 +242,10 @@ def respawn_wait(cfg: RestartConfig) -> None:
         )
 
 
-def heartbeat(cfg: RestartConfig) -> None:
+def heartbeat(cfg: RestartFields) -> None:
     """``heartbeat_interval`` below ``hard_timeout``; warns that ``heartbeat_timeout`` is
     ignored."""
-    interval, timeout = cfg.effective_heartbeat_interval, cfg.heartbeat_timeout
+    interval, timeout = cfg.timeouts.effective_heartbeat_interval, cfg.heartbeat_timeout
     if interval >= cfg.hard_timeout:  # only a value the user set can fail this
         raise ConfigError(
             f"heartbeat_interval ({interval}) must be less than hard_timeout "

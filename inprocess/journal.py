@@ -26,12 +26,12 @@ import os
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from checkpoint.private_files import NotPrivateError, open_private, private_dir
 from inprocess import journal_fields
+from inprocess.clock import SYSTEM, Clock
 from inprocess.protocol import environment
 
 CHANNEL = "restartable.journal"
@@ -82,7 +82,7 @@ def record(event: str, **fields: Any) -> None:
     """
     for handler in _log.handlers:
         if isinstance(handler, _Handler):
-            handler.write(time.time(), event, fields)
+            handler.write(handler.clock.wall(), event, fields)
         else:
             rec = _log.makeRecord(_log.name, logging.DEBUG, __file__, 0, event, (), None)
             rec.journal = fields
@@ -92,8 +92,9 @@ def record(event: str, **fields: Any) -> None:
 class _Handler(logging.Handler):
     """Writes each journal record as one JSON line and flushes it."""
 
-    def __init__(self, stream: TextIO, identity: dict[str, Any]) -> None:
+    def __init__(self, stream: TextIO, identity: dict[str, Any], clock: Clock = SYSTEM) -> None:
         super().__init__(level=logging.DEBUG)
+        self.clock = clock  # the records' "t" (wall time: other processes compare it)
         self._stream = stream
         self._identity = identity
         # Where this process is now (``Journal.set_position``): stamped on every record, so
@@ -173,13 +174,17 @@ def resolve_dir(configured: str | os.PathLike[str] | None) -> Path | None:
 
 
 def open_journal(
-    directory: str | os.PathLike[str], *, rank: int, launch: str | None = None
+    directory: str | os.PathLike[str],
+    *,
+    rank: int,
+    launch: str | None = None,
+    clock: Clock = SYSTEM,
 ) -> Journal:
     """Open ``directory/rank<rank>-<host>-<pid>.jsonl`` for appending and start recording.
 
     ``launch``: the launch id stamped on every record (default ``environment.launch_id()``:
     ``$RESTARTABLE_LAUNCH_ID``, under Slurm one per job attempt; a launcher passes the id it
-    gives its ranks).
+    gives its ranks). ``clock``: where each record's time (``clock.wall()``) comes from.
 
     Raises ``ValueError`` naming the directory when it cannot be created or written.
     """
@@ -188,24 +193,14 @@ def open_journal(
     d = Path(directory)
     host = socket.gethostname()
     path = d / f"rank{rank}-{host}-{os.getpid()}.jsonl"
-    try:
-        private_dir(d, what="journal_dir")  # another user's directory could hold planted links
-        fd = open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False)
-        stream = os.fdopen(fd, "a", encoding="utf-8")  # owned by the handler
-    except NotPrivateError as e:
-        raise ValueError(f"{e} (or unset {ENV_DIR})") from e
-    except OSError as e:
-        raise ValueError(
-            f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "
-            f"unset {ENV_DIR}"
-        ) from e
+    stream = _open_stream(d, path)
     identity = {
         "host": host,
         "pid": os.getpid(),
         "rank": rank,
         "launch": (environment.launch_id() or "") if launch is None else launch,
     }
-    handler = _Handler(stream, identity)
+    handler = _Handler(stream, identity, clock)
     _log.addHandler(handler)
     _log.setLevel(logging.DEBUG)
     _log.propagate = False
@@ -221,6 +216,22 @@ def open_journal(
         attempt=environment.job_attempt(),
     )
     return journal
+
+
+def _open_stream(d: Path, path: Path) -> TextIO:
+    """``path`` in the journal directory ``d``, opened for appending (``ValueError`` names
+    ``d`` when it cannot be created or written)."""
+    try:
+        private_dir(d, what="journal_dir")  # another user's directory could hold planted links
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND, exclusive=False)
+        return os.fdopen(fd, "a", encoding="utf-8")  # owned by the handler
+    except NotPrivateError as e:
+        raise ValueError(f"{e} (or unset {ENV_DIR})") from e
+    except OSError as e:
+        raise ValueError(
+            f"journal_dir ({str(d)!r}) cannot be written: {e}; pass a writable directory or "
+            f"unset {ENV_DIR}"
+        ) from e
 
 
 def _versions() -> dict[str, str]:

@@ -53,15 +53,33 @@ def _opt_dict(v: Any) -> bool:
 
 
 _OPTIONAL_INTS = (
-    "step", "training_rank", "round", "slot_rank", "proc_pid", "attempt",
-    "status", "world_size", "node", "respawn_generation",
-)  # fmt: skip
+    "step",
+    "training_rank",
+    "round",
+    "slot_rank",
+    "proc_pid",
+    "attempt",
+    "status",
+    "world_size",
+    "node",
+    "respawn_generation",
+)
 _RANK_LISTS = ("active_before", "active_after", "faulting_ranks", "reserve_after")
 _NUMBERS = ("seconds", "decided", "write_s", "time")
 _STRINGS = (
-    "fault", "kind", "cause", "tier", "where", "reason", "exc_type", "detail", "verdict", "how",
-    "outcome", "section",
-)  # fmt: skip
+    "fault",
+    "kind",
+    "cause",
+    "tier",
+    "where",
+    "reason",
+    "exc_type",
+    "detail",
+    "verdict",
+    "how",
+    "outcome",
+    "section",
+)
 
 # field -> (check, what our writers put there)
 FIELDS: dict[str, tuple[Any, str]] = {

@@ -23,7 +23,6 @@ import functools
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +35,7 @@ except ImportError as exc:  # an optional extra: say how to get it
     ) from exc
 
 from checkpoint.private_files import replace_private
+from inprocess.clock import SYSTEM, Clock
 from inprocess.context import RestartContext, context
 from inprocess.errors import ConfigError, ContextError, InprocessError
 
@@ -68,6 +68,7 @@ class FaultToleranceCallback(pl.Callback):
     * ``simulated_fault_params``: not supported here; the launcher's drill does it
       (``--simulated-fault-type``), so that a fault fires once per job, not once per restart.
     * ``logger_name``: the logger of this callback's records.
+    * ``clock``: the finished flag's time (``clock.wall()``; tests pass a fake one).
 
     Use::
 
@@ -91,6 +92,7 @@ class FaultToleranceCallback(pl.Callback):
         simulated_fault_params: Any = None,
         logger_name: str | None = None,
         finished_flag_file: str | os.PathLike[str] | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         for name, value in (("autoresume", autoresume), ("calculate_timeouts", calculate_timeouts)):
             if not isinstance(value, bool):
@@ -128,6 +130,7 @@ class FaultToleranceCallback(pl.Callback):
         self.logger = logging.getLogger(logger_name) if logger_name else log
         self._ctx: RestartContext | None = None
         self._sections: dict[str, contextlib.ExitStack] = {}
+        self._clock = clock  # the finished flag's "time"
 
     # ----- running fit() under @restartable ------------------------------------------------------
 
@@ -239,7 +242,7 @@ class FaultToleranceCallback(pl.Callback):
         assert self.finished_flag_file is not None  # checked at construction
         _write_json(
             self.finished_flag_file,
-            {"finished": True, "global_step": trainer.global_step, "time": time.time()},
+            {"finished": True, "global_step": trainer.global_step, "time": self._clock.wall()},
         )
         self.logger.info("training finished: flag %s written", self.finished_flag_file)
 

@@ -20,9 +20,9 @@ import logging
 import os
 import signal
 import threading
-import time
 from types import FrameType, TracebackType
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.watchdog import kill_notice
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,13 @@ class PreemptionHandler:
     only informs ``seconds_left()`` and the log, the handler itself never sleeps.
     """
 
-    def __init__(self, *, exit_signal: int = signal.SIGTERM, preempt_time: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        exit_signal: int = signal.SIGTERM,
+        preempt_time: float = 60.0,
+        clock: Clock = SYSTEM,
+    ) -> None:
         if preempt_time <= 0:
             raise ValueError(
                 f"preempt_time ({preempt_time}) must be > 0 s: set it to the time your "
@@ -54,6 +60,7 @@ class PreemptionHandler:
             )
         self.exit_signal = signal.Signals(exit_signal)
         self.preempt_time = preempt_time
+        self._clock = clock
         self._received_at: float | None = None
         self._previous = signal.signal(self.exit_signal, self._on_signal)
         self._closed = False
@@ -68,7 +75,7 @@ class PreemptionHandler:
             )
             return
         if self._received_at is None:
-            self._received_at = time.monotonic()
+            self._received_at = self._clock.monotonic()
             log.warning(
                 "received %s: finishing the current step, then checkpoint and exit "
                 "(%.0f s granted)",
@@ -85,7 +92,7 @@ class PreemptionHandler:
         """Seconds until the scheduler's kill, or None when no signal arrived."""
         if self._received_at is None:
             return None
-        return self.preempt_time - (time.monotonic() - self._received_at)
+        return self.preempt_time - (self._clock.monotonic() - self._received_at)
 
     def should_stop(self) -> bool:
         """Whether every rank should stop after this step.

@@ -1,9 +1,11 @@
-"""Fault drills (Megatron-Bridge ``FaultToleranceConfig``'s ``simulate_fault`` names): kill or
-hang one rank process once per job, to rehearse the recovery levels.
+"""The config's fault drill (Megatron-Bridge ``FaultToleranceConfig``'s ``simulate_fault``
+names), in the rank processes: kill or hang one rank process once per job, to rehearse the
+recovery levels.
 
-Two owners, same drill: the launcher's (``--simulated-fault-type``: ``FaultDrill`` signals a
-child of its node) and the config's (``RestartConfig.simulate_fault``: ``RankDrill``, started by
-``@restartable`` in every rank; only the drawn rank signals itself).
+``RestartConfig.simulate_fault``: ``RankDrill``, started by ``@restartable`` in every rank; only
+the drawn rank signals itself. The launcher has the same drill (``--simulated-fault-type``:
+``inprocess.launch.drill.FaultDrill`` signals a child of its node), with the kinds and signals
+defined here.
 """
 
 from __future__ import annotations
@@ -18,78 +20,24 @@ from typing import TYPE_CHECKING
 from checkpoint.sealing import parse_count
 from inprocess import journal
 from inprocess.config import SIMULATED_FAULT_TYPES, RestartConfig
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import keys
 
 if TYPE_CHECKING:
-    from inprocess.launch.supervisor import NodeSupervisor
     from inprocess.protocol.environment import LaunchEnv
     from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
 FAULT_TYPES = SIMULATED_FAULT_TYPES
-_START_WAIT_S = 600.0  # the longest wait for the job to start before the drill gives up
 # Every rank of the job agrees on a drawn target through this key (first writer wins).
 TARGET_KEY = keys.ROOT + "drill/rank"
 
 
-def _signal_of(kind: str) -> signal.Signals:
+def signal_of(kind: str) -> signal.Signals:
+    """The signal of a drill ``kind`` ("rank_killed" or "rank_hung"; both drills send it)."""
     # rank_hung freezes the whole process (its heartbeat thread included): only the hard
     # timeout's kill ends it, as with a rank stuck in a C call holding the GIL.
     return signal.SIGKILL if kind == "rank_killed" else signal.SIGSTOP
-
-
-class FaultDrill:
-    """The launcher's drill, owned for the first round (``close()`` cancels it).
-
-    A daemon thread waits until the ranks passed their initial barrier (the job runs), then
-    ``base_delay`` plus up to as much again at random, then sends SIGKILL (``rank_killed``) or
-    SIGSTOP (``rank_hung``: only the hard timeout can end it) to ``rank`` (random when None)
-    if that rank lives on this node. ``kind="random"`` picks one of the two.
-    """
-
-    def __init__(
-        self, sup: NodeSupervisor, *, kind: str, rank: int | None, base_delay: float
-    ) -> None:
-        if kind not in FAULT_TYPES:
-            raise ValueError(f"kind ({kind!r}) must be one of {FAULT_TYPES}")
-        cfg = sup.cfg
-        self._sup = sup
-        self._rank = random.randrange(cfg.world_size) if rank is None else rank
-        self._kind = random.choice(("rank_killed", "rank_hung")) if kind == "random" else kind
-        self._delay = base_delay * (1 + random.random())
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fault-drill", daemon=True)
-        if self._rank // cfg.nproc_per_node == cfg.node_rank:  # else another launcher's drill
-            self._thread.start()
-
-    def close(self) -> None:
-        """Cancel the drill if it has not fired (idempotent)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(1.0)
-
-    def _run(self) -> None:
-        sup = self._sup
-        waited = 0.0
-        while job_keys.job_state(sup.store) == job_keys.JOB_NOT_STARTED:
-            if self._stop.wait(0.05) or waited > _START_WAIT_S:
-                return
-            waited += 0.05
-        if self._stop.wait(self._delay):
-            return
-        local = self._rank % sup.cfg.nproc_per_node
-        child = next(
-            (c for c in list(sup.children.values()) if c.slot == local and c.generation == 0),
-            None,
-        )
-        if child is None or child.proc.poll() is not None:
-            return
-        log.warning(
-            "fault drill: %s on rank %d (pid %d) after %.1f s", self._kind, self._rank,
-            child.proc.pid, self._delay,
-        )  # fmt: skip
-        os.kill(child.proc.pid, _signal_of(self._kind))
 
 
 class RankDrill:
@@ -117,12 +65,15 @@ class RankDrill:
             return
         log.warning(
             "fault drill (simulate_fault): %s on rank %d (pid %d) after %.1f s",
-            self.kind, self.rank, os.getpid(), self.delay,
-        )  # fmt: skip
+            self.kind,
+            self.rank,
+            os.getpid(),
+            self.delay,
+        )
         journal.record(
             "fault_fired", kind=self.kind, fault=f"drill:{self.kind}@rank{self.rank}", step=None
         )
-        os.kill(os.getpid(), _signal_of(self.kind))
+        os.kill(os.getpid(), signal_of(self.kind))
 
 
 def start_in_rank(

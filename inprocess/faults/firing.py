@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.context import context
 from inprocess.errors import ConfigError
 from inprocess.faults.kinds import SLOW_FACTOR, act, kind_of
@@ -24,6 +25,7 @@ def trigger(
     initial_rank: int,
     iteration: int,
     step: int | None,
+    clock: Clock = SYSTEM,
 ) -> bool:
     """Fire ``fault`` now, on rank ``fault.rank``, unless it fired before.
 
@@ -32,7 +34,8 @@ def trigger(
     Returns True when the fault is due and this call returns: a ``numeric`` kind (``nan``),
     which the caller must apply now, a ``lasting`` one (``slow``), which the caller applies from
     now on (``slowdown``), or a ``sigterm`` that a handler caught. The other kinds do not
-    return. Needs no ``context()``: the caller says where it runs.
+    return. Needs no ``context()``: the caller says where it runs. ``clock``: the record's
+    time (``clock.wall()``) and a ``hang``'s sleep.
     """
     kind = kind_of(fault.kind)
     record = FiredFault(
@@ -42,7 +45,7 @@ def trigger(
         initial_rank=initial_rank,
         iteration=iteration,
         step=step,
-        time=time.time(),
+        time=clock.wall(),
         pid=os.getpid(),
     )
     if record_dir is not None and not record_once(record_dir, record):
@@ -56,7 +59,7 @@ def trigger(
         step,
     )
     if not (kind.numeric or kind.lasting):  # those are the caller's to apply
-        act(kind, detail=fault.name)
+        act(kind, detail=fault.name, clock=clock)
     return True
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ConfigError
 
 HANG_S = 24 * 3600.0  # long enough to be a hang for any job; the timeouts end it
@@ -87,10 +87,11 @@ def kinds_help() -> str:
     return "\n".join(f"  {k.name:{width}}  {k.description}" for k in KINDS.values())
 
 
-def act(kind: Kind, *, detail: str) -> None:
+def act(kind: Kind, *, detail: str, clock: Clock = SYSTEM) -> None:
     """Make ``kind`` happen in this process now (returns only for ``sigterm`` with a handler).
 
     A ``numeric`` or ``lasting`` kind is the caller's to apply: asking for it is our bug.
+    ``clock``: a ``hang`` sleeps on it.
     """
     assert not (kind.numeric or kind.lasting), f"{kind.name} is applied by the caller, not fired"
     if kind.name == "exception":
@@ -98,7 +99,7 @@ def act(kind: Kind, *, detail: str) -> None:
     if kind.name == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind.name == "hang":
-        time.sleep(HANG_S)
+        clock.sleep(HANG_S)
     elif kind.name == "hang_gil":
         # PyDLL keeps the GIL during the call: no Python thread of this process runs again. A
         # signal (the watchdog's SIGTERM) ends sleep() early; a frozen process would not wake

@@ -47,8 +47,8 @@ from checkpoint.private_files import private_dir
 from inprocess import journal
 from inprocess.errors import ConfigError
 from inprocess.etcd.errors import EtcdStoreError
-from inprocess.faults.drill import FaultDrill
 from inprocess.launch import autoresume, doors
+from inprocess.launch.drill import FaultDrill
 from inprocess.launch.flags import parse_args as parse_args  # where tests and task.py look
 from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end

@@ -158,7 +158,7 @@ def new_watchdog(
     """This rank's watchdog (``inprocess.watchdog.Watchdog``), not started yet."""
     # Imported here: `python -m inprocess.watchdog` imports this package first, and runpy
     # warns when the module it is about to run was already imported by the package.
-    from inprocess.watchdog.owner import Watchdog
+    from inprocess.watchdog_owner import Watchdog
 
     return Watchdog(
         store_host=env.master_addr,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import SectionError
 from inprocess.timeouts.estimator import KEYS, OUT_OF_SECTION, SECTIONS, TimeoutEstimator
@@ -75,7 +75,7 @@ class SectionClock:
         estimator: TimeoutEstimator,
         learn: bool,
         state_path: str | None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
     ) -> None:
         self._est = estimator
         self._learn = learn
@@ -136,7 +136,7 @@ class SectionClock:
                     f"section {name!r} opened inside itself: close it before opening it again "
                     "(different sections may nest)"
                 )
-            now = self._clock()
+            now = self._clock.monotonic()
             if not self._open and self._gap_start is not None and self._running:
                 self._observe(OUT_OF_SECTION, now - self._gap_start)
             self._gap_start = None
@@ -148,7 +148,7 @@ class SectionClock:
         finally:
             with self._lock:
                 start = self._open.pop(name, None)
-                end = self._clock()
+                end = self._clock.monotonic()
                 # Only a section that ended normally is a duration: one cut short by an exception
                 # or a restart says nothing about how long the section takes.
                 if completed and start is not None and self._running:
@@ -167,7 +167,7 @@ class SectionClock:
         if not self._running:
             return None
         with self._lock:
-            now = self._clock()
+            now = self._clock.monotonic()
             spans = list(self._open.items())
             if not spans and self._gap_start is not None:
                 spans = [(OUT_OF_SECTION, self._gap_start)]
@@ -214,7 +214,7 @@ class SectionClock:
         learned = self._est.learned()
         if not learned or learned == self._written:
             return
-        now = self._clock()
+        now = self._clock.monotonic()
         new_keys = set(learned) != set(self._written)
         moved = any(
             abs(v - self._written.get(k, 0.0)) > _REWRITE_CHANGE * v for k, v in learned.items()
@@ -222,7 +222,9 @@ class SectionClock:
         if not (force or new_keys or (moved and now - self._last_write >= _WRITE_EVERY_S)):
             return
         try:
-            write_state(self._path, learned, safety_factor=self._est.safety_factor)
+            write_state(
+                self._path, learned, safety_factor=self._est.safety_factor, clock=self._clock
+            )
         except OSError as exc:
             self._write_failed = True
             log.warning(

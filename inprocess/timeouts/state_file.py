@@ -17,11 +17,11 @@ import json
 import logging
 import math
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from checkpoint.private_files import replace_private, untrusted
+from inprocess.clock import SYSTEM, Clock
 from inprocess.timeouts.estimator import KEYS
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,11 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, float]:
 
 
 def write_state(
-    path: str | os.PathLike[str], timeouts: Mapping[str, float], *, safety_factor: float
+    path: str | os.PathLike[str],
+    timeouts: Mapping[str, float],
+    *,
+    safety_factor: float,
+    clock: Clock = SYSTEM,
 ) -> None:
     """Replace ``path`` atomically with ``timeouts`` (readers see the old or the new file).
 
@@ -95,7 +99,7 @@ def write_state(
             "version": VERSION,
             "timeouts": {k: round(v, 6) for k, v in sorted(timeouts.items())},
             "safety_factor": safety_factor,
-            "written_at": time.time(),
+            "written_at": clock.wall(),
         },
         indent=1,
     )

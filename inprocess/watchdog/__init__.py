@@ -1,2 +1,4 @@
-"""Per-rank watchdog: the rank's side (``owner``) and the watchdog process (``process``, run as
-``python -m inprocess.watchdog``). Imports nothing here, so the watchdog process starts lean."""
+"""The per-rank watchdog process (``process``, run as ``python -m inprocess.watchdog``): its
+decision (``watch``), the rank it watches (``watched_rank``) and the pipe protocol the rank's
+side (``inprocess.watchdog_owner``) speaks to it (``pipe``). Imports nothing here, so the
+watchdog process starts lean."""

@@ -1,4 +1,4 @@
-"""``python -m inprocess.watchdog``: the watchdog process's entry point (started by ``owner``)."""
+"""``python -m inprocess.watchdog``: the watchdog process (started by ``watchdog_owner``)."""
 
 import sys
 

@@ -318,8 +318,10 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     # namespace on etcd, where the ranks read it (the TCP host and port are not used).
     import argparse
 
+    from inprocess.clock import SYSTEM
     from inprocess.protocol import keys
     from inprocess.watchdog import process
+    from inprocess.watchdog.watch import Verdict
 
     args = argparse.Namespace(
         store_url=cluster.url,
@@ -329,7 +331,8 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
         initial_rank=3,
         reserve=False,
     )
-    process._report(None, args, 0, "dead", "rank process 1 disappeared")
+    dead = Verdict("dead", "rank process 1 disappeared", initial_rank=3, iteration=0, reserve=False)
+    process._report(None, args, dead, SYSTEM)
     with EtcdStore(cluster.url, prefix="wd-job", timeout=10) as job:
         assert keys.gone_ranks(job) == {3}
         job.delete_all()

@@ -172,7 +172,7 @@ def clock_for(
     fake = FakeClock()
     est = TimeoutEstimator(safety_factor=5.0, configured=configured or {})
     path = None if tmp_path is None else str(tmp_path / "ft_state.json")
-    return SectionClock(estimator=est, learn=True, state_path=path, clock=fake), fake
+    return SectionClock(estimator=est, learn=True, state_path=path, clock=fake.clock()), fake
 
 
 def run_steps(sc: SectionClock, fake: FakeClock, n: int, seconds: float) -> None:

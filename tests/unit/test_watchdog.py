@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 
 from inprocess.protocol.keys import end_key, gone_ranks, read_faults
 from inprocess.protocol.store import as_store
-from inprocess.watchdog.owner import Watchdog
+from inprocess.watchdog_owner import Watchdog
 from tests.multiproc import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +34,7 @@ RANK = 3
 CHILD = textwrap.dedent(
     f"""
     import ctypes, os, sys, time
-    from inprocess.watchdog.owner import Watchdog
+    from inprocess.watchdog_owner import Watchdog
     port, mode = int(sys.argv[1]), sys.argv[2]
     w = Watchdog(store_host="127.0.0.1", store_port=port, initial_rank={RANK},
                  hard_timeout={HARD_TIMEOUT}, termination_grace_time={GRACE},
@@ -214,7 +214,7 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, float], message: str) ->
 
 @pytest.mark.parametrize("field", ["hard_timeout", "termination_grace_time"])
 def test_an_infinite_kill_delay_is_refused(field: str) -> None:
-    from inprocess.watchdog.owner import Watchdog
+    from inprocess.watchdog_owner import Watchdog
 
     kw: dict[str, Any] = {"hard_timeout": 5.0, "termination_grace_time": 1.0}
     kw[field] = float("inf")

@@ -1,7 +1,10 @@
-"""Per-rank watchdog: a separate process that reports the rank's death and enforces hard_timeout.
+"""The rank's side of its watchdog: it starts the watchdog process and beats to it.
 
-The rank owns a ``Watchdog`` (the process plus a heartbeat thread); ``python -m
-inprocess.watchdog`` is the process side (``inprocess/watchdog/process.py``).
+The watchdog is a separate process that reports the rank's death and enforces hard_timeout;
+the rank owns a ``Watchdog`` (that process plus a heartbeat thread). This module runs in the
+rank process, so it lives outside ``inprocess/watchdog/``, which holds the watchdog process
+(``python -m inprocess.watchdog``) and the pipe protocol both sides speak
+(``inprocess.watchdog.pipe``).
 """
 
 from __future__ import annotations
@@ -13,16 +16,16 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 from checkpoint.private_files import open_private, private_dir
 from checkpoint.sealing import SECRET_ENV
+from inprocess.clock import SYSTEM, Clock
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
-from inprocess.watchdog.process import CLOSE_MESSAGE, READY_MESSAGE, RESERVE_PREFIX
+from inprocess.watchdog.pipe import CLOSE_MESSAGE, READY_MESSAGE, beat_line
 
 log = logging.getLogger(__name__)
 
@@ -60,31 +63,19 @@ class Watchdog:
         heartbeat_interval: float,
         logdir: str | None,
         secret: bytes | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         """``secret``: the job's secret (``checkpoint.sealing``), handed to the watchdog process
-        in its environment (private to this user), so its fault reports are sealed."""
-        for name, value in (
-            ("hard_timeout", hard_timeout),
-            ("heartbeat_interval", heartbeat_interval),
-        ):
-            if not 0 < value < float("inf"):  # inf: a hung rank would never be killed
-                raise ValueError(
-                    f"{name} ({value}) must be > 0 seconds and finite: give a positive duration"
-                )
-        if not 0 <= termination_grace_time < float("inf"):
-            raise ValueError(
-                f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds and "
-                "finite: give the time a rank gets between SIGTERM and SIGKILL"
-            )
-        if heartbeat_interval >= hard_timeout:
-            raise ValueError(
-                f"heartbeat_interval ({heartbeat_interval}) must be smaller than hard_timeout "
-                f"({hard_timeout}), or a healthy rank is killed between two beats: lower "
-                "heartbeat_interval"
-            )
-        # With the etcd store (store_url) the process connects there and the port is unused.
-        if store_url is None and not 0 < store_port < 65536:
-            raise ValueError(f"store_port ({store_port}) must be a TCP port (1..65535)")
+        in its environment (private to this user), so its fault reports are sealed. ``clock``
+        times the start-up (for the log). Raises ``ValueError`` naming a bad argument."""
+        _check_arguments(
+            store_port=store_port,
+            store_url=store_url,
+            hard_timeout=hard_timeout,
+            termination_grace_time=termination_grace_time,
+            heartbeat_interval=heartbeat_interval,
+        )
+        self._clock = clock
         self._store_host = store_host
         self._store_port = store_port
         self._store_url = store_url
@@ -160,7 +151,7 @@ class Watchdog:
             target=self._beat, name=f"inprocess-heartbeat-{self._initial_rank}", daemon=True
         )
         self._thread.start()
-        t0 = time.monotonic()
+        t0 = self._clock.monotonic()
         if not self.wait_ready(_READY_TIMEOUT_S):
             log.warning(
                 "watchdog of rank %d not ready after %.0f s: deaths are reported late",
@@ -171,7 +162,7 @@ class Watchdog:
             "watchdog pid %d of rank %d ready in %.3f s",
             self._proc.pid,
             self._initial_rank,
-            time.monotonic() - t0,
+            self._clock.monotonic() - t0,
         )
 
     def _command(self) -> list[str]:
@@ -220,7 +211,7 @@ class Watchdog:
         self._send(self._beat_line())
 
     def _beat_line(self) -> bytes:
-        return f"{RESERVE_PREFIX.decode() if self._reserve else ''}{self._iteration}\n".encode()
+        return beat_line(self._iteration, reserve=self._reserve)
 
     def close(self) -> None:
         """Stop the heartbeat and the process without reporting anything (idempotent)."""
@@ -282,3 +273,36 @@ class Watchdog:
                         self._initial_rank,
                         proc.poll(),
                     )
+
+
+def _check_arguments(
+    *,
+    store_port: int,
+    store_url: str | None,
+    hard_timeout: float,
+    termination_grace_time: float,
+    heartbeat_interval: float,
+) -> None:
+    """``Watchdog``'s arguments, checked before anything starts (``ValueError`` names one)."""
+    for name, value in (
+        ("hard_timeout", hard_timeout),
+        ("heartbeat_interval", heartbeat_interval),
+    ):
+        if not 0 < value < float("inf"):  # inf: a hung rank would never be killed
+            raise ValueError(
+                f"{name} ({value}) must be > 0 seconds and finite: give a positive duration"
+            )
+    if not 0 <= termination_grace_time < float("inf"):
+        raise ValueError(
+            f"termination_grace_time ({termination_grace_time}) must be >= 0 seconds and "
+            "finite: give the time a rank gets between SIGTERM and SIGKILL"
+        )
+    if heartbeat_interval >= hard_timeout:
+        raise ValueError(
+            f"heartbeat_interval ({heartbeat_interval}) must be smaller than hard_timeout "
+            f"({hard_timeout}), or a healthy rank is killed between two beats: lower "
+            "heartbeat_interval"
+        )
+    # With the etcd store (store_url) the process connects there and the port is unused.
+    if store_url is None and not 0 < store_port < 65536:
+        raise ValueError(f"store_port ({store_port}) must be a TCP port (1..65535)")
