@@ -11,7 +11,8 @@ import signal
 import pytest
 
 from inprocess.protocol import keys
-from inprocess.restart.monitor import Interrupter, Monitor
+from inprocess.restart.interrupter import Interrupter
+from inprocess.restart.monitor import Monitor, MonitorLimits
 from inprocess.restart.progress import ProgressTracker
 from inprocess.watchdog.watch import Verdict, Watch, report_to
 from tests.fake_clock import FakeClock
@@ -152,20 +153,19 @@ def test_a_soft_timeout_is_recorded_for_the_stalled_rank_and_fires_the_restart(
     fake: FakeClock, store: FakeStore
 ) -> None:
     aborted: list[float] = []
-    progress = ProgressTracker(clock=fake)
+    progress = ProgressTracker(clock=fake.clock())
     interrupter = Interrupter()  # never armed: the restart is not raised into this test
     monitor = Monitor(
         store=store,
         report_store=store,
         iteration=ITERATION,
         initial_rank=1,
-        soft_timeout=60.0,
+        # check_interval: the monitor's real Event wait between two checks
+        limits=MonitorLimits(soft_timeout=60.0, check_interval=0.001, redeliver_interval=1.0),
         progress=progress,
         interrupter=interrupter,
         abort=lambda: aborted.append(fake.now),
         step=lambda: 17,
-        check_interval=0.001,  # the monitor's real Event wait between two checks
-        redeliver_interval=1.0,
         clock=fake.clock(),
     )
     try:
