@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from inprocess import journal
 from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import job_keys
 from inprocess.protocol.policy import Decision
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
+# The run journal's channel (``inprocess.journal`` writes what reaches it): the protocol sits
+# below the journal and does not import it.
+_journal = logging.getLogger("restartable.journal")
 
 _POLL_S = 0.02  # how often a waiting decider re-reads the store (a few reads per wait)
 
@@ -28,7 +31,7 @@ DecideFn = Callable[[frozenset[int], frozenset[int]], Decision]
 
 
 def decide_waiting(
-    store: keys.StoreLike,
+    store: Store,
     decide: DecideFn,
     *,
     iteration: int,
@@ -38,12 +41,13 @@ def decide_waiting(
 ) -> Decision:
     """The decision of the restart barrier of ``iteration``, waiting for pending respawns.
 
-    Called by the one rank that decides (``keys.restart_barrier``'s ``decide``), while every
-    other rank waits for the published decision (bounded by ``barrier_timeout``, which must
-    exceed ``timeout``). Decides with what the store holds now; when that decision fills fewer
-    than ``target`` active ranks (it shrinks the job or stops it) and the announced respawns
-    not yet ready would make it fill more, re-reads the store every ``_POLL_S`` until they
-    joined, died, or ``timeout`` seconds passed, and decides again with what is there then.
+    Called by the one rank that decides (``inprocess.restart.agreement.restart_barrier``'s
+    ``decide``), while every other rank waits for the published decision (bounded by
+    ``barrier_timeout``, which must exceed ``timeout``). Decides with what the store holds now;
+    when that decision fills fewer than ``target`` active ranks (it shrinks the job or stops it)
+    and the announced respawns not yet ready would make it fill more, re-reads the store every
+    ``_POLL_S`` until they joined, died, or ``timeout`` seconds passed, and decides again with
+    what is there then.
     Blocks at most ``timeout`` (+ one poll). Logs and journals what it waited for.
     """
     start = clock.monotonic()
@@ -96,8 +100,15 @@ def _log_wait(
         "still starting" if pending else "gone or not started",
         outcome,
     )
-    journal.record(
-        "respawn_wait", iteration=iteration, waited_for=sorted(waited), joined=joined,
-        missing=missing, waited_s=waited_s, timeout_s=timeout,
-        active=_size(decision), stop=decision.stop,
-    )  # fmt: skip
+    if _journal.handlers:  # a journal is open (or listened to) in this process
+        fields = {
+            "iteration": iteration,
+            "waited_for": sorted(waited),
+            "joined": joined,
+            "missing": missing,
+            "waited_s": waited_s,
+            "timeout_s": timeout,
+            "active": _size(decision),
+            "stop": decision.stop,
+        }
+        _journal.debug("respawn_wait", extra={"journal": fields})

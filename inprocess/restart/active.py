@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from inprocess.clock import SYSTEM
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import RestartInterrupt
-from inprocess.protocol import keys
+from inprocess.protocol import barriers, fault_records, iteration_end, keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.sealed_store import unsealed
 from inprocess.protocol.store import Store
@@ -186,7 +187,7 @@ def _left_job(svc: RankServices, ctx: RestartContext, exc: BaseException) -> Non
     """``train()`` raised a ``BaseException`` (SystemExit, KeyboardInterrupt): record this rank
     dead, so that the others restart without it (the loop re-raises)."""
     svc.sections.end_iteration()
-    keys.report_fault(
+    fault_records.report_fault(
         svc.store,
         iteration=ctx.iteration,
         initial_rank=svc.me,
@@ -201,12 +202,12 @@ def _join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:
     ``assignment`` is gone meanwhile (the iteration is over before it began)."""
     with svc.progress.paused():
         svc.rendezvous.prepare(host=assignment.active[0])  # before joining: see its docstring
-        return keys.join_barrier(
+        return barriers.join_barrier(
             svc.store,
             iteration,
             expected=len(assignment.active),
             timeout=svc.config.barrier_timeout,
-            clock=time.monotonic,
+            clock=SYSTEM,
             recheck=functools.partial(_break_if_gone, svc.store, iteration, assignment.active),
         )
 
@@ -298,12 +299,12 @@ def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[in
             # group down, which fails this barrier at once, as it fails any collective.
             _group_barrier()
             return
-        ready = keys.ready_barrier(
+        ready = barriers.ready_barrier(
             svc.store,
             iteration,
             expected=world,
             timeout=svc.config.barrier_timeout,
-            clock=time.monotonic,
+            clock=SYSTEM,
         )
     if not ready:
         raise RestartInterrupt("a rank faulted while the group was created")
@@ -388,22 +389,22 @@ def _report_raised(svc: RankServices, ctx: RestartContext, call: _Call) -> None:
         trace=call.trace,
         in_collective=call.in_collective,
     )
-    keys.record_fault(svc.store, record)
+    fault_records.record_fault(svc.store, record)
 
 
 def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
     """``train()`` returned: mark this rank completed and wait (up to ``completion_timeout``)
     for the iteration's outcome. True when every rank completed; on a timeout, reports it."""
     cfg, store, iteration = svc.config, svc.store, ctx.iteration
-    keys.mark_completed(store, iteration, active=world)
+    iteration_end.mark_completed(store, iteration, active=world)
     with svc.progress.paused():
-        result = keys.wait_outcome(
-            store, iteration, timeout=cfg.completion_timeout, clock=time.monotonic
+        result = iteration_end.wait_outcome(
+            store, iteration, timeout=cfg.completion_timeout, clock=SYSTEM
         )
     if result == keys.OUTCOME_DONE:
         return True
     if result is None:
-        keys.report_fault(
+        fault_records.report_fault(
             store,
             iteration=iteration,
             initial_rank=svc.me,
@@ -419,7 +420,7 @@ def _break_if_gone(store: Store, iteration: int, active: tuple[int, ...]) -> boo
     """Join recheck: an active rank that died during the restart breaks the barrier."""
     dead = keys.gone_ranks(store) & set(active)
     for r in sorted(dead):
-        keys.report_fault(
+        fault_records.report_fault(
             store,
             iteration=iteration,
             initial_rank=r,

@@ -8,16 +8,47 @@ thread: ``adopt`` once when a respawned process is admitted, then ``meet`` after
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord, RestartAbortedError
-from inprocess.protocol import capacity, keys
+from inprocess.protocol import capacity
+from inprocess.protocol.fault_records import read_faults
 from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment
+from inprocess.protocol.restart_meeting import RestartMeeting
+from inprocess.protocol.store import Store
 from inprocess.restart.progress import ProgressTracker
+
+
+def restart_barrier(
+    store: Store,
+    iteration: int,
+    *,
+    initial_rank: int,
+    participants: Collection[int],
+    decide: Callable[[list[FaultRecord]], str],
+    timeout: float,
+    clock: Clock = SYSTEM,
+) -> str:
+    """Every live participant meets after iteration ``iteration`` faulted; returns the decision.
+
+    Called by every live participant (active and reserve) once its part of the iteration is
+    over; blocks until the decision is published, at most ``timeout`` seconds
+    (``StoreTimeoutError``). Drives the steps of ``inprocess.protocol.restart_meeting`` (which
+    explains who decides); exactly one rank runs ``decide(faults)`` on the iteration's fault
+    records and publishes its result, and every rank returns the decision published first.
+    """
+    meeting = RestartMeeting(store, iteration, initial_rank=initial_rank, participants=participants)
+    deadline = clock.monotonic() + timeout
+    if meeting.arrive() or meeting.wait_decider(deadline=deadline, clock=clock):
+        return meeting.publish(decide(read_faults(store, iteration)))
+    published = meeting.wait_decision(deadline=deadline, clock=clock)
+    if published is None:  # the decider is gone before publishing: decide in its place
+        return meeting.publish(decide(read_faults(store, iteration)))
+    return published
 
 
 class RestartAgreement:
@@ -50,14 +81,14 @@ class RestartAgreement:
         Raises ``RestartAbortedError`` when that decision stops the job.
         """
         with progress.paused():
-            raw = keys.restart_barrier(
+            raw = restart_barrier(
                 store,
                 iteration,
                 initial_rank=self.me,
                 participants=assignment.active + assignment.reserve,
                 decide=functools.partial(self._decide, store, iteration, assignment, target),
                 timeout=self.cfg.barrier_timeout,
-                clock=time.monotonic,
+                clock=SYSTEM,
             )
         decision = Decision.from_json(raw)
         self.adopt((decision,))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from checkpoint.sealing import job_sealer
 from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, keys
 from inprocess.protocol.sealed_store import seal
 from inprocess.protocol.store import Store
 
@@ -91,7 +91,7 @@ def _decide(ctx: RestartContext, job: Store, decisions: Store, key: str, *, reas
     granted = bool(free_reserves(job, ctx.iteration))
     decisions.set(key, "yes" if granted else "no")
     if granted:
-        keys.record_fault(
+        fault_records.record_fault(
             job,
             FaultRecord(
                 iteration=ctx.iteration,

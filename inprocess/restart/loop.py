@@ -17,11 +17,12 @@ from typing import Any, TypeVar, overload
 
 from checkpoint.sealing import ForgedValueError, job_sealer
 from inprocess import journal
+from inprocess.clock import SYSTEM
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
 from inprocess.errors import ConfigError, RestartAbortedError, StoreTimeoutError
 from inprocess.faults import drill
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import barriers, job_keys
 from inprocess.protocol.environment import bind_to_launcher, read_env
 from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
@@ -255,11 +256,11 @@ class _Job:
             return svc
         self.watchdog.start()
         with svc.progress.paused():
-            keys.initial_barrier(
+            barriers.initial_barrier(
                 self.store,
                 world_size=env.world_size,
                 timeout=cfg.barrier_timeout,
-                clock=time.monotonic,
+                clock=SYSTEM,
             )
         return svc
 

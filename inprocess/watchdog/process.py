@@ -230,7 +230,7 @@ def _report(
     if store is None:
         return
     try:
-        from inprocess.protocol.keys import record_reserve_gone, report_fault
+        from inprocess.protocol.fault_records import record_reserve_gone, report_fault
 
         if args.reserve:  # a reserve's death must not interrupt the ranks that train
             record_reserve_gone(store, iteration, args.initial_rank)
