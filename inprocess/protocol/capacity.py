@@ -11,11 +11,10 @@ decision can tell that capacity is coming and wait for it, bounded by
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from inprocess.clock import SYSTEM, Clock
 from inprocess.protocol import job_keys
-from inprocess.protocol.policy import Decision
+from inprocess.protocol.policy import Decision, DecisionInputs
 from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
@@ -25,21 +24,12 @@ _journal = logging.getLogger("restartable.journal")
 
 _POLL_S = 0.02  # how often a waiting decider re-reads the store (a few reads per wait)
 
-# decide(gone, ready): the policy's decision with these ranks gone and these respawned
-# identities ready to join (``inprocess.protocol.policy.decide`` with the other inputs bound).
-DecideFn = Callable[[frozenset[int], frozenset[int]], Decision]
-
 
 def decide_waiting(
-    store: Store,
-    decide: DecideFn,
-    *,
-    iteration: int,
-    target: int,
-    timeout: float,
-    clock: Clock = SYSTEM,
+    store: Store, inputs: DecisionInputs, *, timeout: float, clock: Clock = SYSTEM
 ) -> Decision:
-    """The decision of the restart barrier of ``iteration``, waiting for pending respawns.
+    """The decision of the restart barrier of ``inputs.iteration``, waiting for pending
+    respawns (``inputs.decide``: the policy with the store's gone and joined ranks).
 
     Called by the one rank that decides (``inprocess.restart.agreement.restart_barrier``'s
     ``decide``), while every other rank waits for the published decision (bounded by
@@ -50,6 +40,7 @@ def decide_waiting(
     what is there then.
     Blocks at most ``timeout`` (+ one poll). Logs and journals what it waited for.
     """
+    iteration, target, decide = inputs.iteration, inputs.target, inputs.decide
     start = clock.monotonic()
     waited: set[int] = set()
     while True:

@@ -172,6 +172,33 @@ def _ranks(value: str | list[int]) -> tuple[int, ...]:
     return decode_ranks(value) if isinstance(value, str) else tuple(value)
 
 
+@dataclass(frozen=True)
+class DecisionInputs:
+    """``decide``'s inputs but what the store holds at the moment of deciding (the ranks gone,
+    the respawned ones ready to join), which the decider re-reads while it waits for respawns
+    (``inprocess.protocol.capacity.decide_waiting``). Built by the deciding rank
+    (``inprocess.restart.agreement``); ``faults`` are the iteration's records."""
+
+    iteration: int
+    faults: tuple[FaultRecord, ...]
+    history: Sequence[Sequence[FaultRecord]]
+    assignment: Assignment
+    target: int
+    node_of: Sequence[int]
+    config: RestartConfig
+
+    def decide(self, gone: frozenset[int], joined: frozenset[int]) -> Decision:
+        """``decide`` with these ranks gone and these respawned identities ready to join."""
+        return decide(
+            Observed(self.iteration, self.faults, gone=gone, joined=joined),
+            history=self.history,
+            assignment=self.assignment,
+            target=self.target,
+            node_of=self.node_of,
+            config=self.config,
+        )
+
+
 def decide(
     observed: Observed,
     *,

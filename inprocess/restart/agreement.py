@@ -16,7 +16,7 @@ from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord, RestartAbortedError
 from inprocess.protocol import capacity
 from inprocess.protocol.fault_records import read_faults
-from inprocess.protocol.policy import Decision, Observed, decide
+from inprocess.protocol.policy import Decision, DecisionInputs
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.restart_meeting import RestartMeeting
 from inprocess.protocol.store import Store
@@ -115,22 +115,16 @@ class RestartAgreement:
         between ranks only in what the store held at the moment each read it.
         """
 
-        def decide_with(gone: frozenset[int], joined: frozenset[int]) -> Decision:
-            observed = Observed(iteration, tuple(faults), gone=gone, joined=joined)
-            return decide(
-                observed,
-                history=self.counted,
-                assignment=assignment,
-                target=target,
-                node_of=self.node_of,
-                config=self.cfg,
-            )
-
+        inputs = DecisionInputs(
+            iteration,
+            tuple(faults),
+            history=tuple(self.counted),
+            assignment=assignment,
+            target=target,
+            node_of=self.node_of,
+            config=self.cfg,
+        )
         # Short of ranks, wait for the respawns the launchers announced (issue 35).
         return capacity.decide_waiting(
-            store,
-            decide_with,
-            iteration=iteration,
-            target=target,
-            timeout=self.cfg.effective_respawn_wait_timeout,
+            store, inputs, timeout=self.cfg.effective_respawn_wait_timeout
         ).to_json()
