@@ -225,27 +225,31 @@ def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str,
 def _phase_restart(
     me: int, store: Any, shared: tuple[Any, Any, Any], t_fault: float
 ) -> dict[str, float]:
-    from inprocess.protocol import keys
+    from inprocess.clock import SYSTEM
+    from inprocess.protocol import barriers, fault_records, iteration_end, keys
     from inprocess.protocol.policy import Decision
+    from inprocess.restart import agreement
 
     assignment, config, node_of = shared
     if me == FAULT_RANK:  # this thread plays the killed rank's watchdog
         time.sleep(max(0.0, t_fault - time.time()))
         t0 = time.time()
-        keys.report_fault(store, iteration=0, initial_rank=me, kind="dead", detail="SIGKILL")
+        fault_records.report_fault(
+            store, iteration=0, initial_rank=me, kind="dead", detail="SIGKILL"
+        )
         return {"fault_at": t0, "recorded": time.time()}
     blocked = time.time()  # about when this rank starts waiting for the outcome
-    outcome = keys.wait_outcome(store, 0, timeout=PHASE_TIMEOUT_S, clock=time.monotonic)
+    outcome = iteration_end.wait_outcome(store, 0, timeout=PHASE_TIMEOUT_S, clock=SYSTEM)
     woken = time.time()
     assert outcome == keys.OUTCOME_FAULT, outcome
-    raw = keys.restart_barrier(
+    raw = agreement.restart_barrier(
         store,
         0,
         initial_rank=me,
         participants=assignment.active + assignment.reserve,
         decide=functools.partial(_decide, store, assignment, config, node_of),
         timeout=PHASE_TIMEOUT_S,
-        clock=time.monotonic,
+        clock=SYSTEM,
     )
     decision = Decision.from_json(raw)
     released = time.time()
@@ -253,8 +257,8 @@ def _phase_restart(
     new = decision.assignment
     assert new is not None and FAULT_RANK in new.retired
     if new.rank_of(me) is not None:
-        keys.join_barrier(
-            store, 1, expected=len(new.active), timeout=PHASE_TIMEOUT_S, clock=time.monotonic
+        barriers.join_barrier(
+            store, 1, expected=len(new.active), timeout=PHASE_TIMEOUT_S, clock=SYSTEM
         )
         out["joined"] = time.time()
     return out

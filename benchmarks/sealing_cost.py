@@ -35,10 +35,12 @@ import torch.distributed as dist
 
 from checkpoint.exchange import StoreExchange
 from checkpoint.sealing import Sealer
+from inprocess.clock import SYSTEM
 from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, restart_meeting
 from inprocess.protocol.sealed_store import SealedStore
 from inprocess.protocol.store import as_store
+from inprocess.restart import agreement
 
 
 def _median_us(fn: Any, n: int) -> float:
@@ -52,10 +54,10 @@ def _median_us(fn: Any, n: int) -> float:
 
 def _restart(store: Any, it: int) -> None:
     rec = FaultRecord(iteration=it, initial_rank=0, kind="exception", detail="x" * 200, step=it)
-    keys.set_participants(store, it, 1)
-    keys.record_fault(store, rec)
-    keys.wait_outcome(store, it, timeout=5.0, clock=time.monotonic)
-    keys.restart_barrier(
+    restart_meeting.set_participants(store, it, 1)
+    fault_records.record_fault(store, rec)
+    iteration_end.wait_outcome(store, it, timeout=5.0, clock=SYSTEM)
+    agreement.restart_barrier(
         store, it, initial_rank=0, participants=[0], decide=lambda faults: '{"go": 1}', timeout=5
     )
 

@@ -32,7 +32,7 @@ from checkpoint.sealing import ForgedValueError, child_env, job_sealer
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ConfigError
 from inprocess.protocol.environment import LaunchEnv
-from inprocess.protocol.keys import GONE_KEY, ROOT, StoreLike, parse_ranks, peek
+from inprocess.protocol.keys import GONE_KEY, ROOT, parse_ranks, peek
 from inprocess.protocol.sealed_store import seal
 from inprocess.protocol.store import Store
 
@@ -160,7 +160,7 @@ def spawn_server(
     return proc.pid
 
 
-def mark_left(store: StoreLike, identity: int) -> int:
+def mark_left(store: Store, identity: int) -> int:
     """Process ``identity`` leaves the job (the server exits once all have); returns how many
     have left. Idempotent per identity: the rank and, after its death, its ``inprocess.launch.task``
     may both mark it."""

@@ -205,7 +205,7 @@ class Watchdog:
         """Deaths from now on are reported for ``iteration``; tells the process at once.
 
         ``reserve``: this rank waits as a reserve in ``iteration``: its death only marks it
-        gone (``keys.record_reserve_gone``) and never interrupts the ranks that train."""
+        gone (``fault_records.record_reserve_gone``) and never interrupts the ranks that train."""
         self._iteration = iteration
         self._reserve = reserve
         self._send(self._beat_line())

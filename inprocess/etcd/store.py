@@ -197,7 +197,7 @@ class EtcdStore(StoreBase, dist.Store):
         """``append`` to each key and set each ``set_if_absent`` key unless present: ONE
         transaction (``AtomicWrites.fault_batch``), applied once even across a lost answer.
 
-        ``inprocess.protocol.keys.record_fault`` uses it: a fault's record, the gone list and
+        ``protocol.fault_records.record_fault`` uses it: a fault's record, the gone list and
         the iteration's three release keys, which on etcd were five sequential requests
         (docs/scale.md). Keys must be distinct.
         """
@@ -207,7 +207,7 @@ class EtcdStore(StoreBase, dist.Store):
         """Count ``member`` once under ``key`` and return how many members are counted: ONE
         transaction, without contention (``member`` None: a fresh one, never repeated).
 
-        ``inprocess.protocol.keys``'s barriers use it instead of ``add``: on etcd an ``add`` is
+        ``inprocess.protocol.barriers`` use it instead of ``add``: on etcd an ``add`` is
         a compare-and-swap on one counter, two round trips on an existing key and one more per
         concurrent writer, so N ranks arriving together cost O(N^2) requests. Here each member
         puts its own key ``<key>/<member>`` (if absent) and the same transaction counts the keys

@@ -11,41 +11,36 @@ decision can tell that capacity is coming and wait for it, bounded by
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-from inprocess import journal
 from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol import job_keys, keys
-from inprocess.protocol.policy import Decision
+from inprocess.protocol import job_keys
+from inprocess.protocol.policy import Decision, DecisionInputs
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
+# The run journal's channel (``inprocess.journal`` writes what reaches it): the protocol sits
+# below the journal and does not import it.
+_journal = logging.getLogger("restartable.journal")
 
 _POLL_S = 0.02  # how often a waiting decider re-reads the store (a few reads per wait)
 
-# decide(gone, ready): the policy's decision with these ranks gone and these respawned
-# identities ready to join (``inprocess.protocol.policy.decide`` with the other inputs bound).
-DecideFn = Callable[[frozenset[int], frozenset[int]], Decision]
-
 
 def decide_waiting(
-    store: keys.StoreLike,
-    decide: DecideFn,
-    *,
-    iteration: int,
-    target: int,
-    timeout: float,
-    clock: Clock = SYSTEM,
+    store: Store, inputs: DecisionInputs, *, timeout: float, clock: Clock = SYSTEM
 ) -> Decision:
-    """The decision of the restart barrier of ``iteration``, waiting for pending respawns.
+    """The decision of the restart barrier of ``inputs.iteration``, waiting for pending
+    respawns (``inputs.decide``: the policy with the store's gone and joined ranks).
 
-    Called by the one rank that decides (``keys.restart_barrier``'s ``decide``), while every
-    other rank waits for the published decision (bounded by ``barrier_timeout``, which must
-    exceed ``timeout``). Decides with what the store holds now; when that decision fills fewer
-    than ``target`` active ranks (it shrinks the job or stops it) and the announced respawns
-    not yet ready would make it fill more, re-reads the store every ``_POLL_S`` until they
-    joined, died, or ``timeout`` seconds passed, and decides again with what is there then.
+    Called by the one rank that decides (``inprocess.restart.agreement.restart_barrier``'s
+    ``decide``), while every other rank waits for the published decision (bounded by
+    ``barrier_timeout``, which must exceed ``timeout``). Decides with what the store holds now;
+    when that decision fills fewer than ``target`` active ranks (it shrinks the job or stops it)
+    and the announced respawns not yet ready would make it fill more, re-reads the store every
+    ``_POLL_S`` until they joined, died, or ``timeout`` seconds passed, and decides again with
+    what is there then.
     Blocks at most ``timeout`` (+ one poll). Logs and journals what it waited for.
     """
+    iteration, target, decide = inputs.iteration, inputs.target, inputs.decide
     start = clock.monotonic()
     waited: set[int] = set()
     while True:
@@ -96,8 +91,15 @@ def _log_wait(
         "still starting" if pending else "gone or not started",
         outcome,
     )
-    journal.record(
-        "respawn_wait", iteration=iteration, waited_for=sorted(waited), joined=joined,
-        missing=missing, waited_s=waited_s, timeout_s=timeout,
-        active=_size(decision), stop=decision.stop,
-    )  # fmt: skip
+    if _journal.handlers:  # a journal is open (or listened to) in this process
+        fields = {
+            "iteration": iteration,
+            "waited_for": sorted(waited),
+            "joined": joined,
+            "missing": missing,
+            "waited_s": waited_s,
+            "timeout_s": timeout,
+            "active": _size(decision),
+            "stop": decision.stop,
+        }
+        _journal.debug("respawn_wait", extra={"journal": fields})

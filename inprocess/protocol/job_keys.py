@@ -1,9 +1,9 @@
 """The job-level keys the launcher and the ranks share: a respawned process joining the reserve
 pool, the current iteration, and how the in-process path ended (done or stopped).
 
-Keys (under ``restartable/``, next to ``inprocess.protocol.keys``'s): ``iteration`` (the iteration
-the
-ranks are in), ``joiners`` (respawned identities that are ready to wait as reserves, appended),
+Keys (under ``restartable/``, next to ``inprocess.protocol.keys``'s): ``iteration`` (the
+iteration the ranks are in), ``joiners`` (respawned identities that are ready to wait as
+reserves, appended),
 ``respawning`` (identities a launcher is starting: capacity on its way, appended),
 ``stopped`` (why the in-process path gave up; first writer wins). The launcher
 (``inprocess.launch.supervisor``) reads them to choose between a respawn and an in-job restart.
@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Protocol
 
 from checkpoint.sealing import ForgedValueError, parse_count
-from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import RestartAbortedError, StoreTimeoutError
-from inprocess.protocol import keys
+from inprocess.protocol import iteration_end, keys, restart_meeting
 from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment
+from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
+# The run journal's channel (``inprocess.journal`` writes what reaches it): the protocol sits
+# below the journal and does not import it.
+_journal = logging.getLogger("restartable.journal")
 
 ITERATION_KEY = keys.ROOT + "iteration"
 JOINERS_KEY = keys.ROOT + "joiners"
@@ -56,7 +60,7 @@ class Admission:
 
 
 def start_iteration(
-    store: keys.StoreLike, iteration: int, *, participants: int, reserves: Sequence[int]
+    store: Store, iteration: int, *, participants: int, reserves: Sequence[int]
 ) -> None:
     """Every rank, at the start of each iteration, in one write (one transaction on etcd):
     the iteration a newcomer starts looking at, how many ranks take part in it (the restart
@@ -66,29 +70,36 @@ def start_iteration(
         dict(
             [
                 (ITERATION_KEY, str(iteration)),
-                keys.participants_item(iteration, participants),
+                restart_meeting.participants_item(iteration, participants),
                 keys.reserves_item(iteration, reserves),
             ]
         ),
     )
 
 
-def current_iteration(store: keys.StoreLike) -> int:
+def current_iteration(store: Store) -> int:
     """The iteration the ranks last announced (0 before the first); never blocks. Raises
     ``ForgedValueError`` naming the key when its value fails to verify or is not a number."""
     raw = keys.peek(store, ITERATION_KEY)
     return 0 if raw is None else parse_count(ITERATION_KEY, raw)
 
 
-def register_joiner(store: keys.StoreLike, identity: int) -> None:
+def register_joiner(store: Store, identity: int) -> None:
     """A respawned process is connected and ready: the next restart decision may admit it.
 
     Journals ``reserve_ready`` (the end of a respawn's recovery in the downtime report)."""
     store.append(JOINERS_KEY, f"{identity},")
-    journal.record("reserve_ready", identity=identity)
+    if _journal.handlers:  # a journal is open (or listened to) in this process
+        _journal.debug("reserve_ready", extra={"journal": {"identity": identity}})
 
 
-def publish_journal_dir(store: keys.StoreLike, jr: Any) -> None:
+class OpenJournal(Protocol):
+    """What ``publish_journal_dir`` reads of an open journal (``inprocess.journal.Journal``)."""
+
+    path: Path
+
+
+def publish_journal_dir(store: Store, jr: OpenJournal | None) -> None:
     """Every rank after connecting: the directory of its open journal (``inprocess.journal
     .Journal`` or None), so that a launcher started without ``RESTARTABLE_JOURNAL_DIR`` writes
     its records (respawns, in-job restarts) beside the ranks'. First writer wins; never blocks."""
@@ -96,17 +107,17 @@ def publish_journal_dir(store: keys.StoreLike, jr: Any) -> None:
         store.compare_set(JOURNAL_DIR_KEY, "", str(jr.path.parent.resolve()))
 
 
-def journal_dir(store: keys.StoreLike) -> str | None:
+def journal_dir(store: Store) -> str | None:
     """The ranks' journal directory (``publish_journal_dir``), or None; never blocks."""
     return store.get(JOURNAL_DIR_KEY).decode() if store.check([JOURNAL_DIR_KEY]) else None
 
 
-def registered_joiners(store: keys.StoreLike) -> set[int]:
+def registered_joiners(store: Store) -> set[int]:
     """Every respawned identity that ever registered (alive or not); never blocks."""
     return keys.parse_ranks(keys.peek(store, JOINERS_KEY))
 
 
-def gone_and_ready_joiners(store: keys.StoreLike) -> tuple[set[int], set[int]]:
+def gone_and_ready_joiners(store: Store) -> tuple[set[int], set[int]]:
     """The ranks known gone (``keys.gone_ranks``) and the registered respawned identities not
     among them, read together (one transaction on etcd); never blocks."""
     gone_raw, joiners_raw = keys.peek_many(store, [keys.GONE_KEY, JOINERS_KEY])
@@ -114,12 +125,12 @@ def gone_and_ready_joiners(store: keys.StoreLike) -> tuple[set[int], set[int]]:
     return gone, keys.parse_ranks(joiners_raw) - gone
 
 
-def ready_joiners(store: keys.StoreLike) -> set[int]:
+def ready_joiners(store: Store) -> set[int]:
     """Registered respawned identities whose process is not known to be gone; never blocks."""
     return gone_and_ready_joiners(store)[1]
 
 
-def announce_respawn(store: keys.StoreLike, identity: int) -> None:
+def announce_respawn(store: Store, identity: int) -> None:
     """The launcher decided to start ``identity`` (``ranks.respawn_identity``) in a dead
     process's slot: a restart decision short of ranks may wait for it (``pending_respawns``).
 
@@ -128,7 +139,7 @@ def announce_respawn(store: keys.StoreLike, identity: int) -> None:
     store.append(RESPAWNING_KEY, f"{identity},")
 
 
-def respawn_state(store: keys.StoreLike) -> tuple[set[int], set[int], set[int]]:
+def respawn_state(store: Store) -> tuple[set[int], set[int], set[int]]:
     """``(gone, ready, pending)`` read together (one transaction on etcd); never blocks.
 
     ``gone``: ranks known gone; ``ready``: registered respawned identities not gone;
@@ -140,7 +151,7 @@ def respawn_state(store: keys.StoreLike) -> tuple[set[int], set[int], set[int]]:
     return gone, joiners - gone, keys.parse_ranks(pending_raw) - joiners - gone
 
 
-def mark_gone(store: keys.StoreLike, identity: int) -> None:
+def mark_gone(store: Store, identity: int) -> None:
     """The launcher saw ``identity``'s process exit: no barrier or decision waits for it.
 
     Unlike a watchdog's report this ends no iteration: a respawned process that dies before it
@@ -149,7 +160,7 @@ def mark_gone(store: keys.StoreLike, identity: int) -> None:
     store.append(keys.GONE_KEY, f"{identity},")
 
 
-def mark_stopped(store: keys.StoreLike, reason: str, *, origin: str = "") -> None:
+def mark_stopped(store: Store, reason: str, *, origin: str = "") -> None:
     """The in-process path gave up (``RestartAbortedError``, a barrier timeout): the launcher
     restarts the job in place, unless ``origin`` is "application" (a bug: it ends the job
     without a requeue). First writer wins; never blocks. The origin is set before the reason,
@@ -159,7 +170,7 @@ def mark_stopped(store: keys.StoreLike, reason: str, *, origin: str = "") -> Non
     store.compare_set(STOPPED_KEY, "", reason[:2000])
 
 
-def stop_origin(store: keys.StoreLike) -> str:
+def stop_origin(store: Store) -> str:
     """The origin ``mark_stopped`` was given ("application" or ""); never blocks. One that
     fails to verify (logged, naming the key) is "": the job restarts or is requeued, the
     safe side (an "application" stop ends it for good)."""
@@ -170,7 +181,7 @@ def stop_origin(store: keys.StoreLike) -> str:
     return "" if raw is None else raw.decode()
 
 
-def job_state(store: keys.StoreLike) -> str:
+def job_state(store: Store) -> str:
     """``JOB_NOT_STARTED``, ``JOB_RUNNING``, ``JOB_DONE`` or ``JOB_STOPPED``; never blocks."""
     if store.check([STOPPED_KEY]):
         return JOB_STOPPED
@@ -178,23 +189,23 @@ def job_state(store: keys.StoreLike) -> str:
         return JOB_NOT_STARTED
     return (
         JOB_DONE
-        if keys.outcome(store, current_iteration(store)) == keys.OUTCOME_DONE
+        if iteration_end.outcome(store, current_iteration(store)) == keys.OUTCOME_DONE
         else (JOB_RUNNING)
     )
 
 
-def stop_reason(store: keys.StoreLike) -> str | None:
+def stop_reason(store: Store) -> str | None:
     """Why the in-process path stopped, or None."""
     return store.get(STOPPED_KEY).decode() if store.check([STOPPED_KEY]) else None
 
 
 def wait_admission(
-    store: keys.StoreLike,
+    store: Store,
     *,
     identity: int,
     decision_timeout: float,
     since: int,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock = SYSTEM,
 ) -> Admission | None:
     """Called once by a respawned process after ``register_joiner``: wait until a restart
     decision puts ``identity`` in the reserve pool (or the active set).
@@ -208,7 +219,7 @@ def wait_admission(
     """
     it = since
     while True:
-        if keys.wait_outcome(store, it, timeout=None, clock=clock) == keys.OUTCOME_DONE:
+        if iteration_end.wait_outcome(store, it, timeout=None, clock=clock) == keys.OUTCOME_DONE:
             return None
         decision = Decision.from_json(_wait_get(store, _go_key(it), decision_timeout, clock))
         if decision.stop is not None or decision.assignment is None:
@@ -226,10 +237,10 @@ def _go_key(iteration: int) -> str:
     return keys.iteration_prefix(iteration) + "restart/go"
 
 
-def _wait_get(store: keys.StoreLike, key: str, timeout: float, clock: Callable[[], float]) -> str:
-    deadline = clock() + timeout
+def _wait_get(store: Store, key: str, timeout: float, clock: Clock) -> str:
+    deadline = clock.monotonic() + timeout
     while not store.check([key]):
-        left = deadline - clock()
+        left = deadline - clock.monotonic()
         if left <= 0:
             raise StoreTimeoutError(f"{key} was not published within {timeout} s")
         try:

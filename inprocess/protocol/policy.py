@@ -14,6 +14,13 @@ from typing import Any
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
+from inprocess.protocol.fault_evidence import (
+    OWN_FAULT_KINDS,
+    Collateral,
+    classify,
+    signature,
+    text_origin,
+)
 from inprocess.protocol.ranks import (
     Assignment,
     NotEnoughRanksError,
@@ -21,13 +28,9 @@ from inprocess.protocol.ranks import (
     encode_ranks,
     reassign,
 )
-from inprocess.report.attribution import text_origin
 
 # Kinds that remove a rank for good (besides its process being gone).
 RETIRING_KINDS = frozenset({"unhealthy"})
-# Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop. A
-# dead or hard-timed-out rank is retired at once, so it never needs counting.
-OWN_FAULT_KINDS = frozenset({"exception", "soft_timeout", "section_timeout", "atomic_timeout"})
 # Kinds whose "demote" only swaps a slow but working rank for a reserve
 # (inprocess.restart.demotion).
 SWAP_ONLY_KINDS = frozenset({"straggler"})
@@ -37,16 +40,6 @@ SWAP_ONLY_KINDS = frozenset({"straggler"})
 # restart's bytes grow with the square of the job (docs/scale.md). The full list stays in
 # the store (``it<n>/faults``) and in each recording rank's journal.
 PUBLISHED_COLLATERAL = 8
-# Last resort only, for an exception that carries no structural evidence (e.g. user code caught
-# a failed collective and raised its own error from it): how collectives fail when a peer went
-# away (gloo, NCCL, the store).
-PEER_LOST_MESSAGES = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "DistNetworkError",
-)
 
 
 @dataclass(frozen=True)
@@ -63,14 +56,6 @@ class Observed:
     faults: tuple[FaultRecord, ...]
     gone: frozenset[int] = frozenset()
     joined: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class Collateral:
-    """A fault the decision did not count: a consequence of another rank's fault."""
-
-    fault: FaultRecord
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -187,6 +172,33 @@ def _ranks(value: str | list[int]) -> tuple[int, ...]:
     return decode_ranks(value) if isinstance(value, str) else tuple(value)
 
 
+@dataclass(frozen=True)
+class DecisionInputs:
+    """``decide``'s inputs but what the store holds at the moment of deciding (the ranks gone,
+    the respawned ones ready to join), which the decider re-reads while it waits for respawns
+    (``inprocess.protocol.capacity.decide_waiting``). Built by the deciding rank
+    (``inprocess.restart.agreement``); ``faults`` are the iteration's records."""
+
+    iteration: int
+    faults: tuple[FaultRecord, ...]
+    history: Sequence[Sequence[FaultRecord]]
+    assignment: Assignment
+    target: int
+    node_of: Sequence[int]
+    config: RestartConfig
+
+    def decide(self, gone: frozenset[int], joined: frozenset[int]) -> Decision:
+        """``decide`` with these ranks gone and these respawned identities ready to join."""
+        return decide(
+            Observed(self.iteration, self.faults, gone=gone, joined=joined),
+            history=self.history,
+            assignment=self.assignment,
+            target=self.target,
+            node_of=self.node_of,
+            config=self.config,
+        )
+
+
 def decide(
     observed: Observed,
     *,
@@ -257,81 +269,6 @@ def _demotions(
             free -= 1
         granted.append(r)
     return tuple(granted)
-
-
-def classify(
-    faults: Sequence[FaultRecord], *, gone: frozenset[int] = frozenset()
-) -> tuple[tuple[FaultRecord, ...], tuple[Collateral, ...]]:
-    """Split one iteration's faults into the counted ones and the collateral ones.
-
-    An exception is collateral when it is a consequence of another rank's fault, judged by what
-    happened: it was raised by a collective (``in_collective``) while another rank has a fault
-    of its own, or its process is gone, or the iteration had already faulted when it was
-    recorded (``after_fault``). Only an exception without that structural evidence is matched
-    by its message (``PEER_LOST_MESSAGES``), the last resort. An exception of the rank's own
-    code always counts, and with nobody else to blame nothing is collateral: a collective that
-    fails on every rank at once counts on every rank.
-    """
-    roots = [f for f in faults if _root_evidence(f) is None]
-    counted: list[FaultRecord] = []
-    collateral: list[Collateral] = []
-    for f in faults:
-        reason = _collateral_reason(f, roots, gone)
-        if reason is None:
-            counted.append(f)
-        else:
-            collateral.append(Collateral(f, reason))
-    return tuple(counted), tuple(collateral)
-
-
-def signature(counted: Sequence[FaultRecord]) -> tuple[tuple[Any, ...], ...]:
-    """What must repeat for the repeated-fault stop: how, where and at which step ranks faulted.
-
-    Not which rank: when every rank hits the same bug, which of them records it before the
-    restart interrupts the others is a matter of timing, and the fault is the same.
-    """
-    return tuple(
-        sorted(
-            {
-                (f.kind, f.exc_type, f.where, -1 if f.step is None else f.step)
-                for f in counted
-                if f.kind in OWN_FAULT_KINDS
-            }
-        )
-    )
-
-
-def _root_evidence(f: FaultRecord) -> str | None:
-    """Why ``f`` may be a consequence of someone else's fault; None for a fault of its own.
-
-    Only a failed communication can be caused by a peer: an exception raised by the rank's own
-    code is its own fault, even when it came after another rank's (every rank hitting the same
-    bug counts on every rank).
-    """
-    if f.kind != "exception":
-        return None
-    if f.in_collective:
-        return "raised by a collective"
-    matched = next((m for m in PEER_LOST_MESSAGES if m in f.detail), None)
-    if matched is not None:
-        return f"message contains {matched!r} (last resort: no structural evidence)"
-    return None
-
-
-def _collateral_reason(
-    f: FaultRecord, roots: Sequence[FaultRecord], gone: frozenset[int]
-) -> str | None:
-    evidence = _root_evidence(f)
-    if evidence is None:
-        return None
-    others = [g for g in roots if g.initial_rank != f.initial_rank]
-    blame = [f"{g.label} on rank {g.initial_rank}" for g in others]
-    blame += [f"rank {r} gone" for r in sorted(gone - {f.initial_rank})]
-    if f.after_fault and not blame:  # the fault that ended the iteration is not recorded yet
-        blame.append("the iteration had already faulted")
-    if not blame:
-        return None
-    return f"{evidence}, after {', '.join(blame[:3])}"
 
 
 def _retirements(

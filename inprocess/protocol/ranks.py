@@ -113,18 +113,7 @@ def reassign(
     slots, pool = _slots_and_pool(
         previous, retired=retired, leaving=leaving, joined=joined, size=active_world_size
     )
-    holes = [i for i, r in enumerate(slots) if r is None]
-    chosen = _pick_reserves(
-        pool,
-        len(holes),
-        node_of=node_of,
-        members=known - retired,
-        suspect={node_index(r, node_of) for r in leaving},
-        granularity=granularity,
-    )
-    for pos, rank in zip(holes, chosen, strict=False):  # fewer chosen: shrink
-        slots[pos] = rank
-    active = _compact(slots)
+    active = _fill_holes(slots, pool, node_of, known - retired, leaving, granularity)
     _check_enough(active, retired, active_world_size, min_active_world_size)
     taken = set(active)
     return Assignment(
@@ -132,6 +121,32 @@ def reassign(
         reserve=tuple(r for r in pool if r not in taken),
         retired=retired,
     )
+
+
+def _fill_holes(
+    slots: list[int | None],
+    pool: Sequence[int],
+    node_of: Sequence[int],
+    members: Collection[int],
+    leaving: Collection[int],
+    granularity: str,
+) -> list[int]:
+    """``reassign``'s second step: reserves from ``pool`` take the holes of ``slots`` (whole
+    healthy nodes first under node granularity, never a node a ``leaving`` rank is on; a node
+    is whole when all its ``members`` wait in the pool); with too few, the active set shrinks
+    and is renumbered (``_compact``)."""
+    holes = [i for i, r in enumerate(slots) if r is None]
+    chosen = _pick_reserves(
+        pool,
+        len(holes),
+        node_of=node_of,
+        members=members,
+        suspect={node_index(r, node_of) for r in leaving},
+        granularity=granularity,
+    )
+    for pos, rank in zip(holes, chosen, strict=False):  # fewer chosen: shrink
+        slots[pos] = rank
+    return _compact(slots)
 
 
 def _leaving(

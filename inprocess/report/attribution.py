@@ -30,35 +30,20 @@ A Slurm ``--exclude`` line is suggested only for a hardware origin in a set with
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inprocess.errors import is_numerical
+from inprocess.protocol.fault_evidence import HARDWARE, STORAGE, STORE
 from inprocess.report.evidence import Fault, Window, faults_of
 
-__all__ = ["Fault", "Finding", "analyse", "attribute", "classify", "faults_of", "text_origin"]
+__all__ = ["Fault", "Finding", "analyse", "attribute", "classify", "faults_of"]
 
 HANG_KINDS = frozenset({"soft_timeout", "hard_timeout", "section_timeout", "atomic_timeout"})
 GONE_KINDS = frozenset({"dead"})
 BURST_S = 2.0
-_STORAGE = re.compile(
-    r"ENOSPC|No space left|EIO|Input/output error|Read-only file system|Disk quota|"
-    r"CheckpointStorageError|Stale file handle",
-    re.IGNORECASE,
-)
-_STORE = re.compile(
-    r"store unreachable|DistStoreError|StoreTimeoutError|TCPStore|Connection refused|"
-    r"Network is unreachable|No route to host|etcd",
-    re.IGNORECASE,
-)
-_HARDWARE = re.compile(
-    r"NVML|CUDA error|cudaError|Xid|ECC error|uncorrectable|illegal memory access|"
-    r"GPU is lost|fallen off the bus",
-    re.IGNORECASE,
-)
 
 
 @dataclass
@@ -102,9 +87,10 @@ class Finding:
     def line(self) -> str:
         """One line for the report: where, what, why, and the advice if any."""
         f = self.fault
-        who = f"rank {f.training_rank} (initial {f.rank})" if f.training_rank is not None else (
-            f"initial rank {f.rank}"
-        )  # fmt: skip
+        if f.training_rank is not None:
+            who = f"rank {f.training_rank} (initial {f.rank})"
+        else:
+            who = f"initial rank {f.rank}"
         step = "-" if f.step is None else str(f.step)
         return (
             f"{f.launch or '-'} it {f.iteration} step {step} {who} on {f.host or '?'}: "
@@ -118,16 +104,6 @@ def analyse(records: list[dict[str, Any]]) -> list[Finding]:
     """The findings of a set of journal records (one or several directories), by time."""
     hosts = {str(r["host"]) for r in records if r.get("host")}
     return attribute(faults_of(records), hosts=hosts)
-
-
-def text_origin(text: str) -> str | None:
-    """ "infrastructure" or "hardware" when an error's text names a storage, store, network or
-    GPU error; None otherwise (the restart policy asks before it calls a repeat a bug)."""
-    if _STORAGE.search(text) or _STORE.search(text):
-        return "infrastructure"
-    if _HARDWARE.search(text):
-        return "hardware"
-    return None
 
 
 def classify(f: Fault) -> str:
@@ -168,10 +144,10 @@ def attribute(faults: list[Fault], *, hosts: Iterable[str] | None = None) -> lis
     for i, x in enumerate(out):
         mine = by_host.get(x.fault.host, [])
         if x.origin == "unknown" and several and len({m.launch for m in mine}) >= 2:
+            rule = "the host faulted again in another launch"
             out[i] = _evidence(
-                x.fault, x.fault_class, "hardware", "the host faulted again in another launch",
-                mine, x.ranks, several_hosts=several,
-            )  # fmt: skip
+                x.fault, x.fault_class, "hardware", rule, mine, x.ranks, several_hosts=several
+            )
     return sorted(out, key=lambda x: x.fault.t)
 
 
@@ -211,14 +187,14 @@ def _finding(
         return found("injected", f"fired by the fault plan ({f.injected})")
     # A peer's broken collective says nothing of the fault's origin when a rank had its own.
     text = " ".join(f"{g.exc_type} {g.detail}" for g in (own or window))
-    if _STORAGE.search(text):
+    if STORAGE.search(text):
         return found("infrastructure", "storage error")
-    if _STORE.search(text):
+    if STORE.search(text):
         return found("infrastructure", "coordination store or network error")
     if not own and len({g.rank for g in window if g.in_collective}) >= 2:
         burst = [g for g in window if abs(g.t - f.t) <= BURST_S]
         return found("infrastructure", f"{len(burst)} ranks failed in collectives at once", burst)
-    if f.kind == "unhealthy" or "persistent" in f.kind or _HARDWARE.search(text):
+    if f.kind == "unhealthy" or "persistent" in f.kind or HARDWARE.search(text):
         return found("hardware", "a failed health check, a GPU error or a persistent verdict")
     places = {(g.exc_type, g.where) for g in own}
     if len(ranks) >= 2 and len(places) == 1 and f.exc_type and f.where:
@@ -228,10 +204,8 @@ def _finding(
         return found("application", "the same error at the same step on different hosts", same)
     if len({s.window for s in same}) >= 2 and f.kind == "exception" and f.exc_type and f.where:
         # Deterministic: the restart policy's max_same_fault stop calls this a bug too.
-        return found(
-            "application", f"the same exception at the same place and step in {len(same)} "
-            "windows", same,
-        )  # fmt: skip
+        rule = f"the same exception at the same place and step in {len(same)} windows"
+        return found("application", rule, same)
     return found("unknown", "seen once, no evidence of an origin")
 
 
@@ -247,10 +221,16 @@ def _evidence(
 ) -> Finding:
     exclude = f"--exclude={f.host}" if origin == "hardware" and several_hosts and f.host else ""
     return Finding(
-        f, cls, origin, rule, sorted({e.host for e in evidence if e.host}),
-        sorted({e.step for e in evidence}, key=_step_key), sorted({e.launch for e in evidence}),
-        exclude, ranks,
-    )  # fmt: skip
+        f,
+        cls,
+        origin,
+        rule,
+        hosts=sorted({e.host for e in evidence if e.host}),
+        steps=sorted({e.step for e in evidence}, key=_step_key),
+        launches=sorted({e.launch for e in evidence}),
+        exclude=exclude,
+        ranks=ranks,
+    )
 
 
 def _step_key(step: int | None) -> int:

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from inprocess import journal
-from inprocess.report import attribution, downtime, job_view
+from inprocess.report import attribution, downtime, job_view, terms
 from inprocess.usage import UsageParser
 
 EXIT_NO_PLOT = 3  # --png without matplotlib: the text and the JSON were written, the PNG not
 
 
-def reports(directory: str | Path) -> list[downtime.LaunchReport]:
+def reports(directory: str | Path) -> list[terms.LaunchReport]:
     """The report of each launch in ``directory``'s journal, oldest first."""
     records = journal.read(directory)
     if not records:
@@ -31,7 +31,7 @@ def reports(directory: str | Path) -> list[downtime.LaunchReport]:
     return sorted(out, key=lambda r: r.start)
 
 
-def format_report(r: downtime.LaunchReport) -> str:
+def format_report(r: terms.LaunchReport) -> str:
     """The report as text: every figure with its unit, one quantity per column.
 
     One row per fault window (see ``inprocess.report.downtime`` for each term's definition;
@@ -62,7 +62,7 @@ def format_report(r: downtime.LaunchReport) -> str:
     return "\n".join(lines)
 
 
-def _window_rows(windows: list[downtime.Window]) -> list[str]:
+def _window_rows(windows: list[terms.Window]) -> list[str]:
     lines = [
         f"  {'injected fault':24} {'level':10} {'it':>3} {'cause':14} {'rank':>5} "
         f"{'initial rank':>12} "
@@ -92,7 +92,7 @@ def _window_rows(windows: list[downtime.Window]) -> list[str]:
     ]
 
 
-def _ranks(w: downtime.Window) -> tuple[str, str]:
+def _ranks(w: terms.Window) -> tuple[str, str]:
     """The blamed ranks as the fault plan and ``ctx.rank`` name them ("-" where unknown: an
     in-job restart), and their RANK at launch (what the restart's cause and logs say)."""
     trained = []
@@ -102,7 +102,7 @@ def _ranks(w: downtime.Window) -> tuple[str, str]:
     return ",".join(trained) or "-", ",".join(map(str, w.faulting_ranks)) or "-"
 
 
-def _respawn_rows(windows: list[downtime.RespawnWindow]) -> list[str]:
+def _respawn_rows(windows: list[terms.RespawnWindow]) -> list[str]:
     def cell(value: float | None, width: int) -> str:
         return f"{'-':>{width}}" if value is None else f"{value:{width}.3f}"
 
@@ -130,7 +130,7 @@ class PlotUnavailable(RuntimeError):
     """``plot`` needs matplotlib, which is not installed; the message names the extra."""
 
 
-def plot(reps: list[downtime.LaunchReport], records: list[dict[str, Any]], out: Path) -> None:
+def plot(reps: list[terms.LaunchReport], records: list[dict[str, Any]], out: Path) -> None:
     """A timeline PNG: rank 0's progress over time, each fault window shaded, checkpoints marked.
 
     Raises ``PlotUnavailable`` (nothing written) without matplotlib.

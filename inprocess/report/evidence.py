@@ -13,6 +13,8 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
+from inprocess.report.records import process_of
+
 _RESTART_CAUSE = re.compile(r"^(?P<kind>[a-z_]+) on rank (?P<rank>\d+)")
 
 Window = tuple[str, int, int]  # (launch, round, iteration)
@@ -176,14 +178,10 @@ def _rounds(records: list[dict[str, Any]]) -> Any:
             starts[launch][k] = min(starts[launch].get(k, float(r["t"])), float(r["t"]))
     born: dict[Any, float] = {}
     for r in records:
-        born.setdefault(_process(r), float(r["t"]))
+        born.setdefault(process_of(r), float(r["t"]))
 
     def round_of(r: dict[str, Any]) -> int:
-        first = born.get(_process(r), float(r["t"]))
+        first = born.get(process_of(r), float(r["t"]))
         return sum(t <= first for t in starts.get(str(r.get("launch", "")), {}).values())
 
     return round_of
-
-
-def _process(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["_file"],) if "_file" in r else (r.get("host"), r.get("pid"), r.get("rank"))

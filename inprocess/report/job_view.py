@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from inprocess.report.downtime import LaunchReport
+from inprocess.report.terms import LaunchReport
 
 
 @dataclass(frozen=True)

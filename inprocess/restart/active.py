@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from inprocess.context import RestartContext, RestartRecord, activated
 from inprocess.errors import RestartInterrupt
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.sealed_store import unsealed
 from inprocess.restart import iteration_start
@@ -127,7 +127,7 @@ def _left_job(svc: RankServices, ctx: RestartContext, exc: BaseException) -> Non
     """``train()`` raised a ``BaseException`` (SystemExit, KeyboardInterrupt): record this rank
     dead, so that the others restart without it (the loop re-raises)."""
     svc.sections.end_iteration()
-    keys.report_fault(
+    fault_records.report_fault(
         svc.store,
         iteration=ctx.iteration,
         initial_rank=svc.me,
@@ -264,22 +264,22 @@ def _report_raised(svc: RankServices, ctx: RestartContext, call: _Call) -> None:
         in_collective=call.in_collective,
         clock=svc.clock,
     )
-    keys.record_fault(svc.store, record)
+    fault_records.record_fault(svc.store, record)
 
 
 def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
     """``train()`` returned: mark this rank completed and wait (up to ``completion_timeout``)
     for the iteration's outcome. True when every rank completed; on a timeout, reports it."""
     cfg, store, iteration = svc.config, svc.store, ctx.iteration
-    keys.mark_completed(store, iteration, active=world)
+    iteration_end.mark_completed(store, iteration, active=world)
     with svc.progress.paused():
-        result = keys.wait_outcome(
-            store, iteration, timeout=cfg.completion_timeout, clock=svc.clock.monotonic
+        result = iteration_end.wait_outcome(
+            store, iteration, timeout=cfg.completion_timeout, clock=svc.clock
         )
     if result == keys.OUTCOME_DONE:
         return True
     if result is None:
-        keys.report_fault(
+        fault_records.report_fault(
             store,
             iteration=iteration,
             initial_rank=svc.me,

@@ -8,16 +8,46 @@ thread: ``adopt`` once when a respawned process is admitted, then ``meet`` after
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord, RestartAbortedError
-from inprocess.protocol import capacity, keys
-from inprocess.protocol.policy import Decision, Observed, decide
+from inprocess.protocol import capacity
+from inprocess.protocol.fault_records import read_faults
+from inprocess.protocol.policy import Decision, DecisionInputs
 from inprocess.protocol.ranks import Assignment
+from inprocess.protocol.restart_meeting import RestartMeeting
 from inprocess.protocol.store import Store
 from inprocess.restart.progress import ProgressTracker
+
+
+def restart_barrier(
+    store: Store,
+    iteration: int,
+    *,
+    initial_rank: int,
+    participants: Collection[int],
+    decide: Callable[[list[FaultRecord]], str],
+    timeout: float,
+    clock: Clock = SYSTEM,
+) -> str:
+    """Every live participant meets after iteration ``iteration`` faulted; returns the decision.
+
+    Called by every live participant (active and reserve) once its part of the iteration is
+    over; blocks until the decision is published, at most ``timeout`` seconds
+    (``StoreTimeoutError``). Drives the steps of ``inprocess.protocol.restart_meeting`` (which
+    explains who decides); exactly one rank runs ``decide(faults)`` on the iteration's fault
+    records and publishes its result, and every rank returns the decision published first.
+    """
+    meeting = RestartMeeting(store, iteration, initial_rank=initial_rank, participants=participants)
+    deadline = clock.monotonic() + timeout
+    if meeting.arrive() or meeting.wait_decider(deadline=deadline, clock=clock):
+        return meeting.publish(decide(read_faults(store, iteration)))
+    published = meeting.wait_decision(deadline=deadline, clock=clock)
+    if published is None:  # the decider is gone before publishing: decide in its place
+        return meeting.publish(decide(read_faults(store, iteration)))
+    return published
 
 
 class RestartAgreement:
@@ -52,14 +82,14 @@ class RestartAgreement:
         Raises ``RestartAbortedError`` when that decision stops the job.
         """
         with progress.paused():
-            raw = keys.restart_barrier(
+            raw = restart_barrier(
                 store,
                 iteration,
                 initial_rank=self.me,
                 participants=assignment.active + assignment.reserve,
                 decide=functools.partial(self._decide, store, iteration, assignment, target),
                 timeout=self.cfg.barrier_timeout,
-                clock=self.clock.monotonic,
+                clock=self.clock,
             )
         decision = Decision.from_json(raw)
         self.adopt((decision,))
@@ -86,22 +116,16 @@ class RestartAgreement:
         between ranks only in what the store held at the moment each read it.
         """
 
-        def decide_with(gone: frozenset[int], joined: frozenset[int]) -> Decision:
-            observed = Observed(iteration, tuple(faults), gone=gone, joined=joined)
-            return decide(
-                observed,
-                history=self.counted,
-                assignment=assignment,
-                target=target,
-                node_of=self.node_of,
-                config=self.cfg,
-            )
-
+        inputs = DecisionInputs(
+            iteration,
+            tuple(faults),
+            history=tuple(self.counted),
+            assignment=assignment,
+            target=target,
+            node_of=self.node_of,
+            config=self.cfg,
+        )
         # Short of ranks, wait for the respawns the launchers announced (issue 35).
         return capacity.decide_waiting(
-            store,
-            decide_with,
-            iteration=iteration,
-            target=target,
-            timeout=self.cfg.effective_respawn_wait_timeout,
+            store, inputs, timeout=self.cfg.effective_respawn_wait_timeout
         ).to_json()

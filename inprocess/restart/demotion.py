@@ -21,7 +21,7 @@ import torch.distributed as dist
 from checkpoint.sealing import job_sealer
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, keys
 from inprocess.protocol.sealed_store import seal
 from inprocess.protocol.store import Store
 
@@ -116,7 +116,7 @@ def _decide(
     granted = bool(free_reserves(job, ctx.iteration))
     decisions.set(key, "yes" if granted else "no")
     if granted:
-        keys.record_fault(
+        fault_records.record_fault(
             job,
             FaultRecord(
                 iteration=ctx.iteration,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records
 from inprocess.protocol.store import Store
 from inprocess.restart.progress import ProgressTracker
 
@@ -260,6 +260,6 @@ def check_and_report(
             reason = f"health check raised {exc!r}"
     if reason is not None:
         log.warning("rank %d unhealthy before iteration %d: %s", me, iteration, reason)
-        keys.report_fault(
+        fault_records.report_fault(
             store, iteration=iteration, initial_rank=me, kind="unhealthy", detail=reason
         )

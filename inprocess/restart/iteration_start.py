@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from inprocess.errors import RestartInterrupt
-from inprocess.protocol import keys
+from inprocess.protocol import barriers, fault_records, keys
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.store import Store
 from inprocess.restart.process_group import init_iteration_group
@@ -26,12 +26,12 @@ def join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:
     ``assignment`` is gone meanwhile (the iteration is over before it began)."""
     with svc.progress.paused():
         svc.rendezvous.prepare(host=assignment.active[0])  # before joining: see its docstring
-        return keys.join_barrier(
+        return barriers.join_barrier(
             svc.store,
             iteration,
             expected=len(assignment.active),
             timeout=svc.config.barrier_timeout,
-            clock=svc.clock.monotonic,
+            clock=svc.clock,
             recheck=functools.partial(_break_if_gone, svc.store, iteration, assignment.active),
         )
 
@@ -65,12 +65,12 @@ def create_group(svc: RankServices, iteration: int, rank: int, active: tuple[int
             # group down, which fails this barrier at once, as it fails any collective.
             _group_barrier()
             return
-        ready = keys.ready_barrier(
+        ready = barriers.ready_barrier(
             svc.store,
             iteration,
             expected=world,
             timeout=svc.config.barrier_timeout,
-            clock=svc.clock.monotonic,
+            clock=svc.clock,
         )
     if not ready:
         raise RestartInterrupt("a rank faulted while the group was created")
@@ -88,7 +88,7 @@ def _break_if_gone(store: Store, iteration: int, active: tuple[int, ...]) -> boo
     """Join recheck: an active rank that died during the restart breaks the barrier."""
     dead = keys.gone_ranks(store) & set(active)
     for r in sorted(dead):
-        keys.report_fault(
+        fault_records.report_fault(
             store,
             iteration=iteration,
             initial_rank=r,

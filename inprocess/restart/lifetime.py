@@ -15,7 +15,7 @@ from inprocess import journal
 from inprocess.clock import Clock
 from inprocess.config import RestartConfig
 from inprocess.faults import drill
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import barriers, job_keys
 from inprocess.protocol.environment import LaunchEnv
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.store import Store
@@ -95,11 +95,11 @@ class RankLifetime:
             return joining.register(self.store, self.watchdog, me=self.me)
         self.watchdog.start()
         with svc.progress.paused():
-            keys.initial_barrier(
+            barriers.initial_barrier(
                 self.store,
                 world_size=env.world_size,
                 timeout=cfg.barrier_timeout,
-                clock=self.clock.monotonic,
+                clock=self.clock,
             )
         return 0
 

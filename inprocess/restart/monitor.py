@@ -16,7 +16,7 @@ from inprocess import journal
 from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.protocol.store import Store
 from inprocess.restart.interrupter import Interrupter
 from inprocess.restart.progress import ProgressTracker
@@ -122,8 +122,8 @@ class Monitor:
 
     def _watch_store(self) -> None:
         try:
-            result = keys.wait_outcome(
-                self._store, self._iteration, timeout=None, clock=self._clock.monotonic
+            result = iteration_end.wait_outcome(
+                self._store, self._iteration, timeout=None, clock=self._clock
             )
         except Exception as exc:
             if not self._stop.is_set():
@@ -192,7 +192,7 @@ class Monitor:
     def _record(self, *, kind: str, detail: str, section: str, message: str) -> None:
         log.warning("%s\n%s", message, where(self._interrupter.thread_id))
         try:
-            keys.record_fault(
+            fault_records.record_fault(
                 self._store_for_reports(),
                 FaultRecord(
                     iteration=self._iteration,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.protocol import iteration_end, keys
 from inprocess.protocol.store import Store
 from inprocess.restart.thread_stack import waits_on_peers
 
@@ -82,7 +82,7 @@ def report_raised(
         step=step,
         where=where,
         in_collective=in_collective,
-        after_fault=keys.outcome(store, iteration) == keys.OUTCOME_FAULT,
+        after_fault=iteration_end.outcome(store, iteration) == keys.OUTCOME_FAULT,
         clock=clock,
     )
     if record.in_collective:  # most likely a peer's fault; the restart decision judges

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from inprocess.errors import RestartInterrupt
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.restart.active import Outcome, disarm
 from inprocess.restart.services import RankServices
 from inprocess.restart.warmup import FirstUseImports
@@ -36,7 +36,7 @@ def wait_as_reserve(
         imports.wait()  # the user's prewarm may import the same package: never both at once
         run_prewarm(svc, iteration, prewarm)
     with svc.progress.paused():
-        result = keys.wait_outcome(svc.store, iteration, timeout=None, clock=svc.clock.monotonic)
+        result = iteration_end.wait_outcome(svc.store, iteration, timeout=None, clock=svc.clock)
     if result == keys.OUTCOME_DONE:
         return Outcome(done=True)
     return Outcome(done=False, noticed=svc.clock.wall())
@@ -55,7 +55,7 @@ def run_prewarm(svc: RankServices, iteration: int, prewarm: Callable[[], Any]) -
 
     def watch() -> None:
         try:
-            keys.wait_outcome(svc.new_client(), iteration, timeout=None, clock=svc.clock.monotonic)
+            iteration_end.wait_outcome(svc.new_client(), iteration, timeout=None, clock=svc.clock)
         except Exception as exc:
             log.debug("prewarm watcher: store unreachable: %r", exc)
             return
@@ -69,7 +69,7 @@ def run_prewarm(svc: RankServices, iteration: int, prewarm: Callable[[], Any]) -
             prewarm()
         except Exception as exc:
             log.exception("prewarm failed on reserve rank %d", svc.me)
-            keys.report_fault(
+            fault_records.report_fault(
                 svc.store,
                 iteration=iteration,
                 initial_rank=svc.me,

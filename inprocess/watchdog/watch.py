@@ -108,8 +108,9 @@ class Watch:
 
 def report_to(store: Store | None, verdict: Verdict, *, clock: Clock = SYSTEM) -> None:
     """Log ``verdict`` and record it in ``store`` (None: logged only): a reserve's death only
-    marks it gone (``keys.record_reserve_gone``: it must not interrupt the ranks that train),
-    any other verdict is a fault record that ends its iteration (``keys.record_fault``)."""
+    marks it gone (``fault_records.record_reserve_gone``: it must not interrupt the ranks that
+    train), any other verdict is a fault record that ends its iteration
+    (``fault_records.record_fault``)."""
     who = "reserve rank" if verdict.reserve else "rank"
     log.warning(
         "%s %d iteration %d: %s (%s)",
@@ -122,7 +123,7 @@ def report_to(store: Store | None, verdict: Verdict, *, clock: Clock = SYSTEM) -
     if store is None:
         return
     try:
-        from inprocess.protocol.keys import record_fault, record_reserve_gone
+        from inprocess.protocol.fault_records import record_fault, record_reserve_gone
 
         if verdict.reserve:
             record_reserve_gone(store, verdict.iteration, verdict.initial_rank)

@@ -263,7 +263,7 @@ def always_fails(
 def atomic_section(*, fail_rank: int) -> dict[str, Any]:
     """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
     from checkpoint.sealing import job_sealer
-    from inprocess.protocol import keys
+    from inprocess.protocol import iteration_end, keys
     from inprocess.protocol.sealed_store import seal
 
     done: list[int] = []
@@ -283,7 +283,7 @@ def atomic_section(*, fail_rank: int) -> dict[str, Any]:
                 # it must wait for the end of the block.
                 root = seal(ctx.store.underlying_store, job_sealer())
                 _wait_until(
-                    lambda: keys.outcome(root, ctx.iteration) == keys.OUTCOME_FAULT,
+                    lambda: iteration_end.outcome(root, ctx.iteration) == keys.OUTCOME_FAULT,
                     "the peer's fault ended the iteration",
                 )
                 done.append(ctx.iteration)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from checkpoint import sealing
 from checkpoint.sealing import ForgedValueError, Sealer, parse_count
 from inprocess.launch.rounds import Action, JobControl, NodeLostError
-from inprocess.protocol import job_keys, keys
+from inprocess.protocol import iteration_end, job_keys, keys
 from inprocess.protocol.sealed_store import SealedStore
 
 ROOT = Sealer(b"s" * 32)  # one secret shared by two launches (RESTARTABLE_SECRET_FILE)
@@ -81,10 +81,10 @@ def test_the_ranks_get_their_rounds_key_never_the_jobs_secret(
 def test_done_needs_every_active_ranks_token_not_only_the_counter(raw: dist.TCPStore) -> None:
     store = SealedStore(raw, ROOT)
     raw.add("restartable/it0/done/n", 100)  # a stranger inflates the plain counter
-    keys.mark_completed(store, 0, active=2)
-    assert keys.outcome(store, 0) is None  # one rank finished: not done
-    keys.mark_completed(store, 0, active=2)
-    assert keys.outcome(store, 0) == keys.OUTCOME_DONE
+    iteration_end.mark_completed(store, 0, active=2)
+    assert iteration_end.outcome(store, 0) is None  # one rank finished: not done
+    iteration_end.mark_completed(store, 0, active=2)
+    assert iteration_end.outcome(store, 0) == keys.OUTCOME_DONE
 
 
 def test_a_stranger_at_a_plain_or_sealed_key_reads_as_a_named_error(raw: dist.TCPStore) -> None:

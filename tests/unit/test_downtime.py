@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from inprocess import report
-from inprocess.report import downtime
+from inprocess.report import downtime, terms
 
 
 def _steps(t0: float, first: int, n: int, dt: float, it: int) -> list[dict[str, Any]]:
@@ -243,7 +243,7 @@ def test_an_in_job_restart_is_a_window_with_its_own_detection_and_recovery() -> 
     r = downtime.build(_in_job_restart())
     assert r.in_job_restarts == 1 and r.restarts == 1  # round 1's in-process restart
     first, second = r.windows
-    assert (first.level, first.kind, first.round) == (downtime.IN_JOB, "in_job_restart", 0)
+    assert (first.level, first.kind, first.round) == (terms.IN_JOB, "in_job_restart", 0)
     assert first.fault == "exception@rank1:step10" and "max_iterations" in first.cause
     t = first.terms
     assert t["detection"] == pytest.approx(0.25)  # the fault -> the launcher saw the decision
@@ -254,12 +254,12 @@ def test_an_in_job_restart_is_a_window_with_its_own_detection_and_recovery() -> 
     assert first.recovery == pytest.approx(4.3 - 2.3)  # the restarted job's first step
     assert first.tier == "local_dir" and first.restored_step == 8
     # Round 1's iteration 0 is not round 0's: its own fault record (4.95) is its detection.
-    assert (second.level, second.round, second.iteration) == (downtime.IN_PROCESS, 1, 0)
+    assert (second.level, second.round, second.iteration) == (terms.IN_PROCESS, 1, 0)
     assert second.detected == pytest.approx(4.95) and second.tier == "memory"
     assert r.startup + r.productive + r.downtime == pytest.approx(r.wall)
     text = report.format_report(r)
     assert "in-job restarts 1" in text
     (row,) = [x for x in text.splitlines() if "exception@rank1:step10" in x]
     assert "in-job" in row and "2.500" in row
-    (d,) = [f for f in r.as_dict()["faults"] if f["level"] == downtime.IN_JOB]
+    (d,) = [f for f in r.as_dict()["faults"] if f["level"] == terms.IN_JOB]
     assert d["recovery_s"] == pytest.approx(2.0) and d["detection_s"] == pytest.approx(0.25)

@@ -82,7 +82,7 @@ def test_the_protocol_runs_over_tls_with_a_user(
     secure: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from inprocess.etcd import EtcdStore
-    from inprocess.protocol import keys
+    from inprocess.protocol import fault_records, iteration_end, keys
     from tests.etcd_secure import SecureEtcd
 
     assert isinstance(secure, SecureEtcd)
@@ -95,8 +95,8 @@ def test_the_protocol_runs_over_tls_with_a_user(
         assert b.get("k") == b"v" and b.add("n", 2) == 2
         threading.Timer(0.2, a.set, args=("late", "w")).start()  # a watch over TLS
         assert b.wait_value("late", datetime.timedelta(seconds=5)) == b"w"
-        keys.report_fault(a, iteration=0, initial_rank=1, kind="exception", detail="x")
-        assert keys.outcome(b, 0) == keys.OUTCOME_FAULT
+        fault_records.report_fault(a, iteration=0, initial_rank=1, kind="exception", detail="x")
+        assert iteration_end.outcome(b, 0) == keys.OUTCOME_FAULT
         assert a.delete_all() > 0
 
 

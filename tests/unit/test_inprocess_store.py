@@ -8,9 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from inprocess.errors import StoreTimeoutError
-from inprocess.protocol import keys
+from inprocess.clock import SYSTEM
+from inprocess.errors import FaultRecord, StoreTimeoutError
+from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
 from inprocess.protocol.store import StoreBase
+from inprocess.restart import agreement
 from tests.fake_clock import FakeClock
 
 
@@ -79,37 +81,41 @@ def store(clock: FakeClock) -> FakeStore:
 
 
 def test_report_fault_ends_the_iteration_and_breaks_its_barriers(store: FakeStore) -> None:
-    keys.report_fault(store, iteration=3, initial_rank=2, kind="exception", detail="boom")
-    assert keys.outcome(store, 3) == keys.OUTCOME_FAULT
-    assert keys.outcome(store, 2) is None and keys.outcome(store, 4) is None  # own namespace
-    assert not keys.join_barrier(store, 3, expected=4, timeout=1.0, clock=time.monotonic)
-    assert not keys.ready_barrier(store, 3, expected=4, timeout=1.0, clock=time.monotonic)
-    (record,) = keys.read_faults(store, 3)
+    fault_records.report_fault(store, iteration=3, initial_rank=2, kind="exception", detail="boom")
+    assert iteration_end.outcome(store, 3) == keys.OUTCOME_FAULT
+    assert (
+        iteration_end.outcome(store, 2) is None and iteration_end.outcome(store, 4) is None
+    )  # own namespace
+    assert not barriers.join_barrier(store, 3, expected=4, timeout=1.0, clock=SYSTEM)
+    assert not barriers.ready_barrier(store, 3, expected=4, timeout=1.0, clock=SYSTEM)
+    (record,) = fault_records.read_faults(store, 3)
     assert (record.initial_rank, record.kind, record.detail) == (2, "exception", "boom")
 
 
 def test_repeated_reports_keep_one_outcome_and_every_record(store: FakeStore) -> None:
-    keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="a")
-    keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="a")
-    keys.mark_completed(store, 0, active=1)  # a late completion cannot turn it into "done"
-    assert keys.outcome(store, 0) == keys.OUTCOME_FAULT
-    assert len(keys.read_faults(store, 0)) == 2
+    fault_records.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="a")
+    fault_records.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="a")
+    iteration_end.mark_completed(store, 0, active=1)  # a late completion cannot turn it into "done"
+    assert iteration_end.outcome(store, 0) == keys.OUTCOME_FAULT
+    assert len(fault_records.read_faults(store, 0)) == 2
     assert keys.gone_ranks(store) == {1}
 
 
 def test_completion_of_every_active_rank_ends_it_done(store: FakeStore) -> None:
-    keys.mark_completed(store, 0, active=2)
-    assert keys.outcome(store, 0) is None
-    keys.mark_completed(store, 0, active=2)
-    assert keys.outcome(store, 0) == keys.OUTCOME_DONE
-    keys.report_fault(store, iteration=0, initial_rank=0, kind="dead", detail="after the end")
-    assert keys.outcome(store, 0) == keys.OUTCOME_DONE
+    iteration_end.mark_completed(store, 0, active=2)
+    assert iteration_end.outcome(store, 0) is None
+    iteration_end.mark_completed(store, 0, active=2)
+    assert iteration_end.outcome(store, 0) == keys.OUTCOME_DONE
+    fault_records.report_fault(
+        store, iteration=0, initial_rank=0, kind="dead", detail="after the end"
+    )
+    assert iteration_end.outcome(store, 0) == keys.OUTCOME_DONE
 
 
 def test_barrier_is_two_round_trips_for_the_last_arrival(store: FakeStore) -> None:
     store.add("b/n", 2)  # two ranks already there
     before = store.round_trips
-    assert keys.counting_barrier(store, "b", expected=3, timeout=5.0) == "ok"
+    assert barriers.counting_barrier(store, "b", expected=3, timeout=5.0) == "ok"
     assert store.round_trips - before <= 4  # add, compare_set, wait, get
 
 
@@ -120,44 +126,50 @@ def test_barrier_waits_for_the_others(store: FakeStore, clock: FakeClock) -> Non
                 store.compare_set("b/go", "", "ok")
 
     store.events.append(others_arrive)
-    assert keys.counting_barrier(store, "b", expected=3, timeout=5.0, clock=clock) == "ok"
+    assert (
+        barriers.counting_barrier(store, "b", expected=3, timeout=5.0, clock=clock.clock()) == "ok"
+    )
     assert clock.now == 1000.0  # released without a timeout
 
 
 def test_barrier_times_out_on_the_fake_clock(store: FakeStore, clock: FakeClock) -> None:
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError, match="'b' did not complete"):
-        keys.counting_barrier(store, "b", expected=2, timeout=30.0, clock=clock)
+        barriers.counting_barrier(store, "b", expected=2, timeout=30.0, clock=clock.clock())
     assert clock.now >= 1030.0
     assert time.monotonic() - t0 < 1.0  # no real waiting
 
 
 def test_a_fault_during_the_join_wait_breaks_it(store: FakeStore, clock: FakeClock) -> None:
     store.events.append(
-        lambda: keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="x")
+        lambda: fault_records.report_fault(
+            store, iteration=0, initial_rank=1, kind="dead", detail="x"
+        )
     )
-    assert not keys.join_barrier(store, 0, expected=2, timeout=5.0, clock=clock)
+    assert not barriers.join_barrier(store, 0, expected=2, timeout=5.0, clock=clock.clock())
 
 
 def test_restart_barrier_does_not_wait_for_gone_ranks(store: FakeStore) -> None:
-    keys.set_participants(store, 0, 3)
-    keys.report_fault(store, iteration=0, initial_rank=2, kind="hard_timeout", detail="killed")
+    restart_meeting.set_participants(store, 0, 3)
+    fault_records.report_fault(
+        store, iteration=0, initial_rank=2, kind="hard_timeout", detail="killed"
+    )
     calls: list[int] = []
 
-    def decide(faults: list[keys.FaultRecord]) -> str:
+    def decide(faults: list[FaultRecord]) -> str:
         calls.append(len(faults))
         return "decision"
 
     # Rank 1 arrives first and waits; meanwhile rank 0 arrives and completes the barrier.
     store.events.append(
         lambda: (
-            keys.restart_barrier(
+            agreement.restart_barrier(
                 store, 0, initial_rank=0, participants=[0, 1, 2], decide=decide, timeout=5.0
             )
             and None
         )
     )
-    got = keys.restart_barrier(
+    got = agreement.restart_barrier(
         store, 0, initial_rank=1, participants=[0, 1, 2], decide=decide, timeout=5.0
     )
     assert got == "decision"
@@ -170,34 +182,36 @@ def test_a_death_during_the_restart_wait_completes_it_at_once(
     # Ranks 0 and 1 wait for rank 2, which dies: its watchdog's report counts it at the
     # barrier; the report cannot decide, so the first waiter to see the count complete claims
     # the decision at once, not at its next re-check (the usual order after a SIGKILL).
-    keys.set_participants(store, 0, 3)
-    keys._count_once(store, 0, 1, expected=3, by="1")  # rank 1 arrived and waits
+    restart_meeting.set_participants(store, 0, 3)
+    restart_meeting.count_once(store, 0, 1, expected=3, by="1")  # rank 1 arrived and waits
     store.events.append(
-        lambda: keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
+        lambda: fault_records.report_fault(
+            store, iteration=0, initial_rank=2, kind="dead", detail="x"
+        )
     )
-    got = keys.restart_barrier(
+    got = agreement.restart_barrier(
         store,
         0,
         initial_rank=0,
         participants=[0, 1, 2],
         decide=lambda faults: f"{len(faults)} faults",
         timeout=60.0,
-        clock=clock,
+        clock=clock.clock(),
     )
     assert got == "1 faults"
     assert clock.now == 1000.0  # no re-check was waited for
 
 
 def test_a_rank_reported_twice_is_counted_once(store: FakeStore, clock: FakeClock) -> None:
-    keys.set_participants(store, 0, 3)
-    keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="watchdog")
-    keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="again")
-    keys._count_once(store, 0, 1)
+    restart_meeting.set_participants(store, 0, 3)
+    fault_records.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="watchdog")
+    fault_records.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="again")
+    restart_meeting.count_once(store, 0, 1)
     assert not store.check([keys.iteration_prefix(0) + "restart/full"])  # rank 0 still missing
 
 
 def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: FakeClock) -> None:
-    assert keys.wait_outcome(store, 0, timeout=10.0, clock=clock) is None
+    assert iteration_end.wait_outcome(store, 0, timeout=10.0, clock=clock.clock()) is None
     assert clock.now >= 1010.0
 
 

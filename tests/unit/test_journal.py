@@ -65,7 +65,7 @@ def test_a_full_disk_stops_the_journal_once_and_never_the_fault_path(
     """ENOSPC under the journal (/dev/full) used to raise out of record_fault between the
     fault's append and the end of its iteration: the other ranks were never woken."""
     from inprocess.errors import FaultRecord
-    from inprocess.protocol import keys
+    from inprocess.protocol import fault_records, iteration_end, keys
     from tests.unit.test_inprocess_store import FakeClock, FakeStore
 
     handler = journal._Handler(open("/dev/full", "w"), {"rank": 0})  # noqa: SIM115
@@ -75,9 +75,11 @@ def test_a_full_disk_stops_the_journal_once_and_never_the_fault_path(
         with caplog.at_level(logging.WARNING, logger="inprocess.journal"):
             store = FakeStore(FakeClock())
             rec = FaultRecord(iteration=0, initial_rank=1, kind="exception", detail="x", step=3)
-            keys.record_fault(store, rec)
+            fault_records.record_fault(store, rec)
             journal.record("save", step=4)
-        assert keys.outcome(store, 0) == keys.OUTCOME_FAULT  # the fault was still delivered
+        assert (
+            iteration_end.outcome(store, 0) == keys.OUTCOME_FAULT
+        )  # the fault was still delivered
         warned = [r for r in caplog.records if "journal stopped" in r.getMessage()]
         assert len(warned) == 1 and "No space left" in warned[0].getMessage()
     finally:

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from inprocess.config import RestartConfig
 from inprocess.errors import FaultRecord
-from inprocess.protocol.policy import Decision, Observed, classify, decide, signature
+from inprocess.protocol.fault_evidence import classify, signature
+from inprocess.protocol.policy import Decision, Observed, decide
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
 
 

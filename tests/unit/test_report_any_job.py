@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from inprocess import report
-from inprocess.report import cli, downtime, job_view
+from inprocess.report import cli, downtime, job_view, terms
 
 
 def _job(event: str, *, launch: str = "L", t0: float = 0.0) -> list[dict[str, Any]]:
@@ -42,7 +42,7 @@ def _job(event: str, *, launch: str = "L", t0: float = 0.0) -> list[dict[str, An
     return sorted(recs, key=lambda r: r["t"])
 
 
-def _adds_up(r: downtime.LaunchReport) -> None:
+def _adds_up(r: terms.LaunchReport) -> None:
     assert r.startup + r.productive + r.downtime == pytest.approx(r.wall)
     for w in r.windows:
         t = w.terms

@@ -12,7 +12,7 @@ from inprocess.clock import Clock
 from inprocess.config import RestartConfig
 from inprocess.errors import ConfigError, FaultRecord
 from inprocess.protocol import capacity, job_keys
-from inprocess.protocol.policy import Decision, Observed, decide
+from inprocess.protocol.policy import DecisionInputs
 from inprocess.protocol.ranks import Assignment
 from tests.fake_clock import FakeClock
 from tests.unit.test_inprocess_store import FakeStore
@@ -20,19 +20,19 @@ from tests.unit.test_inprocess_store import FakeStore
 W = 4  # 3 active + 1 reserve; respawned identities are slot + generation * W
 
 
-def _deciding(assignment: Assignment, dead: int, **options: object) -> capacity.DecideFn:
-    """``decide`` for the iteration in which initial rank ``dead``'s process died."""
+def _deciding(assignment: Assignment, dead: int, **options: object) -> DecisionInputs:
+    """The decision's inputs for iteration 1, in which initial rank ``dead``'s process died."""
     cfg = RestartConfig(active_world_size=3, min_active_world_size=3, **options)  # type: ignore[arg-type]
     fault = FaultRecord(iteration=1, initial_rank=dead, kind="dead", detail="gone", time=1.0)
-
-    def run(gone: frozenset[int], joined: frozenset[int]) -> Decision:
-        observed = Observed(iteration=1, faults=(fault,), gone=gone, joined=joined)
-        return decide(
-            observed, history=[], assignment=assignment, target=3,
-            node_of=tuple(range(W)), config=cfg,
-        )  # fmt: skip
-
-    return run
+    return DecisionInputs(
+        1,
+        (fault,),
+        history=[],
+        assignment=assignment,
+        target=3,
+        node_of=tuple(range(W)),
+        config=cfg,
+    )
 
 
 def _clock_running(fake: FakeClock, at: float, event: Callable[[], None]) -> Clock:
@@ -70,9 +70,7 @@ def test_a_short_decision_waits_for_the_respawn_on_its_way_and_logs_it(
     store = _store(fake)
     clock = _clock_running(fake, 1.5, lambda: job_keys.register_joiner(store, 4))
     with caplog.at_level(logging.INFO, logger="inprocess.protocol.capacity"):
-        d = capacity.decide_waiting(
-            store, _deciding(AFTER_FIRST, 1), iteration=1, target=3, timeout=10.0, clock=clock
-        )
+        d = capacity.decide_waiting(store, _deciding(AFTER_FIRST, 1), timeout=10.0, clock=clock)
     assert d.stop is None and d.assignment is not None, d
     assert d.assignment.active == (3, 4, 2)  # the respawned process took rank 1's place
     assert 1.5 <= fake.now - 1000.0 < 1.6  # waited until it registered, not the timeout
@@ -85,9 +83,7 @@ def test_without_announced_respawns_the_decision_stops_at_once() -> None:
     store = FakeStore(fake)
     job_keys.mark_gone(store, 0)
     job_keys.mark_gone(store, 1)
-    d = capacity.decide_waiting(
-        store, _deciding(AFTER_FIRST, 1), iteration=1, target=3, timeout=10.0, clock=fake.clock()
-    )
+    d = capacity.decide_waiting(store, _deciding(AFTER_FIRST, 1), timeout=10.0, clock=fake.clock())
     assert d.assignment is None and d.stop and "not enough healthy ranks" in d.stop, d
     assert fake.now == 1000.0  # no wait
 
@@ -95,9 +91,7 @@ def test_without_announced_respawns_the_decision_stops_at_once() -> None:
 def test_the_wait_is_bounded_by_the_timeout() -> None:
     fake = FakeClock()
     store = _store(fake)
-    d = capacity.decide_waiting(
-        store, _deciding(AFTER_FIRST, 1), iteration=1, target=3, timeout=2.0, clock=fake.clock()
-    )
+    d = capacity.decide_waiting(store, _deciding(AFTER_FIRST, 1), timeout=2.0, clock=fake.clock())
     assert d.assignment is None and d.stop and "not enough healthy ranks" in d.stop, d
     assert 2.0 <= fake.now - 1000.0 < 2.1
 
@@ -108,9 +102,7 @@ def test_a_respawn_that_dies_before_it_registers_ends_the_wait() -> None:
     clock = _clock_running(
         fake, 0.5, lambda: (job_keys.mark_gone(store, 4), job_keys.mark_gone(store, 5))
     )
-    d = capacity.decide_waiting(
-        store, _deciding(AFTER_FIRST, 1), iteration=1, target=3, timeout=10.0, clock=clock
-    )
+    d = capacity.decide_waiting(store, _deciding(AFTER_FIRST, 1), timeout=10.0, clock=clock)
     assert d.assignment is None and d.stop, d
     assert fake.now - 1000.0 < 0.6
 
@@ -121,9 +113,7 @@ def test_a_full_decision_never_waits() -> None:
     job_keys.mark_gone(store, 1)
     job_keys.announce_respawn(store, 5)
     full = Assignment(active=(0, 1, 2), reserve=(3,), retired=frozenset())
-    d = capacity.decide_waiting(
-        store, _deciding(full, 1), iteration=1, target=3, timeout=10.0, clock=fake.clock()
-    )
+    d = capacity.decide_waiting(store, _deciding(full, 1), timeout=10.0, clock=fake.clock())
     assert d.assignment is not None and d.assignment.active == (0, 3, 2), d
     assert fake.now == 1000.0
 

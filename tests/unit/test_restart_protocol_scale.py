@@ -12,11 +12,12 @@ import pytest
 import torch.distributed as dist
 
 from inprocess.config import RestartConfig
-from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.errors import FaultRecord, StoreTimeoutError
+from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
 from inprocess.protocol.policy import PUBLISHED_COLLATERAL, Decision, Observed, decide
 from inprocess.protocol.ranks import decode_ranks, encode_ranks, initial_assignment, node_of_ranks
 from inprocess.protocol.store import as_store
+from inprocess.restart import agreement
 from tests.unit.test_inprocess_store import FakeClock, FakeStore
 
 
@@ -55,8 +56,8 @@ def _restart(n: int) -> tuple[list[str], list[int], list[int], int]:
     raw = dist.HashStore()
     raw.set_timeout(datetime.timedelta(seconds=30))
     store = as_store(raw)
-    keys.set_participants(store, 0, n)
-    keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="killed")
+    restart_meeting.set_participants(store, 0, n)
+    fault_records.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="killed")
     decided: list[int] = []
     assignment = initial_assignment(
         world_size=n,
@@ -84,7 +85,7 @@ def _restart(n: int) -> tuple[list[str], list[int], list[int], int]:
     out: dict[int, str] = {}
 
     def rank(r: int) -> None:
-        out[r] = keys.restart_barrier(
+        out[r] = agreement.restart_barrier(
             clients[r],
             0,
             initial_rank=r,
@@ -122,23 +123,25 @@ def test_a_decider_that_dies_before_publishing_is_replaced_after_one_recheck(
     store: FakeStore, clock: FakeClock
 ) -> None:
     # Rank 2 completed the count (restart/full names it) and died before publishing.
-    keys.set_participants(store, 0, 3)
-    keys._count_once(store, 0, 0, expected=3, by="0")
-    keys._count_once(store, 0, 1, expected=3, by="1")
-    keys._count_once(store, 0, 2, expected=3, by="2")
+    restart_meeting.set_participants(store, 0, 3)
+    restart_meeting.count_once(store, 0, 0, expected=3, by="0")
+    restart_meeting.count_once(store, 0, 1, expected=3, by="1")
+    restart_meeting.count_once(store, 0, 2, expected=3, by="2")
     assert store.data[keys.iteration_prefix(0) + "restart/full"] == b"2"
-    keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="killed deciding")
-    got = keys.restart_barrier(
+    fault_records.report_fault(
+        store, iteration=0, initial_rank=2, kind="dead", detail="killed deciding"
+    )
+    got = agreement.restart_barrier(
         store,
         0,
         initial_rank=0,
         participants=[0, 1, 2],
         decide=lambda faults: f"{len(faults)} faults",
         timeout=60.0,
-        clock=clock,
+        clock=clock.clock(),
     )
     assert got == "1 faults"
-    assert clock.now == 1000.0 + keys._RECHECK_S
+    assert clock.now == 1000.0 + barriers.RECHECK_S
 
 
 def test_a_participant_gone_in_an_earlier_iteration_is_counted_by_the_recheck(
@@ -146,35 +149,35 @@ def test_a_participant_gone_in_an_earlier_iteration_is_counted_by_the_recheck(
 ) -> None:
     # Rank 2 died during the previous restart: its watchdog reported iteration 0, so nobody
     # counts it in iteration 1 but the waiter's re-check (the gone list is job-wide).
-    keys.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
-    keys.set_participants(store, 1, 3)
-    keys._count_once(store, 1, 1, expected=3, by="1")
-    got = keys.restart_barrier(
+    fault_records.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
+    restart_meeting.set_participants(store, 1, 3)
+    restart_meeting.count_once(store, 1, 1, expected=3, by="1")
+    got = agreement.restart_barrier(
         store,
         1,
         initial_rank=0,
         participants=[0, 1, 2],
         decide=lambda faults: "decided",
         timeout=60.0,
-        clock=clock,
+        clock=clock.clock(),
     )
     assert got == "decided"
-    assert clock.now == 1000.0 + keys._RECHECK_S
+    assert clock.now == 1000.0 + barriers.RECHECK_S
 
 
 def test_a_waiter_that_times_out_raises_naming_the_barrier(
     store: FakeStore, clock: FakeClock
 ) -> None:
-    keys.set_participants(store, 0, 3)
-    with pytest.raises(keys.StoreTimeoutError, match="restart barrier 0"):
-        keys.restart_barrier(
+    restart_meeting.set_participants(store, 0, 3)
+    with pytest.raises(StoreTimeoutError, match="restart barrier 0"):
+        agreement.restart_barrier(
             store,
             0,
             initial_rank=0,
             participants=[0, 1, 2],
             decide=lambda faults: "x",
             timeout=3.0,
-            clock=clock,
+            clock=clock.clock(),
         )
 
 
@@ -183,7 +186,7 @@ def test_peek_never_creates_the_key_nor_wakes_a_waiter() -> None:
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
     woke: list[bytes] = []
     waiter = threading.Thread(
-        target=lambda: woke.append(keys._wait_value(as_store(server), "end", 5.0)), daemon=True
+        target=lambda: woke.append(barriers.wait_value(as_store(server), "end", 5.0)), daemon=True
     )
     waiter.start()
     assert keys.peek(as_store(client), "end") is None
@@ -216,14 +219,14 @@ def test_record_fault_uses_a_stores_batch_when_it_has_one(
             store.compare_set(k, "", v)
 
     store.record_fault_batch = batch  # type: ignore[attr-defined]
-    keys.set_participants(store, 0, 2)
-    keys.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="x")
+    restart_meeting.set_participants(store, 0, 2)
+    fault_records.report_fault(store, iteration=0, initial_rank=1, kind="dead", detail="x")
     assert len(batches) == 1
     assert [k for k, _ in batches[0]["set_if_absent"]] == [
         keys.iteration_prefix(0) + k for k in ("end", "join/go", "ready/go")
     ]
-    assert keys.outcome(store, 0) == keys.OUTCOME_FAULT and keys.gone_ranks(store) == {1}
-    assert [f.initial_rank for f in keys.read_faults(store, 0)] == [1]
+    assert iteration_end.outcome(store, 0) == keys.OUTCOME_FAULT and keys.gone_ranks(store) == {1}
+    assert [f.initial_rank for f in fault_records.read_faults(store, 0)] == [1]
 
 
 @pytest.mark.parametrize(

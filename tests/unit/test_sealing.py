@@ -17,9 +17,10 @@ from checkpoint import plain
 from checkpoint.errors import CheckpointError
 from checkpoint.exchange import StoreExchange
 from checkpoint.sealing import ForgedValueError, Sealer, job_secret
+from inprocess.clock import Clock
 from inprocess.errors import FaultRecord
 from inprocess.launch.rounds import JobControl, NodeLostError
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.protocol.sealed_store import SealedStore
 
 SEALER = Sealer(b"k" * 32)
@@ -60,19 +61,22 @@ def test_sealed_store_keeps_the_protocol_and_rejects_forgeries(
 ) -> None:
     store = SealedStore(raw, SEALER)
     record = FaultRecord(iteration=0, initial_rank=1, kind="exception", detail="x", step=3)
-    keys.record_fault(store, record)
-    assert keys.outcome(store, 0) == keys.OUTCOME_FAULT
-    assert [f.kind for f in keys.read_faults(store, 0)] == ["exception"]
+    fault_records.record_fault(store, record)
+    assert iteration_end.outcome(store, 0) == keys.OUTCOME_FAULT
+    assert [f.kind for f in fault_records.read_faults(store, 0)] == ["exception"]
     assert store.compare_set("c", "", "mine") == b"mine"
     assert store.compare_set("c", "", "theirs") == b"mine"  # first writer wins, as before
     assert store.compare_set("c", "mine", "next") == b"next"
     # A stranger's "done" (or anything unverifiable) at an iteration's end is a fault of that
     # iteration, named in the log: never success, never a reader that stops watching.
     raw.set(keys.end_key(1), "done")
-    assert keys.outcome(store, 1) == keys.OUTCOME_FAULT
+    assert iteration_end.outcome(store, 1) == keys.OUTCOME_FAULT
     assert keys.end_key(1) in caplog.text and "rejected unread" in caplog.text
     raw.set(keys.end_key(2), pickle.dumps(_Boom()))
-    assert keys.wait_outcome(store, 2, timeout=1.0, clock=lambda: 0.0) == keys.OUTCOME_FAULT
+    assert (
+        iteration_end.wait_outcome(store, 2, timeout=1.0, clock=Clock(monotonic=lambda: 0.0))
+        == keys.OUTCOME_FAULT
+    )
 
 
 def test_a_forged_launcher_action_stops_the_job_instead_of_ending_it(tmp_path: Path) -> None:

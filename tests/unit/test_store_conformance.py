@@ -17,10 +17,11 @@ import pytest
 import torch.distributed as dist
 
 from checkpoint.sealing import Sealer
-from inprocess.protocol import keys
+from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
 from inprocess.protocol.sealed_store import SealedStore, seal, unsealed
 from inprocess.protocol.store import C10dStore, Store, as_store
 from inprocess.protocol.tcpstore_client import TCPStoreClient
+from inprocess.restart import agreement
 from tests.etcd_cluster import EtcdCluster, skip_reason
 
 # "tcp-client": the watchdog's own client (inprocess.protocol.tcpstore_client) of a TCPStore.
@@ -96,7 +97,7 @@ def s(backend: Backend) -> Store:
 
 
 def _raises_timeout(exc: BaseException) -> bool:
-    return keys._is_timeout(exc)  # what the protocol takes for a store's timeout
+    return barriers.is_timeout(exc)  # what the protocol takes for a store's timeout
 
 
 # ----- c10d operations --------------------------------------------------------------------
@@ -239,10 +240,12 @@ def test_the_restart_protocol_runs_the_same_on_it(backend: Backend) -> None:
     # A fault of a rank that died, the death counted once, and a two-rank restart barrier
     # decided by exactly one rank: the protocol's calls of every fast path at once.
     ranks = [backend.client() for _ in range(2)]
-    keys.set_participants(ranks[0], 0, 3)
-    keys.report_fault(ranks[0], iteration=0, initial_rank=2, kind="dead", detail="x")
-    keys.report_fault(ranks[1], iteration=0, initial_rank=2, kind="dead", detail="again")
-    assert keys.outcome(ranks[1], 0) == keys.OUTCOME_FAULT and keys.gone_ranks(ranks[0]) == {2}
+    restart_meeting.set_participants(ranks[0], 0, 3)
+    fault_records.report_fault(ranks[0], iteration=0, initial_rank=2, kind="dead", detail="x")
+    fault_records.report_fault(ranks[1], iteration=0, initial_rank=2, kind="dead", detail="again")
+    assert iteration_end.outcome(ranks[1], 0) == keys.OUTCOME_FAULT and keys.gone_ranks(
+        ranks[0]
+    ) == {2}
     decided: list[int] = []
 
     def rank(r: int) -> str:
@@ -250,7 +253,7 @@ def test_the_restart_protocol_runs_the_same_on_it(backend: Backend) -> None:
             decided.append(r)
             return f"{len(faults)} faults"
 
-        return keys.restart_barrier(
+        return agreement.restart_barrier(
             ranks[r], 0, initial_rank=r, participants=[0, 1, 2], decide=decide, timeout=10.0
         )
 

@@ -14,7 +14,7 @@ from torch.distributed import PrefixStore, TCPStore
 from inprocess.config import RestartConfig
 from inprocess.context import RestartContext
 from inprocess.errors import FaultRecord
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.protocol.policy import Observed, decide
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.store import as_store
@@ -95,14 +95,16 @@ def test_the_slow_rank_records_a_swap_that_ends_the_iteration(job_store: Any) ->
     keys.set_reserves(as_store(job_store), 0, (2,))
     # wait=0: no restart loop here to interrupt the wait.
     assert replace_rank(ctx_on(job_store), 1, reason="relative 0.33", tag="t1", wait=0.0)
-    (record,) = keys.read_faults(as_store(job_store), 0)
+    (record,) = fault_records.read_faults(as_store(job_store), 0)
     assert (record.kind, record.initial_rank, record.action, record.step) == (
         "straggler",
         1,
         "demote",
         42,
     )
-    assert keys.outcome(as_store(job_store), 0) == keys.OUTCOME_FAULT  # every rank's monitor wakes
+    assert (
+        iteration_end.outcome(as_store(job_store), 0) == keys.OUTCOME_FAULT
+    )  # every rank's monitor wakes
     # A peer gets the same answer from the slow rank's decision.
     assert replace_rank(ctx_on(job_store, rank=0), 1, reason="x", tag="t1", wait=0.5)
 
@@ -114,10 +116,12 @@ def test_without_a_live_reserve_every_rank_gets_false_and_nothing_is_recorded(
     assert slow.replace_rank(1, reason="slow", tag="t1") is False  # no reserve at all
     assert peer.replace_rank(1, reason="slow", tag="t1") is False
     keys.set_reserves(as_store(job_store), 0, (2,))
-    keys.report_fault(as_store(job_store), iteration=0, initial_rank=2, kind="dead", detail="gone")
+    fault_records.report_fault(
+        as_store(job_store), iteration=0, initial_rank=2, kind="dead", detail="gone"
+    )
     assert free_reserves(as_store(job_store), 0) == ()
     assert replace_rank(slow, 1, reason="slow", tag="t2") is False
-    assert [f.kind for f in keys.read_faults(as_store(job_store), 0)] == ["dead"]
+    assert [f.kind for f in fault_records.read_faults(as_store(job_store), 0)] == ["dead"]
 
 
 def test_a_peer_does_not_wait_forever_for_a_decision(job_store: Any) -> None:

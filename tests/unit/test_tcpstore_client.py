@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, keys
 from inprocess.protocol.tcpstore_client import TCPStoreClient
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,11 +88,11 @@ def test_the_protocols_fault_report_reads_back_through_torch(
 
     # Both ends as the framework opens them: behind the Store protocol (as_store, as seal does).
     mine, theirs = as_store(ours), as_store(server)
-    keys.report_fault(mine, iteration=2, initial_rank=1, kind="dead", detail="gone")
+    fault_records.report_fault(mine, iteration=2, initial_rank=1, kind="dead", detail="gone")
     assert server.get(keys.end_key(2)) == keys.OUTCOME_FAULT.encode()
-    (f,) = keys.read_faults(theirs, 2)
+    (f,) = fault_records.read_faults(theirs, 2)
     assert (f.initial_rank, f.kind) == (1, "dead") and keys.gone_ranks(theirs) == {1}
-    keys.record_reserve_gone(mine, 3, 4)
+    fault_records.record_reserve_gone(mine, 3, 4)
     assert keys.gone_ranks(theirs) == {1, 4} and not server.check([keys.end_key(3)])
 
 

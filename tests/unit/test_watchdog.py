@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.protocol.keys import end_key, gone_ranks, read_faults
+from inprocess.protocol.fault_records import read_faults
+from inprocess.protocol.keys import end_key, gone_ranks
 from inprocess.protocol.store import as_store
 from inprocess.watchdog_owner import Watchdog
 from tests.multiproc import REPO_ROOT

@@ -1,0 +1,106 @@
+"""Fault records: how any process reports a fault of a rank, and how the decider reads them.
+
+A fault is appended to its iteration's ``faults`` list (``keys``) and ends the iteration at
+once: the same writes break its ``join`` and ``ready`` barriers and set its ``end`` to "fault"
+(``iteration_end``), so every waiter wakes with the same answer. A death (``GONE_KINDS``) also
+marks the rank gone for the whole job and counts it at the restart barrier
+(``restart_meeting.count_once``), so nobody waits for it there. Writers: the rank itself (its
+exception), its watchdog process (death, hard timeout), health checks, drills. Reader: the
+rank that takes the restart decision (``read_faults``). Nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+
+from inprocess.clock import SYSTEM, Clock
+from inprocess.errors import FaultRecord
+from inprocess.protocol.keys import GONE_KEY, OUTCOME_FAULT, key, peek
+from inprocess.protocol.restart_meeting import count_once
+from inprocess.protocol.store import Store
+
+# The run journal's channel (``inprocess.journal`` writes what reaches it), used the way
+# checkpoint/ and rerun/ use it: the protocol sits below the journal and does not import it.
+_journal = logging.getLogger("restartable.journal")
+
+# Kinds after which the rank's process is gone: it will not arrive at any barrier.
+GONE_KINDS = frozenset({"dead", "hard_timeout"})
+
+
+def record_fault(store: Store, record: FaultRecord) -> None:
+    """Append ``record`` to its iteration's fault list and end that iteration (wake everyone).
+
+    Writes that never block, in one ``record_fault_batch`` (etcd: one transaction): an append,
+    then first-writer-wins sets of the iteration's outcome and of its join and ready barriers,
+    so ranks waiting there (monitors, barriers, reserves) all wake with the same answer at
+    once. A death (``GONE_KINDS``) also counts the rank at the restart barrier, after its
+    record is appended (the decider reads the records once the count is full). Safe to call
+    from any process, any number of times.
+    """
+    it = record.iteration
+    fields = asdict(record)
+    gone = record.kind in GONE_KINDS
+    store.record_fault_batch(
+        append=[(key(it, "faults"), json.dumps(fields) + "\n")]
+        + ([(GONE_KEY, f"{record.initial_rank},")] if gone else []),
+        set_if_absent=[(key(it, k), OUTCOME_FAULT) for k in ("end", "join/go", "ready/go")],
+    )
+    if _journal.handlers:  # a journal is open (or listened to) in this process
+        fields["fault_rank"] = fields.pop("initial_rank")  # "rank" is the journal writer's own
+        _journal.debug("fault", extra={"journal": fields})
+    if gone:  # job-wide: no later iteration waits for this rank either
+        count_once(store, it, record.initial_rank)
+
+
+def report_fault(
+    store: Store,
+    *,
+    iteration: int,
+    initial_rank: int,
+    kind: str,
+    detail: str,
+    step: int | None = None,
+    clock: Clock = SYSTEM,
+) -> None:
+    """Record a fault of ``initial_rank`` in restart iteration ``iteration`` and wake every rank.
+
+    ``store`` is a client of the job's coordination store (not a prefixed one). ``kind``:
+    "exception", "soft_timeout", "dead", "hard_timeout", "unhealthy", ... ``step``: the rank's
+    last ``ctx.step``, when known. ``clock.wall()`` stamps the record. Called by the rank
+    itself, by its watchdog process, or by health checks. Idempotent in effect: a repeated
+    report adds a record but the iteration ends once.
+    """
+    record_fault(
+        store,
+        FaultRecord(
+            iteration=iteration,
+            initial_rank=initial_rank,
+            kind=kind,
+            detail=detail,
+            step=step,
+            time=clock.wall(),
+        ),
+    )
+
+
+def record_reserve_gone(store: Store, iteration: int, initial_rank: int) -> None:
+    """A reserve's process is gone (its watchdog saw it die, or killed it at the hard timeout):
+    no barrier or decision waits for it, and the ranks that train are NOT interrupted.
+
+    Unlike ``record_fault`` this ends no iteration: a reserve takes no part in ``train()``,
+    so its death costs the active ranks nothing (issue 35). It is counted at the restart
+    barrier of ``iteration`` (the one its ranks meet at when the iteration faults for another
+    reason), and the next decision retires it (``keys.gone_ranks``). Never blocks."""
+    store.append(GONE_KEY, f"{initial_rank},")
+    count_once(store, iteration, initial_rank)
+
+
+def read_faults(store: Store, iteration: int) -> list[FaultRecord]:
+    """Every fault recorded for ``iteration`` so far, in arrival order; never blocks."""
+    raw = peek(store, key(iteration, "faults"))
+    if raw is None:
+        return []
+    lines = raw.decode().splitlines()
+    return [FaultRecord(**json.loads(line)) for line in lines if line]
