@@ -236,7 +236,7 @@ class _LauncherJournal:
 
 def launch_secret(args: argparse.Namespace) -> bytes:
     """The job's secret (``checkpoint.sealing``), handed to the ranks in their environment (and
-    found the same way by ``inprocess.launch.task`` standing in for a killed launcher):
+    found the same way by ``inprocess.srun_task`` standing in for a killed launcher):
     the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
     per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
     --job-id (a shared home directory; docs/security.md)."""

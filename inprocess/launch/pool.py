@@ -1,5 +1,5 @@
 """The launcher's warm process pool: one pre-started fork server per node
-(``inprocess.launch.forkserver``) from which respawned and restarted ranks are forked, with
+(``inprocess.forkserver``) from which respawned and restarted ranks are forked, with
 torch and the named modules already imported; the cold start stays the fallback.
 
 Owned by ``inprocess.launch.cli`` (one ``WarmPool`` per launcher, over every round; ``close()``
@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from inprocess.launch.forkserver import MAX_REQUEST, READY_LINE
+from inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class WarmPool:
     def start(self) -> None:
         """Start the server (returns at once; it imports in the background)."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "inprocess.launch.forkserver", f"--socket={self._socket}",
+            [sys.executable, "-m", "inprocess.forkserver", f"--socket={self._socket}",
              f"--launcher-pid={os.getpid()}", f"--preload={','.join(self._preload)}"],
             env={**self._env, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.PIPE,

@@ -20,7 +20,7 @@ earlier round is ever read again):
                            compares another host's clock)
 * ``<ns>left/{n}``         node ``n``'s launcher is leaving (node 0 waits for the live ones)
 * ``<ns>end``              the job's exit status, first launcher to end writes it (read by the
-                           ``inprocess.launch.task`` of a launcher that was killed: it stands in for
+                           ``inprocess.srun_task`` of a launcher that was killed: it stands in for
                            that launcher, beating and leaving in its name, until it read this)
 
 With ``--store etcd://...`` (``store_url``) no launcher hosts anything: the control keys are on
@@ -332,7 +332,7 @@ class JobControl:
 
     def publish_end(self, status: int) -> None:
         """The job ends with ``status`` on this node: publish it (first writer wins; never
-        raises) for a killed launcher's ``inprocess.launch.task``."""
+        raises) for a killed launcher's ``inprocess.srun_task``."""
         try:
             self.store.compare_set(self._k("end"), "", str(status))
         except Exception as exc:

@@ -1,8 +1,8 @@
-"""``python -m inprocess.launch.task SCRIPT [ARGS]``: one srun task that runs one rank as its
+"""``python -m inprocess.srun_task SCRIPT [ARGS]``: one srun task that runs one rank as its
 child and exits with the job's outcome, not only its rank's.
 
-    srun --kill-on-bad-exit=0 python -m inprocess.launch.task train.py --steps 1000
-    srun --kill-on-bad-exit=0 python -m inprocess.launch.task -m inprocess.launch --nnodes 2 ...
+    srun --kill-on-bad-exit=0 python -m inprocess.srun_task train.py --steps 1000
+    srun --kill-on-bad-exit=0 python -m inprocess.srun_task -m inprocess.launch --nnodes 2 ...
 
 Under ``srun --kill-on-bad-exit=0`` a rank that was killed (a fault the job survived: a warm
 reserve took its place and the job finished) would otherwise make srun exit 137 and Slurm record
@@ -50,7 +50,7 @@ from typing import Any
 
 from inprocess.protocol.environment import ENV_TASK
 
-log = logging.getLogger("inprocess.launch.task")
+log = logging.getLogger("inprocess.srun_task")
 
 _PR_SET_CHILD_SUBREAPER = 36
 _OUTCOME_POLL_S = 0.5  # how often a dead rank's task looks at the job's state
@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             break
         i += 2 if argv[i] in _VALUED else 1
     p = argparse.ArgumentParser(
-        prog="python -m inprocess.launch.task",
+        prog="python -m inprocess.srun_task",
         allow_abbrev=False,
         description="Run one rank as a child; exit with the job's outcome (module docstring).",
     )
@@ -264,7 +264,3 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
