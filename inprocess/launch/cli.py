@@ -49,9 +49,11 @@ from inprocess.errors import ConfigError
 from inprocess.etcd.errors import EtcdStoreError
 from inprocess.faults.drill import FaultDrill
 from inprocess.launch import autoresume, doors
+from inprocess.launch.actions import Action, restart_or_end
 from inprocess.launch.flags import parse_args as parse_args  # where tests and task.py look
+from inprocess.launch.node_lost import NodeLostError
 from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
-from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
+from inprocess.launch.rounds import JobControl
 from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
 from inprocess.protocol import environment, job_keys
 from inprocess.protocol.store import Store

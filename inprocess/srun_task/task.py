@@ -160,7 +160,7 @@ def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | No
     from checkpoint.sealing import Sealer
     from inprocess.launch.cli import launch_secret
     from inprocess.launch.cli import parse_args as launch_args
-    from inprocess.launch.rounds import TOKEN_KEY, launch_sealer
+    from inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
     from inprocess.protocol.sealed_store import seal
     from inprocess.store_server import client
 

@@ -18,7 +18,8 @@ from checkpoint.errors import CheckpointError
 from checkpoint.exchange import StoreExchange
 from checkpoint.sealing import ForgedValueError, Sealer, job_secret
 from inprocess.errors import FaultRecord
-from inprocess.launch.rounds import JobControl, NodeLostError
+from inprocess.launch.node_lost import NodeLostError
+from inprocess.launch.rounds import JobControl
 from inprocess.protocol import keys
 from inprocess.protocol.sealed_store import SealedStore
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from inprocess.launch import autoresume
-from inprocess.srun_task.task import parse_args, task_status
 from inprocess.protocol import environment
+from inprocess.srun_task.task import parse_args, task_status
 
 
 def test_under_slurm_the_attempt_is_slurms_even_when_a_flag_exists(tmp_path: Path) -> None:
