@@ -3,11 +3,11 @@
 ``python -m inprocess.store_server --port P --world-size N [--token T]`` runs a detached
 TCPStore server. It exits once every rank of the job has left (``mark_left``) or is known to be
 gone (its watchdog reported its death); with ``--wait-for-tasks`` (every rank runs under
-``inprocess.launch.task``, which marks a dead rank as left once it has read the job's outcome) only
+``inprocess.srun_task``, which marks a dead rank as left once it has read the job's outcome) only
 once every rank has left; or after ``--idle-timeout`` seconds without any key change. It ignores
 SIGTERM: a scheduler that signals every process of the step (Slurm's proctrack/linuxproc) must
 not take the store away from ranks that are writing their preemption checkpoint; it is ended by
-the rules above, or by its owner (``inprocess.launch.task``, Slurm's end of the step).
+the rules above, or by its owner (``inprocess.srun_task``, Slurm's end of the step).
 
 ``--token``: the launch id (``environment.launch_id``); the server publishes it, and every rank
 checks it after connecting, so a rank never joins a store left over from another job or attempt
@@ -162,7 +162,7 @@ def spawn_server(
 
 def mark_left(store: Store, identity: int) -> int:
     """Process ``identity`` leaves the job (the server exits once all have); returns how many
-    have left. Idempotent per identity: the rank and, after its death, its ``inprocess.launch.task``
+    have left. Idempotent per identity: the rank and, after its death, its ``inprocess.srun_task``
     may both mark it."""
     if store.add(f"{ROOT}left/{identity}", 1) == 1:
         store.append(LEFT_RANKS_KEY, f"{identity},")

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from checkpoint.private_files import replace_private
+from inprocess.clock import SYSTEM, Clock
 from inprocess.protocol.environment import job_attempt
 
 EXIT_DONE = 0
@@ -70,7 +70,13 @@ def attempt_number(flag_path: str | None, environ: dict[str, str] | None = None)
 
 
 def settle(
-    flag_path: str | None, *, status: int, reason: str, attempt: int, max_retries: int
+    flag_path: str | None,
+    *,
+    status: int,
+    reason: str,
+    attempt: int,
+    max_retries: int,
+    clock: Clock = SYSTEM,
 ) -> bool:
     """Write or remove the flag for a job that ends with ``status``; True when written.
 
@@ -90,7 +96,7 @@ def settle(
         status=status,
         attempt=attempt,
         retries_left=max_retries - attempt - 1,
-        time=time.time(),
+        time=clock.wall(),
     )
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     replace_private(path, (json.dumps(asdict(flag), sort_keys=True) + "\n").encode())

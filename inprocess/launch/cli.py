@@ -39,109 +39,27 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import FrameType
 
 from checkpoint import sealing
-from checkpoint.private_files import private_dir
 from inprocess import journal
 from inprocess.errors import ConfigError
 from inprocess.etcd.errors import EtcdStoreError
 from inprocess.launch import autoresume, doors
-from inprocess.launch.drill import FaultDrill
+from inprocess.launch.actions import Action
 from inprocess.launch.flags import parse_args as parse_args  # where tests and task.py look
+from inprocess.launch.launcher_journal import LauncherJournal
+from inprocess.launch.launcher_round import run_round
+from inprocess.launch.node_lost import NodeLostError
 from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
-from inprocess.launch.rounds import Action, JobControl, NodeLostError, restart_or_end
-from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
-from inprocess.protocol import environment, job_keys
-from inprocess.protocol.store import Store
+from inprocess.launch.rank_env import torchrun_defaults
+from inprocess.launch.rounds import JobControl
+from inprocess.launch.supervisor import NodeSupervisor, RoundEnd
+from inprocess.protocol import environment
 from inprocess.usage import EXIT_USAGE
 
 log = logging.getLogger("inprocess.launch")
-
-
-def rank_env(
-    args: argparse.Namespace,
-    local_rank: int,
-    port: int,
-    generation: int = 0,
-    store_env: Mapping[str, str] | None = None,
-    *,
-    round_: int = 0,
-    launch_id: str | None = None,
-) -> dict[str, str]:
-    """The environment of one rank (the launcher's own environment plus the job variables).
-
-    ``generation`` > 0: a process respawned in the slot of ``local_rank``; it keeps the slot's
-    RANK and joins the job under a new identity (``inprocess.protocol.ranks.respawn_identity``).
-    ``store_env``: the round's key (RESTARTABLE_SECRET) and, with ``--store``, its
-    INPROCESS_STORE / INPROCESS_JOB_ID.
-    ``round_``: the in-job restart round (INPROCESS_LAUNCH_ROUND; the config's fault drill
-    fires in round 0 only). ``launch_id``: RESTARTABLE_LAUNCH_ID, the same on every node and
-    in every round (the journal groups a launch's records by it; the example names its
-    directories after it).
-    """
-    n = args.nproc_per_node
-    inherited = dict(os.environ)
-    for name in ("INPROCESS_STORE", "INPROCESS_JOB_ID"):  # this round's values, or none
-        inherited.pop(name, None)
-    env = {
-        **torchrun_defaults(n, inherited),
-        **inherited,
-        **(store_env or {}),
-        "RANK": str(args.node_rank * n + local_rank),
-        "WORLD_SIZE": str(args.nnodes * n),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(n),
-        "GROUP_RANK": str(args.node_rank),
-        "MASTER_ADDR": args.master_addr,
-        "MASTER_PORT": str(port),
-        "INPROCESS_STORE_HOSTED": "1",
-        # The ranks die with us (the store we host dies with us too): see bind_to_launcher().
-        "INPROCESS_LAUNCHER_PID": str(os.getpid()),
-        "PYTHONUNBUFFERED": "1",
-        "INPROCESS_LAUNCH_ROUND": str(round_),
-        # So a script can tell whether a lost rank comes back (e.g. the example's warning
-        # when its fault plan loses more ranks than it has reserves).
-        "INPROCESS_MAX_RESPAWNS": str(getattr(args, "max_respawns", 0)),
-        environment.ENV_ATTEMPT: str(getattr(args, "attempt", 0)),
-        **_torchrun_names(args, args.node_rank * n + local_rank, round_),
-    }
-    if launch_id is not None:
-        env[journal.ENV_LAUNCH] = launch_id
-    if generation:
-        env["INPROCESS_RESPAWN_GENERATION"] = str(generation)
-    else:
-        env.pop("INPROCESS_RESPAWN_GENERATION", None)
-    return env
-
-
-def _torchrun_names(args: argparse.Namespace, rank: int, round_: int) -> dict[str, str]:
-    """torchrun's names for the facts ``rank_env`` sets, for scripts and libraries that read
-    them."""
-    return {
-        "GROUP_WORLD_SIZE": str(args.nnodes),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(rank),
-        "ROLE_WORLD_SIZE": str(args.nnodes * args.nproc_per_node),
-        "TORCHELASTIC_RESTART_COUNT": str(round_),
-        "TORCHELASTIC_MAX_RESTARTS": str(args.max_restarts),
-        # A store server listens at MASTER_ADDR:MASTER_PORT (ours, as torchrun's agent store):
-        # a script's own init_process_group("env://") connects to it instead of binding
-        # MASTER_PORT on rank 0 (EADDRINUSE there, and the other ranks waited for rank 0 until
-        # the init timeout); @restartable then names the misuse (inprocess.restart.loop).
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-
-
-def torchrun_defaults(nproc_per_node: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """What torchrun sets unless the user did: ``OMP_NUM_THREADS=1`` with several ranks per
-    node (each rank's intra-op pool would otherwise take every core: measured, nanoGPT's step
-    took 3x as long), ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``. A value in ``environ`` wins."""
-    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    if nproc_per_node > 1:
-        defaults["OMP_NUM_THREADS"] = "1"
-    return {k: v for k, v in defaults.items() if k not in environ}
 
 
 def _omp_notice(nproc_per_node: int) -> None:
@@ -172,71 +90,16 @@ def run(args: argparse.Namespace) -> int:
     """Run the job of ``args`` (admitted: ``doors.admit``) on this node; the exit status."""
     _log_to_stdout(args.node_rank)
     _omp_notice(args.nproc_per_node)
-    jr = _LauncherJournal(args.node_rank)
+    jr = LauncherJournal(args.node_rank)
     try:
         return _main(args, jr)
     finally:
         jr.close()
 
 
-class _LauncherJournal:
-    """The launcher's part of the run journal (respawns, in-job restarts, the exit); its file is
-    rank-1-... for node 0, rank-2-... for node 1, ...
-
-    In ``$RESTARTABLE_JOURNAL_DIR`` when the environment names one; otherwise in the directory
-    the ranks journal to (``RestartConfig.journal_dir``), once they published it in the round's
-    store (``job_keys.publish_journal_dir``): a record before that is not kept.
-    """
-
-    def __init__(self, node_rank: int) -> None:
-        self.rank = -1 - node_rank
-        self.launch: str | None = None
-        self.jr: journal.Journal | None = None
-
-    def unusable(self) -> str | None:
-        """Why the environment's journal directory may not be used (another user owns it or may
-        write it: docs/security.md), or None."""
-        directory = journal.resolve_dir(None)
-        try:
-            if directory is not None:
-                private_dir(directory, what=journal.ENV_DIR)
-        except OSError as exc:
-            return str(exc)
-        return None
-
-    def start(self, launch: str) -> None:
-        """The launch id is known (``JobControl``): open the environment's directory, if any."""
-        self.launch = launch
-        directory = journal.resolve_dir(None)
-        if directory is not None:
-            self.jr = journal.open_journal(directory, rank=self.rank, launch=launch)
-
-    def follow(self, store: Store | None) -> None:
-        """Open the ranks' directory once they published it (one store look per call until)."""
-        if self.jr is not None or store is None or self.launch is None:
-            return
-        try:
-            directory = job_keys.journal_dir(store)
-        except Exception as exc:  # the store is gone: the round ends through poll_action
-            log.debug("journal directory unreadable: %r", exc)
-            return
-        if directory is None:
-            return
-        try:
-            self.jr = journal.open_journal(directory, rank=self.rank, launch=self.launch)
-        except ValueError as exc:  # not writable from here: the ranks' journals go on alone
-            log.warning("the launcher keeps no journal: %s", exc)
-            self.launch = None  # stop looking
-
-    def close(self) -> None:
-        if self.jr is not None:
-            self.jr.close()
-            self.jr = None
-
-
 def launch_secret(args: argparse.Namespace) -> bytes:
     """The job's secret (``checkpoint.sealing``), handed to the ranks in their environment (and
-    found the same way by ``inprocess.launch.task`` standing in for a killed launcher):
+    found the same way by ``inprocess.srun_task`` standing in for a killed launcher):
     the environment's (``RESTARTABLE_SECRET`` / ``_FILE``), else a new one on one node, else the
     per-user file every node's launcher finds from the same --master-addr/--master-port/--store/
     --job-id (a shared home directory; docs/security.md)."""
@@ -262,7 +125,7 @@ def _shared_scope(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-def _main(args: argparse.Namespace, jr: _LauncherJournal) -> int:
+def _main(args: argparse.Namespace, jr: LauncherJournal) -> int:
     # Decided once, before anything of this attempt exists: read at the exit, the flag file may
     # already be another node's (written for this attempt), and the launchers would disagree.
     args.attempt = autoresume.attempt_number(args.autoresume_file)
@@ -303,7 +166,7 @@ def _warm_pool(args: argparse.Namespace) -> contextlib.AbstractContextManager[Wa
 
 
 def _rounds(
-    args: argparse.Namespace, control: JobControl, jr: _LauncherJournal, pool: WarmPool | None
+    args: argparse.Namespace, control: JobControl, jr: LauncherJournal, pool: WarmPool | None
 ) -> int:
     """The job's rounds on this node until it ends; the launcher's exit status."""
     current: list[NodeSupervisor] = []
@@ -319,7 +182,7 @@ def _rounds(
     try:
         k = 0
         while True:
-            end, action = _run_round(args, control, k, current, jr, pool)
+            end, action = run_round(args, control, k, current, jr, pool)
             if action is not None and action.kind == "restart":
                 log.warning(
                     "in-job restart %d/%d: %s; every rank restarts and resumes from its newest "
@@ -362,83 +225,6 @@ def _job_control(args: argparse.Namespace, secret: bytes) -> JobControl:
         launch_id=environment.launch_id(),
         sealer=sealing.Sealer(secret),
     )
-
-
-def _supervisor_config(args: argparse.Namespace) -> SupervisorConfig:
-    """What the launcher's flags say about this node's processes."""
-    return SupervisorConfig(
-        script=[args.script, *args.args],
-        node_rank=args.node_rank,
-        nproc_per_node=args.nproc_per_node,
-        world_size=args.nnodes * args.nproc_per_node,
-        master_addr=args.master_addr,
-        max_respawns=args.max_respawns,
-        respawn_backoff=args.respawn_backoff,
-        monitor_interval=args.monitor_interval,
-        stop_grace=args.stop_grace,
-    )
-
-
-def _run_round(
-    args: argparse.Namespace,
-    control: JobControl,
-    k: int,
-    current: list[NodeSupervisor],
-    jr: _LauncherJournal,
-    pool: WarmPool | None = None,
-) -> tuple[RoundEnd, Action | None]:
-    """One round on this node: start the ranks, supervise them, stop them; the round's end and
-    the action (restart or end) every node agreed on, if any."""
-    port, store = control.open_round(k)
-    launch_id = control.launch_id
-    cfg = _supervisor_config(args)
-
-    def on_stopped(reason: str) -> None:
-        origin = job_keys.stop_origin(store) if store is not None else ""
-        control.request(
-            k, restart_or_end(k, max_restarts=args.max_restarts, reason=reason, origin=origin)
-        )
-
-    def poll_action() -> str | None:
-        a = control.action(k)
-        return None if a is None else a.reason
-
-    sup = NodeSupervisor(
-        cfg=cfg,
-        store=store,
-        env_of=lambda local, gen: rank_env(
-            args, local, port, gen, control.round_store_env(k), round_=k, launch_id=launch_id
-        ),
-        out=sys.stdout.buffer,
-        poll_action=poll_action,
-        on_stopped=on_stopped,
-        report_live=lambda n: control.report_live(k, n),
-        job_gone=lambda: control.job_gone(k),
-        on_tick=lambda: jr.follow(store),
-        pool=pool,
-        warm_initial=k > 0,  # an in-job restart forks every rank from the pool
-    )
-    current[:] = [sup]
-    drill = None
-    if k == 0 and args.simulated_fault_type is not None:
-        drill = FaultDrill(
-            sup,
-            kind=args.simulated_fault_type,
-            rank=args.simulated_fault_rank,
-            base_delay=args.simulated_fault_base_delay,
-        )
-    try:
-        end = sup.run()
-        action = control.action(k) if end.kind == "action" else None
-        if action is not None and action.kind == "restart":
-            # The launcher already logs why; every second the old ranks take to leave on their
-            # own is downtime, so they get SIGTERM at once (then --stop-grace, then SIGKILL).
-            sup.stop_children(patience=0.0)
-    finally:
-        sup.close()  # ends what still runs (an action from another node, or a failure here)
-        if drill is not None:
-            drill.close()
-    return end, action
 
 
 def _status(end: RoundEnd, action: Action | None) -> tuple[int, str]:
@@ -490,9 +276,8 @@ def _log_to_stdout(node_rank: int) -> None:
     """The launcher is a program: its lifecycle lines go to stdout, next to the ranks' output."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"[launcher node {node_rank}] %(message)s"))
-    for name in ("inprocess.launch", "inprocess.launch.supervisor", "inprocess.launch.rounds",
-                 "inprocess.launch.pool", "inprocess.faults.drill"):  # fmt: skip
-        logger = logging.getLogger(name)
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    # The launcher's modules (inprocess.launch.*, its fault drill included) log through it.
+    logger = logging.getLogger("inprocess.launch")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

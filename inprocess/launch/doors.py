@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
 
+from inprocess.clock import SYSTEM, Clock
 from inprocess.launch import autoresume
 from inprocess.launch.flags import parse_args
 from inprocess.protocol.reach import unreachable
@@ -51,12 +51,12 @@ def refuse(args: argparse.Namespace, problem: str) -> int:
     return EXIT_USAGE
 
 
-def check(args: argparse.Namespace) -> str | None:
+def check(args: argparse.Namespace, *, clock: Clock = SYSTEM) -> str | None:
     """What stops this node's launcher from starting the job, in one line (None: nothing).
 
     Looks at the script file, node 0's host (several nodes without ``--store``) and the etcd
     cluster (``--store``): at most about 10 s when every endpoint hangs."""
-    return _script(args.script) or _master(args) or (_store(args) if args.store else None)
+    return _script(args.script) or _master(args) or (_store(args, clock) if args.store else None)
 
 
 def _script(path: str) -> str | None:
@@ -83,7 +83,7 @@ def _master(args: argparse.Namespace) -> str | None:
     )
 
 
-def _store(args: argparse.Namespace) -> str | None:
+def _store(args: argparse.Namespace, clock: Clock) -> str | None:
     """The etcd cluster of ``--store``: some endpoint must accept a connection and answer the
     v3 status request (the store's own check), within ``_PROBE_S``."""
     from inprocess.errors import ConfigError
@@ -102,7 +102,7 @@ def _store(args: argparse.Namespace) -> str | None:
     try:
         endpoints = Endpoints(address, request_timeout=_CONNECT_S)
         try:
-            endpoints.probe(deadline=time.monotonic() + min(_PROBE_S, args.node_timeout))
+            endpoints.probe(deadline=clock.monotonic() + min(_PROBE_S, args.node_timeout))
         finally:
             endpoints.close()
     except (ConfigError, EtcdStoreError) as exc:

@@ -1,7 +1,7 @@
 """A rank's first code: take the job's secret out of the environment, then run the user's script.
 
 ``python -m inprocess.launch.entry script.py args...`` is how ``inprocess.launch`` starts a rank
-cold (the warm pool's fork does the same in ``inprocess.launch.forkserver``): the secret
+cold (the warm pool's fork does the same in ``inprocess.forkserver``): the secret
 (``RESTARTABLE_SECRET``) moves into ``checkpoint.sealing`` before one line of the script runs,
 so no process the script starts (``subprocess``, ``os.system``) inherits it. The script then
 runs as ``python script.py args...`` would run it: ``__main__``, its own ``sys.argv`` and its

@@ -116,6 +116,11 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
         help="flag file written when the job should be requeued (status 75), removed otherwise",
     )
     _add_pool_flags(r)
+    _add_timing_flags(r)
+
+
+def _add_timing_flags(r: argparse._ArgumentGroup) -> None:
+    """How often the launcher looks, and how long it waits for other launchers and ranks."""
     r.add_argument(
         "--monitor-interval",
         type=float,
@@ -161,18 +166,23 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     for name in ("max_respawns", "max_restarts", "num_job_retries_on_failure"):
         if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0: give 0 "
-                    "to turn this level off")  # fmt: skip
+            p.error(
+                f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0: give 0 "
+                "to turn this level off"
+            )
     # Finite too: an infinite --stop-grace would never SIGKILL, an infinite --node-timeout
     # never notice a lost node.
     for name in ("monitor_interval", "node_timeout"):
         if not 0 < getattr(args, name) < math.inf:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds "
-                    "and finite")  # fmt: skip
+            p.error(
+                f"--{name.replace('_', '-')} ({getattr(args, name)}) must be > 0 seconds and finite"
+            )
     for name in ("respawn_backoff", "stop_grace", "simulated_fault_base_delay"):
         if not 0 <= getattr(args, name) < math.inf:
-            p.error(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds "
-                    "and finite")  # fmt: skip
+            p.error(
+                f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 0 seconds "
+                "and finite"
+            )
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
     world = args.nnodes * args.nproc_per_node

@@ -1,5 +1,5 @@
 """The launcher's warm process pool: one pre-started fork server per node
-(``inprocess.launch.forkserver``) from which respawned and restarted ranks are forked, with
+(``inprocess.forkserver``) from which respawned and restarted ranks are forked, with
 torch and the named modules already imported; the cold start stays the fallback.
 
 Owned by ``inprocess.launch.cli`` (one ``WarmPool`` per launcher, over every round; ``close()``
@@ -21,12 +21,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from inprocess.launch.forkserver import MAX_REQUEST, READY_LINE
+from inprocess.clock import SYSTEM, Clock
+from inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +108,18 @@ class WarmPool:
     def start(self) -> None:
         """Start the server (returns at once; it imports in the background)."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "inprocess.launch.forkserver", f"--socket={self._socket}",
-             f"--launcher-pid={os.getpid()}", f"--preload={','.join(self._preload)}"],
+            [
+                sys.executable,
+                "-m",
+                "inprocess.forkserver",
+                f"--socket={self._socket}",
+                f"--launcher-pid={os.getpid()}",
+                f"--preload={','.join(self._preload)}",
+            ],
             env={**self._env, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.PIPE,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def ready(self) -> bool:
         """True once the server listens (never blocks)."""
@@ -179,11 +185,11 @@ class WarmPool:
             log.warning("warm pool off (cold starts from now on): %s", why)
 
 
-def wait_ready(pool: WarmPool, timeout: float) -> bool:
+def wait_ready(pool: WarmPool, timeout: float, *, clock: Clock = SYSTEM) -> bool:
     """Poll ``pool.ready()`` for at most ``timeout`` seconds (tests and benchmarks)."""
-    end = time.monotonic() + timeout
+    end = clock.monotonic() + timeout
     while not pool.ready():
-        if time.monotonic() >= end or pool.broken is not None:
+        if clock.monotonic() >= end or pool.broken is not None:
             return False
-        time.sleep(0.01)
+        clock.sleep(0.01)
     return True

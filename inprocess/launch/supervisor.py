@@ -15,22 +15,21 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Protocol
 
 from checkpoint.sealing import ForgedValueError
 from inprocess import journal
+from inprocess.clock import SYSTEM, Clock
 from inprocess.launch.autoresume import VERDICT_STATUSES
 from inprocess.launch.pool import PooledProcess, WarmPool
+from inprocess.launch.respawn import Death, Slot, schedule_respawn
 from inprocess.protocol import job_keys
 from inprocess.protocol.ranks import respawn_identity
 from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
-
-_MAX_BACKOFF_S = 60.0  # the longest wait before respawning a crash-looping slot
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,38 @@ class RoundEnd:
     reason: str
     returncodes: tuple[int, ...] = ()
     status: int = 0
-    at: float = field(default_factory=time.time)  # when this node saw the end (time.time())
+    at: float = 0.0  # when this node saw the end (the clock's wall time)
+
+
+class RoundLink(Protocol):
+    """The supervisor's one collaborator: the rest of the job as this node's round sees it (the
+    other launchers, the journal, the ranks' environment). Called from ``run()``'s thread only;
+    ``poll_action``, ``report_live`` and ``job_gone`` may raise the launcher's ``NodeLostError``,
+    which ends ``run()``."""
+
+    def env_of(self, local: int, generation: int) -> Mapping[str, str]:
+        """The environment of the ``generation``-th process of slot ``local``."""
+        ...
+
+    def poll_action(self) -> str | None:
+        """Why another launcher ended the round (checked each look), or None."""
+        ...
+
+    def on_stopped(self, reason: str) -> None:
+        """The in-process path stopped (called once per round)."""
+        ...
+
+    def report_live(self, n: int) -> None:
+        """This node still runs (or will respawn) ``n`` processes."""
+        ...
+
+    def job_gone(self) -> bool:
+        """Every node reported no process left."""
+        ...
+
+    def on_tick(self) -> None:
+        """Each look, before the children's exits."""
+        ...
 
 
 @dataclass
@@ -77,39 +107,27 @@ class _Child:
 
 
 @dataclass
-class _Slot:
-    respawns: int = 0
-    short_deaths: int = 0  # consecutive deaths before it registered
-    due: float | None = None  # monotonic time of a scheduled respawn
-    retired: str | None = None
-
-
-@dataclass
 class NodeSupervisor:
     """The processes of one node in one round (close() it; it is a context manager).
 
-    ``store``: a client of the round's store (``job_state``, ``mark_gone``); ``env_of(local,
-    generation)`` the environment of a process; ``out`` where prefixed output lines go;
-    ``poll_action()`` returns a decision another launcher published (or None), checked every
-    ``monitor_interval``; ``on_stopped(reason)`` is called once when the in-process path stopped.
+    ``store``: a client of the round's store (``job_state``, ``mark_gone``); ``link``: the rest
+    of the job (``RoundLink``: the processes' environment, another launcher's decision, checked
+    every ``monitor_interval``, the in-process path's stop); ``out`` where prefixed output lines
+    go; ``clock``: where the waits and the round's end time come from.
     """
 
     cfg: SupervisorConfig
     store: Store
-    env_of: Callable[[int, int], Mapping[str, str]]
+    link: RoundLink
     out: IO[bytes]
-    poll_action: Callable[[], str | None]
-    on_stopped: Callable[[str], None]
-    report_live: Callable[[int], None] = lambda n: None
-    job_gone: Callable[[], bool] = lambda: False
-    on_tick: Callable[[], None] = lambda: None  # each look, before the children's exits
     # Respawns (and, with warm_initial, the round's first processes: an in-job restart) are
     # forked from it while it is ready; otherwise, or when it broke, started cold.
     pool: WarmPool | None = None
     warm_initial: bool = False
+    clock: Clock = SYSTEM
     lock: threading.Lock = field(default_factory=threading.Lock)
     children: dict[int, _Child] = field(default_factory=dict)
-    slots: dict[int, _Slot] = field(default_factory=dict)
+    slots: dict[int, Slot] = field(default_factory=dict)
     exits: list[tuple[int, int]] = field(default_factory=list)  # (identity, returncode)
     interrupted: bool = False
     closed: bool = False
@@ -141,19 +159,20 @@ class NodeSupervisor:
         """End every live child: ``patience`` seconds (default ``stop_grace``) to exit on its
         own (after the in-process path stopped, every rank is already leaving and its last words
         are the error that says why), then SIGTERM, ``stop_grace`` more, then SIGKILL."""
-        patience = time.monotonic() + (self.cfg.stop_grace if patience is None else patience)
-        while time.monotonic() < patience and any(
+        clock = self.clock
+        patience = clock.monotonic() + (self.cfg.stop_grace if patience is None else patience)
+        while clock.monotonic() < patience and any(
             c.proc.poll() is None for c in self.children.values()
         ):
-            time.sleep(0.01)
+            clock.sleep(0.01)
         live = [c for c in self.children.values() if c.proc.poll() is None]
         for c in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(c.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.stop_grace
+        deadline = clock.monotonic() + self.cfg.stop_grace
         for c in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
+                c.proc.wait(max(0.0, deadline - clock.monotonic()))
             if c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
@@ -165,33 +184,33 @@ class NodeSupervisor:
     def run(self) -> RoundEnd:
         """Start the node's ranks and supervise them until the round ends (see ``RoundEnd``)."""
         for local in range(self.cfg.nproc_per_node):
-            self.slots[local] = _Slot()
+            self.slots[local] = Slot()
             self._spawn(local, 0)
         stopped_told = False
         while True:
-            time.sleep(self.cfg.monitor_interval)
-            self.on_tick()
+            self.clock.sleep(self.cfg.monitor_interval)
+            self.link.on_tick()
             self._reap()
             state, why = self._look()
-            action = self.poll_action()
+            action = self.link.poll_action()
             if action is not None:
-                return RoundEnd("action", action, self._codes())
+                return self._end("action", action)
             if state == job_keys.JOB_STOPPED and not stopped_told:
                 stopped_told = True
-                self.on_stopped(why or "the in-process restart gave up: stopped")
+                self.link.on_stopped(why or "the in-process restart gave up: stopped")
                 continue
             self._respawn_due(state)
             live = sum(c.proc.poll() is None for c in self.children.values())
             pending = sum(s.due is not None for s in self.slots.values())
-            self.report_live(live + pending)
+            self.link.report_live(live + pending)
             if live + pending:
                 continue
             end = self._end_of_round(state)
             if end is not None:
                 return end
-            if not stopped_told and self.job_gone():
+            if not stopped_told and self.link.job_gone():
                 stopped_told = True
-                self.on_stopped("every rank of the job is gone")
+                self.link.on_stopped("every rank of the job is gone")
 
     def _look(self) -> tuple[str, str | None]:
         """The job's state (``job_keys.job_state``) and, when stopped, why in one line.
@@ -200,8 +219,6 @@ class NodeSupervisor:
         path giving up, the reason naming the key: a decision (restart or status 75), never an
         exception out of the launcher (found by issue 46: a raw ``restartable/stopped`` ended
         the launcher with a traceback and status 1)."""
-        if self.store is None:
-            return job_keys.JOB_NOT_STARTED, None
         try:
             state = job_keys.job_state(self.store)
             if state != job_keys.JOB_STOPPED:
@@ -217,20 +234,20 @@ class NodeSupervisor:
     def _end_of_round(self, state: str) -> RoundEnd | None:
         """No child of this node is left: how the round ended, or None to keep waiting (the
         job goes on on other nodes)."""
-        codes = self._codes()
         verdict = next((rc for _, rc in self.exits if rc in VERDICT_STATUSES), None)
         if self.interrupted:
-            return RoundEnd("interrupted", "the launcher was signalled", codes)
+            return self._end("interrupted", "the launcher was signalled")
         if verdict is not None:
-            return RoundEnd("verdict", f"a rank exited with status {verdict}", codes, verdict)
+            return self._end("verdict", f"a rank exited with status {verdict}", verdict)
         if state == job_keys.JOB_DONE:
-            return RoundEnd("done", "the job finished", codes)
+            return self._end("done", "the job finished")
         if state == job_keys.JOB_NOT_STARTED:
-            return RoundEnd("plain", "every rank exited", codes)
+            return self._end("plain", "every rank exited")
         return None
 
-    def _codes(self) -> tuple[int, ...]:
-        return tuple(rc for _, rc in self.exits)
+    def _end(self, kind: str, reason: str, status: int = 0) -> RoundEnd:
+        codes = tuple(rc for _, rc in self.exits)
+        return RoundEnd(kind, reason, codes, status, at=self.clock.wall())
 
     # ----- children --------------------------------------------------------------------------
 
@@ -245,20 +262,26 @@ class NodeSupervisor:
             target=_pump, args=(proc.stdout, prefix.encode(), self.out, self.lock), daemon=True
         )
         pump.start()
-        self.children[identity] = _Child(local, generation, identity, proc, time.monotonic(), pump)
+        self.children[identity] = _Child(
+            local, generation, identity, proc, self.clock.monotonic(), pump
+        )
         if generation:
             # The start of a respawn's last stage (the report's "join": until it is a reserve).
             replaces = respawn_identity(slot_rank, generation - 1, world_size=cfg.world_size)
             journal.record(
-                "respawn_started", slot_rank=slot_rank, identity=identity, replaces=replaces,
-                generation=generation, proc_pid=proc.pid,
-            )  # fmt: skip
+                "respawn_started",
+                slot_rank=slot_rank,
+                identity=identity,
+                replaces=replaces,
+                generation=generation,
+                proc_pid=proc.pid,
+            )
 
     def _start_process(
         self, local: int, generation: int
     ) -> subprocess.Popen[bytes] | PooledProcess:
         """Fork the process from the warm pool when it may (see ``pool``), else start it cold."""
-        env = dict(self.env_of(local, generation))
+        env = dict(self.link.env_of(local, generation))
         if self.pool is not None and (generation or self.warm_initial):
             warm = self.pool.spawn(self.cfg.script, env=env)
             if warm is not None:
@@ -282,7 +305,7 @@ class NodeSupervisor:
             if rc is None or any(i == identity for i, _ in self.exits):
                 continue
             self.exits.append((identity, rc))
-            lived = time.monotonic() - c.started
+            lived = self.clock.monotonic() - c.started
             if rc == 0 or self.interrupted:
                 continue
             state = self._look()[0]
@@ -300,62 +323,21 @@ class NodeSupervisor:
                 continue
             if rc in VERDICT_STATUSES or state in (job_keys.JOB_DONE, job_keys.JOB_STOPPED):
                 continue
-            self._schedule(c, rc, lived, at_startup=not joined)
-
-    def _schedule(self, c: _Child, rc: int, lived: float, *, at_startup: bool) -> None:
-        slot = self.slots[c.slot]
-        cfg = self.cfg
-        how = _describe_exit(rc)
-        rank = cfg.node_rank * cfg.nproc_per_node + c.slot
-        slot.short_deaths = slot.short_deaths + 1 if at_startup else 0
-        if slot.respawns >= cfg.max_respawns:
-            slot.retired = how
-            log.warning(
-                "respawn: slot of rank %d retired: its process (identity %d) %s after %.1f s and "
-                "the slot was respawned %d time(s) already (--max-respawns %d); the job goes on "
-                "without it%s",
-                rank,
-                c.identity,
-                how,
-                lived,
-                slot.respawns,
-                cfg.max_respawns,
-                "" if cfg.max_respawns else " (respawn is off: --max-respawns 0)",
+            cfg = self.cfg
+            rank = cfg.node_rank * cfg.nproc_per_node + c.slot
+            death = Death(rank, c.identity, c.proc.pid, rc, lived, at_startup=not joined)
+            schedule_respawn(
+                self.slots[c.slot],
+                death,
+                max_respawns=cfg.max_respawns,
+                backoff=cfg.respawn_backoff,
+                world_size=cfg.world_size,
+                store=self.store,
+                clock=self.clock,
             )
-            journal.record(
-                "slot_retired", slot_rank=rank, identity=c.identity, how=how,
-                proc_pid=c.proc.pid, lived_s=lived,
-            )  # fmt: skip
-            return
-        # Announced before it starts: a restart decision short of ranks meanwhile waits for
-        # it instead of shrinking or stopping the job (inprocess.protocol.capacity).
-        identity = respawn_identity(rank, slot.respawns + 1, world_size=cfg.world_size)
-        try:
-            job_keys.announce_respawn(self.store, identity)
-        except Exception as exc:  # node 0 (the store) is gone: poll_action() says so
-            log.debug("store unreachable while announcing identity %d: %r", identity, exc)
-        delay = 0.0
-        if slot.short_deaths:  # it never got going: wait, longer each time in a row
-            delay = min(_MAX_BACKOFF_S, cfg.respawn_backoff * 2 ** (slot.short_deaths - 1))
-        slot.due = time.monotonic() + delay
-        log.warning(
-            "respawn: rank %d (identity %d) %s after %.1f s; a new process for its slot starts "
-            "%s (respawn %d/%d of this slot)",
-            rank,
-            c.identity,
-            how,
-            lived,
-            "now" if delay == 0 else f"in {delay:.1f} s (backoff: it died at start-up)",
-            slot.respawns + 1,
-            cfg.max_respawns,
-        )
-        journal.record(
-            "respawn", slot_rank=rank, identity=c.identity, how=how, delay_s=delay,
-            proc_pid=c.proc.pid, lived_s=lived,
-        )  # fmt: skip
 
     def _respawn_due(self, state: str) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for local, slot in self.slots.items():
             if slot.due is None or slot.due > now:
                 continue
@@ -364,15 +346,6 @@ class NodeSupervisor:
                 continue  # the job ended meanwhile: nobody to join
             slot.respawns += 1
             self._spawn(local, slot.respawns)
-
-
-def _describe_exit(rc: int) -> str:
-    if rc < 0:
-        try:
-            return f"was killed by {signal.Signals(-rc).name}"
-        except ValueError:
-            return f"was killed by signal {-rc}"
-    return f"exited with status {rc}"
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:

@@ -46,7 +46,7 @@ class LaunchEnv:
     # This launch's id (``launch_id()``): the journal groups records by it, and the store a
     # rank 0 starts is stamped with it, so that a rank never joins an earlier job's store.
     launch: str | None = None
-    # Every rank runs under ``python -m inprocess.launch.task`` (INPROCESS_TASK=1, which it sets).
+    # Every rank runs under ``python -m inprocess.srun_task`` (INPROCESS_TASK=1, which it sets).
     under_task: bool = False
 
     @property
@@ -108,7 +108,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 ENV_LAUNCH = "RESTARTABLE_LAUNCH_ID"  # set by a launcher (or a batch script): one id per attempt
 ENV_ATTEMPT = "RESTARTABLE_ATTEMPT"  # set by inprocess.launch: the job's attempt, 0 first
-ENV_TASK = "INPROCESS_TASK"  # "1": the rank runs under inprocess.launch.task (which sets it)
+ENV_TASK = "INPROCESS_TASK"  # "1": the rank runs under inprocess.srun_task (which sets it)
 
 
 def job_attempt(env: Mapping[str, str] | None = None) -> int | None:

@@ -11,7 +11,7 @@ import nothing more. A reserve that takes a dead rank's place would pay all of i
 fault and its first step, with every other rank waiting.
 
 Importing them starts no thread and keeps no file or socket open (checked for the warm pool's
-fork server, which imports them too: ``inprocess.launch.forkserver``). Both import them on a
+fork server, which imports them too: ``inprocess.forkserver``). Both import them on a
 thread of the lowest CPU priority, so that on a node with fewer free cores than ranks the import
 takes only what the training ranks leave (about 2 s of one core once, measured here).
 """

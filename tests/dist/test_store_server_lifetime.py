@@ -111,7 +111,7 @@ def test_under_inprocess_task_the_server_waits_for_the_dead_ranks_task(port: int
         store.append(GONE_KEY, "1,")
         # The dead rank's task has not read the job's outcome yet: the store must stay.
         assert not _gone(server, 2.5)
-        mark_left(store, 1)  # what inprocess.launch.task does once it knows the outcome
+        mark_left(store, 1)  # what inprocess.srun_task does once it knows the outcome
         assert _gone(server, _EXIT_S)
     finally:
         server.kill()

@@ -75,7 +75,7 @@ class Job:
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> int:
         """Signal the training process of initial ``rank`` (not its srun task); its pid."""
         for pid, argv in self.processes():
-            if "train.py" in argv and "inprocess.launch.task" not in argv and "bash" not in argv:
+            if "train.py" in argv and "inprocess.srun_task" not in argv and "bash" not in argv:
                 env = _environ(pid)
                 if env.get("RANK") == str(rank) and "INPROCESS_LAUNCHER_PID" not in env:
                     os.kill(pid, sig)

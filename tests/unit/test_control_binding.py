@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from checkpoint import sealing
 from checkpoint.sealing import ForgedValueError, Sealer, parse_count
-from inprocess.launch.rounds import Action, JobControl, NodeLostError
+from inprocess.launch.actions import Action
+from inprocess.launch.node_lost import NodeLostError
+from inprocess.launch.rounds import JobControl
 from inprocess.protocol import iteration_end, job_keys, keys
 from inprocess.protocol.sealed_store import SealedStore
 

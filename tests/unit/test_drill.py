@@ -14,7 +14,8 @@ import torch.distributed as dist
 from inprocess.config import RestartConfig
 from inprocess.errors import ConfigError
 from inprocess.faults import drill
-from inprocess.launch.cli import parse_args, rank_env
+from inprocess.launch.cli import parse_args
+from inprocess.launch.rank_env import rank_env
 from inprocess.protocol.environment import LaunchEnv, read_env
 
 

@@ -482,7 +482,7 @@ def _control(cluster: EtcdCluster, job_id: str, node: int, **kw: Any) -> Any:
 
 @needs_etcd
 def test_a_second_srun_step_never_deletes_the_first_steps_keys(cluster: EtcdCluster) -> None:
-    from inprocess.launch.rounds import TOKEN_KEY
+    from inprocess.launch.launch_id import TOKEN_KEY
     from inprocess.protocol.environment import slurm_job_step
 
     job = f"4711{uuid.uuid4().hex[:6]}"
@@ -506,7 +506,7 @@ def test_the_last_launcher_out_never_judges_a_live_node_by_its_skewed_clock(
     # Issue 33: node 1's wall clock is 3 s behind node 0's; node 0 compared node 1's beat (its
     # wall time) with its own clock, found it "stale" and deleted the job's keys under it.
     from inprocess.clock import Clock
-    from inprocess.launch.rounds import TOKEN_KEY
+    from inprocess.launch.launch_id import TOKEN_KEY
 
     job = f"skew-{uuid.uuid4().hex[:8]}"
     node0 = _control(cluster, job, 0, node_timeout=4.0, beat_stale=1.0)

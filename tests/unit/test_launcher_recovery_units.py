@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from inprocess.errors import RestartAbortedError
 from inprocess.launch import autoresume
-from inprocess.launch.cli import parse_args, rank_env
-from inprocess.launch.rounds import restart_or_end
+from inprocess.launch.actions import restart_or_end
+from inprocess.launch.cli import parse_args
+from inprocess.launch.rank_env import rank_env
 from inprocess.protocol import job_keys, keys
 from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment

@@ -19,7 +19,8 @@ from checkpoint.exchange import StoreExchange
 from checkpoint.sealing import ForgedValueError, Sealer, job_secret
 from inprocess.clock import Clock
 from inprocess.errors import FaultRecord
-from inprocess.launch.rounds import JobControl, NodeLostError
+from inprocess.launch.node_lost import NodeLostError
+from inprocess.launch.rounds import JobControl
 from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.protocol.sealed_store import SealedStore
 

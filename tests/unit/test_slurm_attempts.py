@@ -1,6 +1,6 @@
 """Issue 32, single process: one launch id per Slurm job attempt, the attempt decided once per job
 (never from a flag file another node's launcher of the same attempt wrote), and the exit status
-``inprocess.launch.task`` gives an srun task whose rank was killed."""
+``inprocess.srun_task`` gives an srun task whose rank was killed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from inprocess.launch import autoresume
-from inprocess.launch.task import parse_args, task_status
 from inprocess.protocol import environment
+from inprocess.srun_task.task import parse_args, task_status
 
 
 def test_under_slurm_the_attempt_is_slurms_even_when_a_flag_exists(tmp_path: Path) -> None:

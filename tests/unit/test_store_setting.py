@@ -9,6 +9,8 @@ from inprocess import RestartConfig, restartable
 from inprocess.errors import ConfigError
 from inprocess.etcd.url import parse_url
 from inprocess.launch.cli import parse_args
+from inprocess.launch.control_etcd import EtcdRounds
+from inprocess.launch.control_tcp import TcpRounds
 from inprocess.launch.rounds import JobControl
 from inprocess.protocol.environment import read_env, store_setting
 
@@ -121,17 +123,20 @@ def test_two_srun_steps_of_one_allocation_get_two_namespaces() -> None:
 
 def test_each_round_of_the_launcher_gets_its_own_namespace() -> None:
     control = JobControl.__new__(JobControl)  # the env helper needs no store
-    control.store_url, control.job_id = URL, "j1"
+    control._backend = EtcdRounds(url=URL, job_id="j1", node_rank=0, port=None, node_timeout=5.0)
     control._sealer = None  # no key: this test is about the namespaces
     assert control.round_store_env(0) == {
         "INPROCESS_STORE": "etcd://10.0.0.1:2379,10.0.0.2:2379,[::1]:2380",
         "INPROCESS_JOB_ID": "j1",
     }
     assert control.round_store_env(2)["INPROCESS_JOB_ID"] == "j1/round2"
-    control.store_url = URL + "/in-url"  # the URL's path names the job: rounds nest under it
+    # The URL's path names the job: rounds nest under it.
+    control._backend = EtcdRounds(
+        url=URL + "/in-url", job_id="j1", node_rank=0, port=None, node_timeout=5.0
+    )
     assert control.round_store_env(1)["INPROCESS_JOB_ID"] == "in-url/round1"
     assert parse_url(control.round_store_env(1)["INPROCESS_STORE"]).prefix is None
-    control.store_url = None
+    control._backend = TcpRounds(node_rank=0, addr="127.0.0.1", port=None, node_timeout=5.0)
     assert control.round_store_env(1) == {}
     # With the job's key, each round's ranks get a key of their own, never the job's.
     control._sealer = Sealer(bytes(range(32)))

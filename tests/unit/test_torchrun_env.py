@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inprocess.launch.cli import parse_args, rank_env, torchrun_defaults
+from inprocess.launch.cli import parse_args
+from inprocess.launch.rank_env import rank_env, torchrun_defaults
 from inprocess.restart.torchrun_env import export, iteration_env
 
 

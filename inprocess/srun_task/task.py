@@ -1,8 +1,8 @@
-"""``python -m inprocess.launch.task SCRIPT [ARGS]``: one srun task that runs one rank as its
+"""``python -m inprocess.srun_task SCRIPT [ARGS]``: one srun task that runs one rank as its
 child and exits with the job's outcome, not only its rank's.
 
-    srun --kill-on-bad-exit=0 python -m inprocess.launch.task train.py --steps 1000
-    srun --kill-on-bad-exit=0 python -m inprocess.launch.task -m inprocess.launch --nnodes 2 ...
+    srun --kill-on-bad-exit=0 python -m inprocess.srun_task train.py --steps 1000
+    srun --kill-on-bad-exit=0 python -m inprocess.srun_task -m inprocess.launch --nnodes 2 ...
 
 Under ``srun --kill-on-bad-exit=0`` a rank that was killed (a fault the job survived: a warm
 reserve took its place and the job finished) would otherwise make srun exit 137 and Slurm record
@@ -42,20 +42,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
 
-from inprocess.protocol.environment import ENV_TASK
+from inprocess.clock import SYSTEM, Clock
+from inprocess.protocol.environment import ENV_TASK, LaunchEnv
+from inprocess.protocol.store import Store
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from inprocess.protocol.store import Store
-
-log = logging.getLogger("inprocess.launch.task")
+log = logging.getLogger("inprocess.srun_task")
 
 _PR_SET_CHILD_SUBREAPER = 36
 _OUTCOME_POLL_S = 0.5  # how often a dead rank's task looks at the job's state
@@ -74,7 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             break
         i += 2 if argv[i] in _VALUED else 1
     p = argparse.ArgumentParser(
-        prog="python -m inprocess.launch.task",
+        prog="python -m inprocess.srun_task",
         allow_abbrev=False,
         description="Run one rank as a child; exit with the job's outcome (module docstring).",
     )
@@ -125,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     rc = child.wait()
-    status = rc if rc >= 0 else _after_kill(-rc, args)
-    _end_orphans(args.orphan_grace)
+    status = rc if rc >= 0 else _after_kill(-rc, args, SYSTEM)
+    _end_orphans(args.orphan_grace, SYSTEM)
     return status
 
 
@@ -139,15 +134,15 @@ def task_status(returncode: int, job_status: int | None) -> int:
     return job_status if job_status is not None else 128 - returncode
 
 
-def _after_kill(signum: int, args: argparse.Namespace) -> int:
+def _after_kill(signum: int, args: argparse.Namespace, clock: Clock) -> int:
     """The child was killed: wait for the job's outcome in the store; the task's status."""
     name = _signal_name(signum)
     what = "launcher" if args.module == "inprocess.launch" else "rank"
     try:
         if what == "launcher":
-            job_status = _launcher_job_status(args.args, args.outcome_timeout)
+            job_status = _launcher_job_status(args.args, args.outcome_timeout, clock)
         else:
-            job_status = 0 if _job_done(args.outcome_timeout) else None
+            job_status = 0 if _job_done(args.outcome_timeout, clock) else None
     except Exception as exc:  # no store, no job: the kill stands as this task's failure
         log.warning("%s killed by %s; the job's outcome is unknown (%s)", what, name, exc)
         job_status = None
@@ -159,13 +154,13 @@ def _after_kill(signum: int, args: argparse.Namespace) -> int:
     return status
 
 
-def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | None:
+def _launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock) -> int | None:
     """Stand in for a killed launcher in the control store until the job's end status is
     published (``JobControl.publish_end``); that status. None with etcd or one node."""
     from checkpoint.sealing import Sealer
     from inprocess.launch.cli import launch_secret
     from inprocess.launch.cli import parse_args as launch_args
-    from inprocess.launch.rounds import TOKEN_KEY, launch_sealer
+    from inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
     from inprocess.protocol.sealed_store import seal
     from inprocess.store_server import client
 
@@ -178,49 +173,54 @@ def _launcher_job_status(launch_argv: Sequence[str], timeout: float) -> int | No
     raw = client(a.master_addr, a.master_port, timeout=30.0)
     launch_id = json.loads(seal(raw, root).get(TOKEN_KEY))["id"]
     store = seal(raw, launch_sealer(root, str(launch_id)))
-    deadline = time.monotonic() + timeout
+    deadline = clock.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
+        while clock.monotonic() < deadline:
             # Fresh beats: node 0's launcher waits for this node before its store goes away.
-            store.set(f"launch/beat/{a.node_rank}", repr(time.time()))
+            store.set(f"launch/beat/{a.node_rank}", repr(clock.wall()))
             if store.check(["launch/end"]):
                 return int(store.get("launch/end"))
-            time.sleep(_OUTCOME_POLL_S)
+            clock.sleep(_OUTCOME_POLL_S)
         return None
     finally:
         with contextlib.suppress(Exception):
             store.set(f"launch/left/{a.node_rank}", "1")
 
 
-def _job_done(timeout: float) -> bool | None:
+def _job_done(timeout: float, clock: Clock) -> bool | None:
     """Connect to the job's store; block until the job is done (True) or stopped (False);
     then mark this task's rank as left. None when it never became a ``@restartable`` job."""
     from checkpoint.sealing import job_sealer
     from inprocess.protocol import job_keys
     from inprocess.protocol.environment import read_env
     from inprocess.protocol.sealed_store import seal
-    from inprocess.store_server import client, mark_left
+    from inprocess.store_server import mark_left
 
     env = read_env()
-    store: Store | dist.Store
-    if env.store_url is not None:
-        from inprocess.etcd.connect import open_store
-
-        store = open_store(env.store_url, job_id=env.job_id, timeout=30.0)
-    else:
-        store = client(env.master_addr, env.master_port, timeout=30.0)
     # Sealed like the ranks' own values (the rank made the job's secret; we share its env).
-    store = seal(store, job_sealer(create=False))
-    deadline = time.monotonic() + timeout
+    store = seal(_job_store(env), job_sealer(create=False))
+    deadline = clock.monotonic() + timeout
     state = job_keys.job_state(store)
-    while state == job_keys.JOB_RUNNING and time.monotonic() < deadline:
-        time.sleep(_OUTCOME_POLL_S)
+    while state == job_keys.JOB_RUNNING and clock.monotonic() < deadline:
+        clock.sleep(_OUTCOME_POLL_S)
         state = job_keys.job_state(store)
     with contextlib.suppress(Exception):
         mark_left(store, env.identity)
     if state == job_keys.JOB_NOT_STARTED:
         return None
     return state == job_keys.JOB_DONE
+
+
+def _job_store(env: LaunchEnv) -> Store:
+    """A client of the rank's job store, as the rank found it (etcd or the hosted TCPStore)."""
+    from inprocess.protocol.store import as_store
+    from inprocess.store_server import client
+
+    if env.store_url is not None:
+        from inprocess.etcd.connect import open_store
+
+        return open_store(env.store_url, job_id=env.job_id, timeout=30.0)
+    return as_store(client(env.master_addr, env.master_port, timeout=30.0))
 
 
 def _become_subreaper() -> None:
@@ -231,9 +231,9 @@ def _become_subreaper() -> None:
         log.warning("not a child subreaper: the rank's orphans are not watched")
 
 
-def _end_orphans(grace: float) -> None:
+def _end_orphans(grace: float, clock: Clock) -> None:
     """Reap the processes the rank left behind; kill those alive after ``grace`` seconds."""
-    deadline = time.monotonic() + grace
+    deadline = clock.monotonic() + grace
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -241,9 +241,9 @@ def _end_orphans(grace: float) -> None:
             return  # none left
         if pid:
             continue
-        if time.monotonic() >= deadline:
+        if clock.monotonic() >= deadline:
             break
-        time.sleep(0.1)
+        clock.sleep(0.1)
     for pid in _children():
         log.warning("killing pid %d, left behind by the rank (%.0f s after it)", pid, grace)
         with contextlib.suppress(ProcessLookupError):
@@ -269,7 +269,3 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

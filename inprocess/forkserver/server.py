@@ -2,7 +2,7 @@
 rank process per request, so a respawned or restarted rank skips the interpreter's start and the
 imports (``inprocess.launch.pool`` is the launcher's side; docs/launching.md#warm-pool).
 
-Run as ``python -m inprocess.launch.forkserver --socket PATH --launcher-pid PID --preload M,...``
+Run as ``python -m inprocess.forkserver --socket PATH --launcher-pid PID --preload M,...``
 by ``WarmPool.start()`` only. What may be preloaded: modules whose import starts no thread,
 creates no CUDA context and opens no socket or file it keeps (torch, numpy, the framework, the
 model's code). A fork copies only the calling thread: a thread started at import would be
@@ -36,9 +36,8 @@ import traceback
 from collections.abc import Sequence
 
 from checkpoint import sealing
+from inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
 
-READY_LINE = b"ready\n"
-MAX_REQUEST = 1 << 20  # bytes of one request (the environment dominates: tens of KB)
 _REAP_S = 0.02  # how often the server looks for ranks that ended
 
 
@@ -150,12 +149,8 @@ def _exit_code(code: object) -> int:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inprocess.launch.forkserver", allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m inprocess.forkserver", allow_abbrev=False)
     p.add_argument("--socket", required=True)
     p.add_argument("--launcher-pid", type=int, required=True)
     p.add_argument("--preload", default="")
     return p.parse_args(list(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""One round of the job on this node (``run_round``): open the round with the other launchers,
+start and supervise this node's ranks, stop them, and read what every node agreed ends the round.
+``LauncherRound`` is the supervisor's one collaborator (``supervisor.RoundLink``): what the
+launcher's flags, the control store and the journal tell a round."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+
+from inprocess.launch.actions import Action, restart_or_end
+from inprocess.launch.drill import FaultDrill
+from inprocess.launch.launcher_journal import LauncherJournal
+from inprocess.launch.pool import WarmPool
+from inprocess.launch.rank_env import rank_env
+from inprocess.launch.rounds import JobControl
+from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
+from inprocess.protocol import job_keys
+from inprocess.protocol.store import Store
+
+
+class LauncherRound:
+    """Round ``k`` as the supervisor sees the rest of the job (``RoundLink``): built by
+    ``run_round`` once ``JobControl.open_round(k)`` returned the round's ``port`` and ``store``;
+    every method is called from the supervisor's thread and may raise ``NodeLostError``."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        control: JobControl,
+        k: int,
+        *,
+        port: int,
+        store: Store,
+        jr: LauncherJournal,
+    ) -> None:
+        self._args, self._control, self._k = args, control, k
+        self._port, self._store, self._jr = port, store, jr
+
+    def env_of(self, local: int, generation: int) -> Mapping[str, str]:
+        c, k = self._control, self._k
+        store_env = c.round_store_env(k)
+        return rank_env(
+            self._args, local, self._port, generation, store_env, round_=k, launch_id=c.launch_id
+        )
+
+    def poll_action(self) -> str | None:
+        a = self._control.action(self._k)
+        return None if a is None else a.reason
+
+    def on_stopped(self, reason: str) -> None:
+        origin = job_keys.stop_origin(self._store)
+        self._control.request(
+            self._k,
+            restart_or_end(
+                self._k, max_restarts=self._args.max_restarts, reason=reason, origin=origin
+            ),
+        )
+
+    def report_live(self, n: int) -> None:
+        self._control.report_live(self._k, n)
+
+    def job_gone(self) -> bool:
+        return self._control.job_gone(self._k)
+
+    def on_tick(self) -> None:
+        self._jr.follow(self._store)
+
+
+def supervisor_config(args: argparse.Namespace) -> SupervisorConfig:
+    """What the launcher's flags say about this node's processes."""
+    return SupervisorConfig(
+        script=[args.script, *args.args],
+        node_rank=args.node_rank,
+        nproc_per_node=args.nproc_per_node,
+        world_size=args.nnodes * args.nproc_per_node,
+        master_addr=args.master_addr,
+        max_respawns=args.max_respawns,
+        respawn_backoff=args.respawn_backoff,
+        monitor_interval=args.monitor_interval,
+        stop_grace=args.stop_grace,
+    )
+
+
+def run_round(
+    args: argparse.Namespace,
+    control: JobControl,
+    k: int,
+    current: list[NodeSupervisor],
+    jr: LauncherJournal,
+    pool: WarmPool | None = None,
+) -> tuple[RoundEnd, Action | None]:
+    """One round on this node: start the ranks, supervise them, stop them; the round's end and
+    the action (restart or end) every node agreed on, if any. Blocks for the whole round;
+    ``current`` holds the round's supervisor meanwhile (the launcher's signal handler forwards
+    to it). Raises ``NodeLostError`` when another launcher or the control store is gone."""
+    port, store = control.open_round(k)
+    sup = NodeSupervisor(
+        cfg=supervisor_config(args),
+        store=store,
+        link=LauncherRound(args, control, k, port=port, store=store, jr=jr),
+        out=sys.stdout.buffer,
+        pool=pool,
+        warm_initial=k > 0,  # an in-job restart forks every rank from the pool
+    )
+    current[:] = [sup]
+    drill = None
+    if k == 0 and args.simulated_fault_type is not None:
+        drill = FaultDrill(
+            sup,
+            kind=args.simulated_fault_type,
+            rank=args.simulated_fault_rank,
+            base_delay=args.simulated_fault_base_delay,
+        )
+    try:
+        end = sup.run()
+        action = control.action(k) if end.kind == "action" else None
+        if action is not None and action.kind == "restart":
+            # The launcher already logs why; every second the old ranks take to leave on their
+            # own is downtime, so they get SIGTERM at once (then --stop-grace, then SIGKILL).
+            sup.stop_children(patience=0.0)
+    finally:
+        sup.close()  # ends what still runs (an action from another node, or a failure here)
+        if drill is not None:
+            drill.close()
+    return end, action
