@@ -12,12 +12,15 @@ Protocol, one AF_UNIX SOCK_SEQPACKET connection per rank: the launcher sends one
 ``{"argv": [...], "env": {...}, "cwd": ...}`` with the write end of the rank's output pipe
 attached (SCM_RIGHTS); the server answers ``pid <n>`` once forked, then ``exit <status>`` when
 the rank ended (negative: killed by that signal, as ``subprocess``), and closes the connection.
-Once ready, the server also imports what a rank's first DDP / FSDP2 imports
+Before it says ready, the server also imports what a rank's first DDP / FSDP2 imports
 (``inprocess.restart.warmup``, about 2 s of one core), on a thread of the lowest CPU priority so
-that it takes only what the first round's ranks leave; the first request waits for that thread
-to end, so every fork happens while the server is single-threaded (a fork from it is safe). The
-server dies with the launcher (PR_SET_PDEATHSIG); each rank binds itself to the server the same
-way (INPROCESS_LAUNCHER_PID).
+that it takes only what the first round's ranks leave (the thread's priority, not the process's:
+the ranks it forks must not inherit it). Ready therefore means that every fork happens while the
+server is single-threaded (a fork from it is safe) and is answered at once: until then the
+launcher starts ranks cold. (Saying ready before the imports ended made the first request wait
+for them: on a loaded machine longer than the launcher's answer timeout, which turned the warm
+pool off for the rest of the job.) The server dies with the launcher (PR_SET_PDEATHSIG); each
+rank binds itself to the server the same way (INPROCESS_LAUNCHER_PID).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ _REAP_S = 0.02  # how often the server looks for ranks that ended
 
 
 def main(argv: Sequence[str]) -> int:
-    """Preload, listen, say ready on stdout, then serve until the launcher is gone."""
+    """Preload, listen, import what a first DDP imports, say ready on stdout, then serve until
+    the launcher is gone."""
     args = _parse(argv)
     from inprocess.protocol.environment import bind_to_launcher
 
@@ -57,14 +61,14 @@ def main(argv: Sequence[str]) -> int:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(args.socket)
     listener.listen(64)
-    os.write(1, READY_LINE)
     imports = FirstUseImports()
     imports.start()
+    imports.wait()  # fork only single-threaded: the child would miss the thread
+    os.write(1, READY_LINE)
     ranks: dict[int, socket.socket] = {}
     while os.getppid() == args.launcher_pid:
         readable, _, _ = select.select([listener], [], [], _REAP_S)
         if readable:
-            imports.wait()  # fork only single-threaded: the child would miss the thread
             _serve_one(listener, ranks)
         _reap(ranks)
     return 0

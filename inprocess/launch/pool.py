@@ -122,7 +122,8 @@ class WarmPool:
         )
 
     def ready(self) -> bool:
-        """True once the server listens (never blocks)."""
+        """True once the server listens and has imported what a rank's first DDP imports
+        (``inprocess.forkserver``; never blocks: until then the caller starts ranks cold)."""
         proc = self._proc
         if self._broken is not None or proc is None or proc.stdout is None:
             return False

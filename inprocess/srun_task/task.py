@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the rank; return the task's exit status (module docstring)."""
     args = parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[inprocess.launch.task %(process)d] %(message)s"))
+    handler.setFormatter(logging.Formatter("[inprocess.srun_task %(process)d] %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
