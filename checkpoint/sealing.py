@@ -157,7 +157,7 @@ def take_from_environ() -> None:
     """Move ``RESTARTABLE_SECRET`` out of ``os.environ`` into this module (idempotent): a
     process the user's script starts (``subprocess``, ``os.system``) does not inherit it.
 
-    Called when this module is imported and by the rank's entry (``inprocess.launch.entry``,
+    Called when this module is imported and by the rank's entry (``inprocess.rank_entry``,
     the warm pool's fork) before the user's script runs; ``job_secret`` reads it from here.
     A child of ours that needs it gets it explicitly (``child_env``)."""
     global _taken

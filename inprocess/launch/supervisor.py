@@ -291,7 +291,7 @@ class NodeSupervisor:
                 return warm
         return subprocess.Popen(
             # The entry takes the job's secret out of the environment before the script runs.
-            [sys.executable, "-m", "inprocess.launch.entry", *self.cfg.script],
+            [sys.executable, "-m", "inprocess.rank_entry", *self.cfg.script],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from inprocess.protocol import keys
+from inprocess.protocol import fault_records, iteration_end, keys
 from inprocess.restart.interrupter import Interrupter
 from inprocess.restart.monitor import Monitor, MonitorLimits
 from inprocess.restart.progress import ProgressTracker
@@ -104,10 +104,10 @@ def test_a_heartbeat_loss_is_judged_from_the_last_beat_and_ends_the_rank(
         reserve=False,
     )
     assert rank.signals == [signal.SIGCONT, signal.SIGTERM]  # no SIGKILL: it ended in time
-    (record,) = keys.read_faults(store, ITERATION)
+    (record,) = fault_records.read_faults(store, ITERATION)
     assert (record.kind, record.initial_rank, record.time) == ("hard_timeout", RANK, fake.now)
     assert fake.now == last_beat + HARD_TIMEOUT
-    assert keys.outcome(store, ITERATION) == keys.OUTCOME_FAULT  # every rank restarts
+    assert iteration_end.outcome(store, ITERATION) == keys.OUTCOME_FAULT  # every rank restarts
     assert keys.gone_ranks(store) == {RANK}  # no barrier waits for it any more
 
 
@@ -124,9 +124,9 @@ def test_a_hard_timeout_kills_a_rank_that_ignores_sigterm_after_the_grace(
     assert verdict.detail.endswith(f"ended by SIGKILL after {GRACE} s grace")
     assert rank.signals == [signal.SIGCONT, signal.SIGTERM, signal.SIGKILL]
     assert fake.now == start + HARD_TIMEOUT + GRACE  # the grace was waited on the clock
-    (record,) = keys.read_faults(store, 4)
+    (record,) = fault_records.read_faults(store, 4)
     assert (record.kind, record.initial_rank) == ("hard_timeout", RANK)
-    assert keys.read_faults(store, ITERATION) == []
+    assert fault_records.read_faults(store, ITERATION) == []
 
 
 def test_a_lost_heartbeat_pipe_is_a_death_reported_at_once(
@@ -139,14 +139,14 @@ def test_a_lost_heartbeat_pipe_is_a_death_reported_at_once(
     assert isinstance(verdict, Verdict) and verdict.kind == "dead"
     assert verdict.detail == f"rank process {NO_SUCH_PID} disappeared"
     assert fake.now == start and rank.signals == []  # no timeout waited, nothing signalled
-    (record,) = keys.read_faults(store, ITERATION)
+    (record,) = fault_records.read_faults(store, ITERATION)
     assert (record.kind, record.initial_rank) == ("dead", RANK)
 
 
 def test_a_close_written_before_the_death_wins(fake: FakeClock, store: FakeStore) -> None:
     watch = watch_of(fake, store, FakeRankProcess(fake, dies_on=None))
     assert watch.step(b"3\nclose\n", eof=True, gone=True) == "close"
-    assert keys.read_faults(store, ITERATION) == []
+    assert fault_records.read_faults(store, ITERATION) == []
 
 
 def test_a_soft_timeout_is_recorded_for_the_stalled_rank_and_fires_the_restart(
@@ -171,11 +171,11 @@ def test_a_soft_timeout_is_recorded_for_the_stalled_rank_and_fires_the_restart(
     try:
         fake.advance(60.5)  # the main thread ran no bytecode the monitor saw for 60.5 s
         monitor._watch_progress()  # the progress thread's body: returns once it recorded
-        (record,) = keys.read_faults(store, ITERATION)
+        (record,) = fault_records.read_faults(store, ITERATION)
         assert (record.kind, record.initial_rank, record.step) == ("soft_timeout", 1, 17)
         assert record.detail == "no progress for 60.5 s (soft_timeout 60.0)"
         assert record.time == fake.now
-        assert keys.outcome(store, ITERATION) == keys.OUTCOME_FAULT
+        assert iteration_end.outcome(store, ITERATION) == keys.OUTCOME_FAULT
         monitor._watch_store()  # the store thread's body: sees the fault and fires
         assert aborted == [fake.now] and monitor.fired_at == fake.now
     finally:
