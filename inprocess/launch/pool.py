@@ -136,6 +136,11 @@ class WarmPool:
                 self._break("the server did not say ready")
         return self._ready
 
+    def warming(self) -> bool:
+        """True while the server is started and alive but not ready yet (it imports): a fork
+        asked for now is worth waiting for, briefly (never blocks)."""
+        return self._proc is not None and not self.ready() and self._broken is None
+
     def spawn(
         self, argv: Sequence[str], *, env: Mapping[str, str], cwd: str | None = None
     ) -> PooledProcess | None:

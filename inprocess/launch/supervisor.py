@@ -31,6 +31,10 @@ from inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
+# How long a due respawn waits for a warm pool that is still importing before it starts cold;
+# well inside respawn_wait_timeout (default 10 s), which a restart short of ranks waits for it.
+POOL_WARMING_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class SupervisorConfig:
@@ -338,8 +342,14 @@ class NodeSupervisor:
 
     def _respawn_due(self, state: str) -> None:
         now = self.clock.monotonic()
+        # A pool still importing (inprocess.forkserver: ready once a first DDP's imports are
+        # done) is worth a short wait: a cold start pays the interpreter, torch and those
+        # imports again, at full priority beside the training ranks.
+        warming = self.pool is not None and self.pool.warming()
         for local, slot in self.slots.items():
             if slot.due is None or slot.due > now:
+                continue
+            if warming and now < slot.due + POOL_WARMING_WAIT_S:
                 continue
             slot.due = None
             if state != job_keys.JOB_RUNNING or self.interrupted:
