@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
 
 from inprocess.clock import SYSTEM, Clock
 from inprocess.protocol import keys
@@ -63,7 +62,7 @@ class TierBoard:
     def __init__(
         self,
         store: Store,
-        open_client: Callable[[], Any],
+        open_client: Callable[[], Store],
         *,
         iteration: int,
         me: int,

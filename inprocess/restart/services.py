@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from inprocess.clock import Clock
 from inprocess.config import RestartConfig
@@ -38,7 +37,7 @@ class RankServices:
     local_rank: int
     store: Store
     report_store: Store
-    new_client: Callable[[], Any]
+    new_client: Callable[[], Store]
     progress: ProgressTracker
     interrupter: Interrupter
     abort: Callable[[], None]

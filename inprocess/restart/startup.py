@@ -84,7 +84,7 @@ def freeze_gc(cfg: RestartConfig, me: int, *, clock: Clock = SYSTEM) -> None:
 
 def connect_store(
     cfg: RestartConfig, env: LaunchEnv, url: str | None, sealer: Sealer | None
-) -> tuple[Any, Callable[[], Any]]:
+) -> tuple[Store, Callable[[], Store]]:
     """This rank's main store client and a factory of further clients, all sealed with the
     job's secret (docs/security.md). Blocks on the connect (bounded by ``barrier_timeout``)."""
     new_raw: Callable[[], Any]
@@ -97,7 +97,7 @@ def connect_store(
         )
         store = seal(connect(env, timeout=cfg.barrier_timeout), sealer)
 
-    def new_client() -> Any:
+    def new_client() -> Store:
         return seal(new_raw(), sealer)
 
     return store, new_client
@@ -114,7 +114,7 @@ def rank_services(
     *,
     me: int,
     store: Store,
-    new_client: Callable[[], Any],
+    new_client: Callable[[], Store],
     reaper: GroupReaper,
     url: str | None,
     clock: Clock = SYSTEM,
