@@ -137,7 +137,7 @@ def _imports(name: str, f: Path, tree: ast.Module, known: dict[str, Path]) -> se
                 up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*up, base] if base else up)
             for a in node.names:
-                m = closest(f"{base}.{a.name}") if f"{base}.{a.name}" in known else closest(base)
+                m = closest(f"{base}.{a.name}")  # a submodule, else the module it names from
                 if m:
                     out.add(m)
     out.discard(name)
