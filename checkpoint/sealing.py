@@ -26,10 +26,11 @@ servers): stdlib only, no torch import, so the light processes import it too. It
 contract: ``Sealer`` and ``ForgedValueError`` (seal, open); the secret's hand-over
 (``job_secret``, ``job_sealer``, ``new_secret``, ``take_from_environ``, ``handed``,
 ``child_env``, ``forget_shared_secret`` and the ``*_ENV`` variable names); ``parse_count`` (a
-counter read back, which cannot be sealed); ``private_dir`` (the secret file's 0700 directory,
-which the watchdog's kill notice uses too). ``inprocess`` seals store values through
-``inprocess.protocol.sealed_store``; ``checkpoint.exchange`` seals its own values (it talks to
-the default process group's store directly).
+counter read back, which cannot be sealed). The secret file's directory is checked by
+``checkpoint.private_files.private_dir``, the one rule for every private directory.
+``inprocess`` seals store values through ``inprocess.protocol.sealed_store``;
+``checkpoint.exchange`` seals its own values (it talks to the default process group's store
+directly).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from checkpoint.private_files import private_dir
+
 __all__ = [
     "SECRETS_DIR_ENV",
     "SECRET_ENV",
@@ -57,7 +60,6 @@ __all__ = [
     "job_secret",
     "new_secret",
     "parse_count",
-    "private_dir",
     "take_from_environ",
 ]
 
@@ -260,26 +262,8 @@ def _secrets_dir(env: Mapping[str, str]) -> Path:
     return Path(base) / "restartable" / "secrets"
 
 
-def private_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) with mode 0700; refuse one that another user owns or that
-    others may write. Returns ``path``."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid():
-        raise PermissionError(
-            f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()}): another user "
-            "created it; choose a directory of your own"
-        )
-    if st.st_mode & 0o022:
-        raise PermissionError(
-            f"{path} has mode {stat.S_IMODE(st.st_mode):o}: others may write it; "
-            f"chmod go-w {path}, or choose a directory of your own"
-        )
-    return path
-
-
 def _shared_secret(path: Path, *, create: bool) -> bytes:
-    private_dir(path.parent)
+    private_dir(path.parent, what="the job's secrets directory")
     if create and not path.exists():
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

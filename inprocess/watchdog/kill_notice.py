@@ -22,13 +22,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from checkpoint.sealing import private_dir
+from checkpoint.private_files import private_dir
 
 
 def _path(pid: int) -> Path:
     """The notice of ``pid``; raises OSError when the private directory is not ours."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return private_dir(Path(base) / f"restartable-{os.getuid()}") / f"hard-timeout-{pid}"
+    notices = private_dir(Path(base) / f"restartable-{os.getuid()}", what="kill notice directory")
+    return notices / f"hard-timeout-{pid}"
 
 
 def post(pid: int) -> None:
