@@ -124,3 +124,27 @@ def test_close_leaves_no_process_behind(tmp_path: Path) -> None:
     p.close()
     p.close()  # idempotent
     assert not _alive(server) and not _alive(child.pid)
+
+
+def test_warming_is_true_only_while_the_server_imports() -> None:
+    """The launcher waits for a warming pool before a respawn (POOL_WARMING_WAIT_S) and starts
+    cold otherwise: warming() must be False before start, True while the server imports, False
+    once it is ready, and False for good once it died."""
+    p = WarmPool(env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, preload=["torch"])
+    try:
+        assert not p.warming(), "a pool not started is not warming"
+        p.start()
+        # Importing torch (and what a first DDP imports) takes seconds: the first poll after
+        # start finds the server alive and not ready yet.
+        assert p.warming() and not p.ready()
+        assert wait_ready(p, 60), f"the fork server did not come up: {p.broken}"
+        assert not p.warming()
+        assert p.pid is not None
+        os.kill(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while p.broken is None and time.monotonic() < deadline:
+            p.ready()  # notices the exit
+            time.sleep(0.01)
+        assert p.broken is not None and not p.warming()
+    finally:
+        p.close()
