@@ -264,8 +264,10 @@ def run_job(
     env: Mapping[str, str] | None = None,
     signal_when: tuple[str | tuple[str, ...], int] | None = None,
     cwd: Path | None = None,
+    umask: int = -1,
 ) -> JobOutput:
-    """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from ``cwd`` (the repo root).
+    """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from ``cwd`` (the repo root),
+    under ``umask`` when given (-1: this process's).
 
     ``signal_when=(text, signum)`` sends ``signum`` to the job's main process once ``text``
     (or every text of a tuple) appears in its output (for preemption tests). Raises
@@ -291,6 +293,7 @@ def run_job(
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            umask=umask,
         )
         end = time.monotonic() + deadline
         signalled = signal_when is None

@@ -14,28 +14,19 @@ import os
 import pickle
 import shutil
 import socket
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
-from tests.multiproc import REPO_ROOT, free_port, slow
+from tests.multiproc import JobOutput, free_port, run_job, slow
 from tests.payload import Payload
 from tests.stranger import as_stranger, stranger_dir
 
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
 
 
-def _launch(job: Path, journal: Path) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "RESTARTABLE_JOURNAL_DIR": str(journal),
-    }
-    return subprocess.run(
+def _launch(job: Path, journal: Path) -> JobOutput:
+    return run_job(
         [
-            sys.executable,
             "-m",
             "inprocess.launch",
             "--nproc-per-node",
@@ -49,11 +40,8 @@ def _launch(job: Path, journal: Path) -> subprocess.CompletedProcess[str]:
             "tests/dist/workers_private.py",
             str(job),
         ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=_DEADLINE_S,
+        deadline=_DEADLINE_S,
+        env={"RESTARTABLE_JOURNAL_DIR": str(journal)},
     )
 
 
@@ -80,12 +68,12 @@ def test_a_crafted_metadata_runs_no_code_in_the_next_launch(tmp_path: Path) -> N
     job = tmp_path / "job"
     job.mkdir(mode=0o700)
     first = _launch(job, tmp_path / "journal")
-    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.returncode == 0, first.output
     marker = tmp_path / "pwned"
     newest = _craft_newest(job / "persistent", marker)
     shutil.rmtree(job / "local")  # the nodes were replaced: only the persistent tier is left
     second = _launch(job, tmp_path / "journal")
-    output = second.stdout + second.stderr
+    output = second.output
     assert second.returncode == 0, output
     assert not marker.exists(), output  # no code ran from the crafted file
     assert f"{newest / '.metadata'}: not a DCP metadata file of plain data" in output, output
@@ -104,7 +92,7 @@ def test_a_journal_dir_of_another_user_stops_the_launch_with_one_line(tmp_path: 
         job = tmp_path / "job"
         job.mkdir(mode=0o700)
         run = _launch(job, theirs)
-        output = run.stdout + run.stderr
+        output = run.output
         assert run.returncode == 1, output
         assert "Traceback" not in output, output
         (line,) = [ln for ln in output.splitlines() if "RESTARTABLE_JOURNAL_DIR" in ln]

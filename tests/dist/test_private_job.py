@@ -7,13 +7,10 @@ show as 0644; every file under its directories must be 0600 and every directory 
 
 from __future__ import annotations
 
-import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.multiproc import REPO_ROOT, free_port
+from tests.multiproc import free_port, run_job
 
 _DEADLINE_S = 240.0  # generous: a loaded 2-core machine takes a minute to start 2 ranks
 
@@ -28,15 +25,8 @@ def _modes(root: Path) -> dict[str, int]:
 def test_every_file_a_job_writes_is_0600(tmp_path: Path) -> None:
     job = tmp_path / "job"
     job.mkdir(mode=0o700)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "RESTARTABLE_JOURNAL_DIR": str(job / "journal"),
-    }
-    proc = subprocess.run(
+    job_run = run_job(
         [
-            sys.executable,
             "-m",
             "inprocess.launch",
             "--nproc-per-node",
@@ -50,15 +40,12 @@ def test_every_file_a_job_writes_is_0600(tmp_path: Path) -> None:
             "tests/dist/workers_private.py",
             str(job),
         ],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=_DEADLINE_S,
+        deadline=_DEADLINE_S,
+        env={"RESTARTABLE_JOURNAL_DIR": str(job / "journal")},
         umask=0o022,
     )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output
+    output = job_run.output
+    assert job_run.returncode == 0, output
     modes = _modes(job)
     kinds = {name.split("/")[0] for name in modes}
     # what the job wrote: both tiers, the journal, the watchdogs' logs, the fault's record
