@@ -44,7 +44,7 @@ import rundir
 import story
 
 # torch-free: --help answers without importing torch
-from inprocess import RestartRecord, faults
+from inprocess import RestartAbortedError, RestartRecord, faults
 from inprocess.journal import read as read_journal
 from inprocess.report.cli import format_report, plot, reports
 
@@ -144,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(args)
+    except RestartAbortedError as e:
+        if args.debug or e.origin != "application":
+            raise
+        # A bug every rank hits each time: one line for the job, EX_SOFTWARE (never requeued).
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train.py: application fault: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 70
     except (UsageError, ConfigError, CheckpointConfigError, CheckpointStorageError) as e:
         # Bad input, whichever layer found it: one line, no traceback (--debug shows it).
         if args.debug:
