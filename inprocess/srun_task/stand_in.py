@@ -5,7 +5,8 @@ Evidence, cheapest first, each look every ``_POLL_S``:
 
 1. the end record next to the ``--autoresume-file`` flag (``inprocess.launch.outcome``: shared
    storage, stdlib only, read before torch is imported): whichever launcher ended first wrote it;
-2. the launchers' control store (TCPStore on node 0, without ``--store``): the stand-in beats
+2. the launchers' control store (TCPStore on node 0, without ``--store``; never for node 0's
+   own launcher, whose store died with it): the stand-in beats
    and leaves in the dead launcher's name there and reads ``launch/end``. Each connection try is
    short (``_CONNECT_S``), never two 30 s timeouts on a store that is gone.
 
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Sequence
 
 from inprocess.clock import Clock
@@ -48,7 +50,9 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
             recorded = outcome.read()
             if recorded is not None:
                 return recorded[0]
-            if a.store is None:
+            # Node 0's launcher hosted the control store: it died with it, only the record can
+            # say (never a connection try on a store known to be gone).
+            if a.store is None and a.node_rank != 0:
                 try:
                     store = store or _connect(a, outcome)
                     # A fresh beat: node 0's launcher waits for this node before leaving.
@@ -60,7 +64,7 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
                     store, lost_since = None, lost_since or clock.monotonic()
                     log.debug("node 0's control store: %r", exc)
             else:
-                lost_since = lost_since or clock.monotonic()  # etcd: the record only
+                lost_since = lost_since or clock.monotonic()  # the record only
             if lost_since is not None and clock.monotonic() - lost_since > a.node_timeout:
                 log.warning(
                     "no end record and node 0's control store unreachable for --node-timeout "
@@ -79,6 +83,9 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
 def _connect(a: argparse.Namespace, outcome: JobOutcome) -> Store:
     """A client of node 0's control store, sealed with the launch's key (the launchers' secret,
     found as they find it, and the launch id: this job attempt's, else node 0's token)."""
+    # Before torch's import (it reads it once): a refused connection is this module's to tell,
+    # not a C++ stack dump on the job's console. This process starts nothing after it.
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     from checkpoint.sealing import Sealer
     from inprocess.launch.cli import launch_secret
     from inprocess.launch.launch_id import TOKEN_KEY, launch_sealer

@@ -12,6 +12,7 @@ import pytest
 from inprocess.clock import SYSTEM
 from inprocess.launch.outcome import JobOutcome
 from inprocess.srun_task.stand_in import launcher_job_status
+from tests.fake_clock import FakeClock
 from tests.multiproc import free_ports
 
 
@@ -39,10 +40,10 @@ def test_without_a_flag_file_nothing_is_recorded(tmp_path: Path) -> None:
     assert JobOutcome(None, "slurm-7-0").read() is None
 
 
-def _argv(flag: Path, port: int, node_timeout: float = 20.0) -> list[str]:
+def _argv(flag: Path, port: int, node_timeout: float = 20.0, node: int = 1) -> list[str]:
     where = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     return [
-        *("--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", *where),
+        *("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", *where),
         *("--node-timeout", str(node_timeout), "--autoresume-file", str(flag), "train.py"),
     ]
 
@@ -71,3 +72,19 @@ def test_stand_in_gives_up_within_node_timeout_without_evidence(
     assert launcher_job_status(_argv(tmp_path / "f.json", port, 2.0), 3600.0, SYSTEM) is None
     # --node-timeout 2 (+ torch's import and a 3 s try or two), not 2 x 30 s nor 3600 s
     assert time.monotonic() - t0 < 30.0
+
+
+def test_node_0_stand_in_waits_for_the_record_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Node 0's launcher hosted the control store: its stand-in tried to connect to it (2 x 30 s
+    # before; then 3 s tries with a C++ stack dump each), when only node 1's record can answer.
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    fake = FakeClock()
+    flag, port = tmp_path / "autoresume.json", free_ports(1)[0]
+    t0 = time.monotonic()
+    assert launcher_job_status(_argv(flag, port, 20.0, node=0), 3600.0, fake.clock()) is None
+    assert 20.0 < fake.now - 1000.0 < 21.0 and time.monotonic() - t0 < 5.0  # no connection try
+    JobOutcome(str(flag), "slurm-7-0").record(75, "the control store is gone")
+    assert launcher_job_status(_argv(flag, port, 20.0, node=0), 3600.0, fake.clock()) == 75
