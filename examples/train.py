@@ -44,8 +44,9 @@ import rundir
 import story
 
 # torch-free: --help answers without importing torch
-from inprocess import RestartRecord, faults
+from inprocess import RestartAbortedError, RestartRecord, faults
 from inprocess.journal import read as read_journal
+from inprocess.report import job_view
 from inprocess.report.cli import format_report, plot, reports
 
 log = logging.getLogger("train")
@@ -144,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(args)
+    except RestartAbortedError as e:
+        if args.debug or e.origin != "application":
+            raise
+        # A bug every rank hits each time: one line for the job, EX_SOFTWARE (never requeued).
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train.py: application fault: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 70
     except (UsageError, ConfigError, CheckpointConfigError, CheckpointStorageError) as e:
         # Bad input, whichever layer found it: one line, no traceback (--debug shows it).
         if args.debug:
@@ -388,8 +396,17 @@ def _write_report(
     """Print this launch's downtime report and write it to RUN_DIR/report.json (rank 0)."""
     rep = reports(journal_dir)[-1]  # the journal directory is this launch's alone
     print(format_report(rep), flush=True)
+    attempts = reports(run_dir / "journal")  # this run's launches: a requeue resumes the run
+    if result["preempted"]:  # report.json is the finished run's: the next attempt writes it
+        k, loss = len(attempts) - 1, result["loss"]
+        print(f"preempted at step {result['step']} (attempt {k}), loss {loss:.4f}", flush=True)
+        return
     print(f"final step {result['step']} (steps completed), final loss {result['loss']:.4f}")
     out = {**rep.as_dict(), "final_step": result["step"], "final_loss": result["loss"]}
+    if len(attempts) > 1:  # the job over its attempts: requeue gaps and redo added up
+        view = job_view.build(attempts)
+        print(job_view.format_view(view), flush=True)
+        out["job"] = view.as_dict()
     (run_dir / "report.json").write_text(json.dumps(out, indent=2))
     print(f"report written to {run_dir / 'report.json'}", flush=True)
     if png is not None:

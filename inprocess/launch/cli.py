@@ -52,6 +52,7 @@ from inprocess.launch.flags import parse_args as parse_args  # where tests and t
 from inprocess.launch.launcher_journal import LauncherJournal
 from inprocess.launch.launcher_round import run_round
 from inprocess.launch.node_lost import NodeLostError
+from inprocess.launch.outcome import JobOutcome
 from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from inprocess.launch.rank_env import torchrun_defaults
 from inprocess.launch.rounds import JobControl
@@ -171,6 +172,8 @@ def _rounds(
     """The job's rounds on this node until it ends; the launcher's exit status."""
     current: list[NodeSupervisor] = []
     signals_seen = 0
+    # The job's end, recorded once for every node (shared storage, next to the flag).
+    outcome = JobOutcome(args.autoresume_file if args.nnodes > 1 else None, control.launch_id)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         nonlocal signals_seen
@@ -198,12 +201,12 @@ def _rounds(
                 if signals_seen:  # a SIGINT / SIGTERM between two rounds: start nothing more
                     return _finish(args, autoresume.EXIT_REQUEUE, "signalled during a restart")
                 continue
-            status, reason = _status(end, action)
+            status, reason = outcome.record(*_status(end, action))
             control.publish_end(status)
             control.leave()  # with etcd, the last launcher out deletes the job's keys
             return _finish(args, status, reason)
-    except NodeLostError as exc:
-        return _finish(args, autoresume.EXIT_REQUEUE, str(exc))
+    except NodeLostError as exc:  # unless another node recorded the job's end first
+        return _finish(args, *outcome.record(autoresume.EXIT_REQUEUE, str(exc)))
     finally:
         for s, h in old.items():
             signal.signal(s, h)

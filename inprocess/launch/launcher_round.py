@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from inprocess.launch.actions import Action, restart_or_end
 from inprocess.launch.drill import FaultDrill
 from inprocess.launch.launcher_journal import LauncherJournal
+from inprocess.launch.node_lost import NodeLostError
 from inprocess.launch.pool import WarmPool
 from inprocess.launch.rank_env import rank_env
 from inprocess.launch.rounds import JobControl
-from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig
+from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig, kill_children
 from inprocess.protocol import job_keys
 from inprocess.protocol.store import Store
 
@@ -120,6 +121,9 @@ def run_round(
             # The launcher already logs why; every second the old ranks take to leave on their
             # own is downtime, so they get SIGTERM at once (then --stop-grace, then SIGKILL).
             sup.stop_children(patience=0.0)
+    except NodeLostError:
+        kill_children(sup)  # the control store (node 0) or a node is gone: 75, quietly
+        raise
     finally:
         sup.close()  # ends what still runs (an action from another node, or a failure here)
         if drill is not None:

@@ -358,6 +358,18 @@ class NodeSupervisor:
             self._spawn(local, slot.respawns)
 
 
+def kill_children(sup: NodeSupervisor) -> None:
+    """SIGKILL every live child of ``sup`` at once and reap it: the job's store is gone, so
+    nothing a rank could still do (a save, its last words) can succeed; left to notice it
+    themselves, they would only print tracebacks of the lost connection."""
+    for c in sup.children.values():
+        if c.proc.poll() is None:
+            c.proc.kill()
+            c.proc.wait()
+    for c in sup.children.values():
+        c.pump.join(5.0)
+
+
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
     for line in iter(stream.readline, b""):
         with lock:

@@ -16,12 +16,14 @@ after its rank was killed, to read the job's outcome):
   server waits for it: ``store_server --wait-for-tasks``), and exits 0 when the job finished,
   otherwise 128 + the signal (like a shell).
 
-With ``-m inprocess.launch`` the child is a node's launcher (one task per node, several nodes,
-the launchers' TCPStore): when it is killed (its ranks die with it), the task stands in for it
-in the launchers' control store (it beats and leaves in its name, so node 0's launcher waits
-for it) until a surviving launcher published the job's end status, and exits with that status
-(0: the job finished on the other nodes; 75: requeue). Node 0's launcher hosts that store: when
-it is the one killed, the outcome is unknown (128 + the signal); the others end with 75.
+With ``-m inprocess.launch`` the child is a node's launcher (one task per node, several nodes):
+when it is killed (its ranks die with it), the task stands in for it (``stand_in``) until a
+surviving launcher recorded the job's end status (the end record next to the
+``--autoresume-file`` flag, else ``launch/end`` in node 0's control store, where it beats and
+leaves in the dead launcher's name), and exits with that status (0: the job finished on the
+other nodes; 75: requeue). When node 0's launcher is the one killed, its store is gone: the
+others end with 75 and record it, and node 0's task exits 75 too (unknown, 128 + the signal,
+only when no record comes within ``--node-timeout``).
 
 It is a child subreaper (Linux): the processes its rank started and left behind (the store
 server of rank 0, a dead rank's watchdog) become its children, so every proctrack plugin keeps
@@ -36,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -49,6 +50,7 @@ from types import FrameType
 from inprocess.clock import SYSTEM, Clock
 from inprocess.protocol.environment import ENV_TASK, LaunchEnv
 from inprocess.protocol.store import Store
+from inprocess.srun_task.stand_in import launcher_job_status
 
 log = logging.getLogger("inprocess.srun_task")
 
@@ -140,7 +142,7 @@ def _after_kill(signum: int, args: argparse.Namespace, clock: Clock) -> int:
     what = "launcher" if args.module == "inprocess.launch" else "rank"
     try:
         if what == "launcher":
-            job_status = _launcher_job_status(args.args, args.outcome_timeout, clock)
+            job_status = launcher_job_status(args.args, args.outcome_timeout, clock)
         else:
             job_status = 0 if _job_done(args.outcome_timeout, clock) else None
     except Exception as exc:  # no store, no job: the kill stands as this task's failure
@@ -152,39 +154,6 @@ def _after_kill(signum: int, args: argparse.Namespace, clock: Clock) -> int:
     else:
         log.warning("%s killed by %s and the job did not finish: exit %d", what, name, status)
     return status
-
-
-def _launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock) -> int | None:
-    """Stand in for a killed launcher in the control store until the job's end status is
-    published (``JobControl.publish_end``); that status. None with etcd or one node."""
-    from checkpoint.sealing import Sealer
-    from inprocess.launch.cli import launch_secret
-    from inprocess.launch.cli import parse_args as launch_args
-    from inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
-    from inprocess.protocol.sealed_store import seal
-    from inprocess.store_server import client
-
-    a = launch_args(list(launch_argv))
-    if a.store is not None or a.nnodes == 1:
-        return None
-    # The control store's values are sealed with the launch's key, derived from the launchers'
-    # secret (found as they find it) and the launch id node 0 published under it.
-    root = Sealer(launch_secret(a))
-    raw = client(a.master_addr, a.master_port, timeout=30.0)
-    launch_id = json.loads(seal(raw, root).get(TOKEN_KEY))["id"]
-    store = seal(raw, launch_sealer(root, str(launch_id)))
-    deadline = clock.monotonic() + timeout
-    try:
-        while clock.monotonic() < deadline:
-            # Fresh beats: node 0's launcher waits for this node before its store goes away.
-            store.set(f"launch/beat/{a.node_rank}", repr(clock.wall()))
-            if store.check(["launch/end"]):
-                return int(store.get("launch/end"))
-            clock.sleep(_OUTCOME_POLL_S)
-        return None
-    finally:
-        with contextlib.suppress(Exception):
-            store.set(f"launch/left/{a.node_rank}", "1")
 
 
 def _job_done(timeout: float, clock: Clock) -> bool | None:

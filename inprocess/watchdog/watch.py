@@ -139,6 +139,13 @@ def report_to(store: Store | None, verdict: Verdict, *, clock: Clock = SYSTEM) -
                 time=clock.wall(),
             ),
         )
+    except (OSError, RuntimeError) as exc:  # the store is gone (its host lost): one line
+        log.error(
+            "could not report %s of rank %d to the store: %s",
+            verdict.kind,
+            verdict.initial_rank,
+            exc,
+        )
     except Exception:
         log.exception(
             "could not report %s of rank %d to the store", verdict.kind, verdict.initial_rank

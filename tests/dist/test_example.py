@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -251,7 +252,10 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path: Path
         signal_when=("step    30", signal.SIGTERM),
     )
     assert first.returncode == PREEMPTED_EXIT_CODE, first.output
-    stopped = _report(run_dir)["final_step"]
+    # A preempted attempt is not a finished run: it says where it stopped, writes no report.json
+    m = re.search(r"preempted at step (\d+) \(attempt 0\)", first.output)
+    assert m is not None and not (run_dir / "report.json").exists(), first.output
+    stopped = int(m[1])
     assert 30 <= stopped < PREEMPT_STEPS
 
     second = _launch(run_dir, nproc=2, faults="none", steps=PREEMPT_STEPS)
@@ -262,6 +266,7 @@ def test_sigterm_checkpoints_exits_75_and_the_next_launch_resumes(tmp_path: Path
     resumed = [r for r in restores if r["step"] == stopped]
     assert len(resumed) == 2 and all(r["tier"] == "persistent" for r in resumed), restores
     assert _report(run_dir)["final_step"] == PREEMPT_STEPS
+    assert len(_report(run_dir)["job"]["attempts"]) == 2, second.output  # the job view adds up
 
 
 def test_a_fault_on_a_rank_that_does_not_train_is_refused(tmp_path: Path) -> None:
