@@ -45,7 +45,8 @@ def atexit_count() -> int:
 
     Needed because an unmodified script re-run in place registers its ``atexit`` handlers again
     each iteration (``inprocess.script_mode.leftovers`` warns once); ``atexit`` has no public
-    way to count them. If CPython removes it, that warning is lost (nothing else).
+    way to count them (an unregistered handler may still be counted: CPython clears its slot).
+    If CPython removes it, that warning is lost (nothing else).
     """
     import atexit
 

@@ -4,7 +4,8 @@ A restart re-runs the script in the same process: the threads and processes it s
 files it left open and the ``atexit`` handlers it registered outlive its run (docs/script_mode.md
 says what is kept). ``Leftovers`` looks around each run (main thread): what a run started that
 is still alive when the next run begins (its frames are gone by then, so a ``DataLoader``'s
-workers that end with it are not counted), and handlers registered by a run after the first (the first run's imports register their own).
+workers that end with it are not counted), and handlers registered by a run after the first
+(the first run's imports register their own).
 """
 
 from __future__ import annotations

@@ -4,15 +4,19 @@ The restart loop creates each iteration's default group itself (a fresh store na
 timeout the monitor can act on, torn down at a fault: ``inprocess.restart.process_group``).
 While the script runs, ``torch.distributed.init_process_group`` (both names a script imports
 it by) checks that the call agrees with that group and returns: the script's ``env://``
-rendezvous, which would reuse the keys of the previous iteration, never runs.
-``destroy_process_group`` is torch's own: a script that destroys the group at its end frees it
-as under torchrun (the loop then finds nothing left to tear down).
+rendezvous, which would reuse the keys of the previous iteration, never runs. The script's
+``destroy_process_group()`` of the default group is left to the loop, which tears the group down
+when the run ends and frees it off the main thread (``inprocess.restart.abort.GroupReaper``):
+freed by the script, the group's last reference went with the script's DDP, whose destructor
+then waited for gloo with the GIL held (seen: the hard timeout killed a rank that had finished).
+Any other call (a subgroup, another thread: the monitor's abort) is torch's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -74,10 +78,29 @@ def iteration_group_answers(warn: Callable[[str, str], None]) -> Iterator[None]:
         check_call(backend=backend, rank=rank, world_size=world_size, warn=warn)
         log.debug("the script's init_process_group got the iteration's group")
 
-    saved = (dist.init_process_group, c10d.init_process_group)
-    dist.init_process_group = init_process_group
-    c10d.init_process_group = init_process_group
+    real_destroy = dist.destroy_process_group
+    main = threading.get_ident()
+
+    def destroy_process_group(group: object = None) -> None:
+        if group is None and threading.get_ident() == main:
+            log.debug("the script's destroy_process_group() is left to the restart loop")
+            return
+        real_destroy(group)  # type: ignore[arg-type]
+
+    saved = (
+        dist.init_process_group,
+        c10d.init_process_group,
+        dist.destroy_process_group,
+        c10d.destroy_process_group,
+    )
+    dist.init_process_group = c10d.init_process_group = init_process_group
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
     try:
         yield
     finally:
-        dist.init_process_group, c10d.init_process_group = saved
+        (
+            dist.init_process_group,
+            c10d.init_process_group,
+            dist.destroy_process_group,
+            c10d.destroy_process_group,
+        ) = saved

@@ -64,4 +64,3 @@ def test_atexit_count_counts_registered_handlers() -> None:
         assert _cpython_private.atexit_count() == before + 1
     finally:
         atexit.unregister(handler)
-    assert _cpython_private.atexit_count() == before
