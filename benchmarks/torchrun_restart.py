@@ -71,12 +71,15 @@ def _fault_to_first_step(text: str) -> float:
     return min(float(t) for t in re.findall(r"STEP \d+ 1 ([0-9.]+)", text)) - fault
 
 
-def _run(cmd: list[str], env: dict[str, str]) -> float:
+def _run(cmd: list[str], env: dict[str, str]) -> float | str:
+    """Seconds from the fault to the first step after the restart, or why the run failed (a
+    failed restart is a result: torchrun's new processes can fail to connect, seen here)."""
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     text = out.stdout + out.stderr
     if out.returncode != 0 or "FAULT" not in text:
-        raise RuntimeError(f"{cmd} failed ({out.returncode}):\n{text}")
-    return _fault_to_first_step(text)
+        errors = [line for line in text.splitlines() if "Error" in line and "Traceback" not in line]
+        return f"exit {out.returncode}: {(errors or ['no error line'])[-1].strip()[:200]}"
+    return round(_fault_to_first_step(text), 3)
 
 
 def _commands(script: Path, work: Path, a: argparse.Namespace) -> dict[str, list[str]]:
@@ -100,6 +103,7 @@ def compare(a: argparse.Namespace) -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "INPROCESS_RESTART_CONFIG": json.dumps(config)}
     env.pop("OMP_NUM_THREADS", None)  # each launcher's own default
     took: dict[str, list[float]] = {"torchrun": [], "ours": []}
+    failed: dict[str, list[str]] = {"torchrun": [], "ours": []}
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "train.py"
         script.write_text(SCRIPT)
@@ -107,13 +111,20 @@ def compare(a: argparse.Namespace) -> dict[str, object]:
             for name in ("torchrun", "ours"):
                 work = Path(d) / f"{name}{i}"
                 work.mkdir()
-                took[name].append(round(_run(_commands(script, work, a)[name], env), 3))
-    med = {k: statistics.median(v) for k, v in took.items()}
+                got = _run(_commands(script, work, a)[name], env)
+                if isinstance(got, float):
+                    took[name].append(got)
+                else:
+                    failed[name].append(got)
+    med = {k: statistics.median(v) for k, v in took.items() if v}
     return {
         "fault": a.fault,
         "fault_to_first_step_s": took,
+        "failed_runs": failed,
         "median_s": {k: round(v, 3) for k, v in med.items()},
-        "ratio_ours_over_torchrun": round(med["ours"] / med["torchrun"], 3),
+        "ratio_ours_over_torchrun": round(med["ours"] / med["torchrun"], 3)
+        if len(med) == 2
+        else None,
     }
 
 

@@ -33,7 +33,9 @@ def _fault_args(form: str, kind: str, rank: int) -> list[str]:
     return [f"--fault={kind}", "--fault_iter=6", f"--fault_rank={rank}"]
 
 
-def _run(tmp_path: Path, form: str, kind: str, *, nproc: int, fault_rank: int) -> str:
+def _run(
+    tmp_path: Path, form: str, kind: str, *, nproc: int, fault_rank: int, respawns: int = 0
+) -> str:
     """Run the form's script with one fault from ``tmp_path`` (its files land there)."""
     argv, _ = FORMS[form]
     config = {**FAST, "active_world_size": 2}
@@ -43,6 +45,8 @@ def _run(tmp_path: Path, form: str, kind: str, *, nproc: int, fault_rank: int) -
             "inprocess.launch",
             "--nproc-per-node",
             str(nproc),
+            "--max-respawns",
+            str(respawns),
             str(SCRIPTS / argv[0]),
             *argv[1:],
             *_fault_args(form, kind, fault_rank),
@@ -119,3 +123,14 @@ def test_other_forms_and_faults(
     _assert_restarted_in_place(output, form, survivors)
     if kind == "kill":
         assert [(r, c) for _, r, c in _starts(output)["2"]] == [("0", "1")], output
+
+
+@slow("a SIGKILL and a respawn (~25 s); the reserve's takeover above covers the same re-run")
+def test_a_respawned_rank_runs_the_script_from_the_top_as_the_lost_rank(tmp_path: Path) -> None:
+    # No reserve: the launcher respawns the slot (from the warm pool), the new process joins
+    # and runs the module-level script as RANK 1, resuming from ckpt.pt.
+    output = _run(tmp_path, "module", "kill", nproc=2, fault_rank=1, respawns=1)
+    _assert_restarted_in_place(output, "module", ("0",))
+    assert re.search(r"^\[rank 1\.1\] start pid \d+ RANK 1 restart 1$", output, re.M), output
+    assert "[rank 1.1] Resuming training from out" in output, output
+    assert "[rank 1.1] done RANK 1" in output, output
