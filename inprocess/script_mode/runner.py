@@ -2,8 +2,9 @@
 
 Each iteration of the restart loop runs the script from the top, as ``python script.py`` would
 (``runpy``: a new ``__main__`` module, so its globals are fresh; every module it imports stays
-imported), with the iteration's torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, ... written
-by the loop; ``TORCHELASTIC_RESTART_COUNT`` here) and the iteration's group answering its own
+imported; ``sys.argv`` and the current directory as at launch), with the iteration's torchrun
+environment (RANK, WORLD_SIZE, LOCAL_RANK, ... written by the loop;
+``TORCHELASTIC_RESTART_COUNT`` here) and the iteration's group answering its own
 ``init_process_group`` (``inprocess.script_mode.own_group``). The script resumes through its
 own logic (its snapshot file). A reserve that takes a lost rank's place runs it from the top as
 that rank.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import runpy
+import sys
 from collections.abc import Mapping
 
 from inprocess.context import context
@@ -45,6 +47,8 @@ class ScriptRun:
 
     def __init__(self, path: str, environ: Mapping[str, str]) -> None:
         self.path = path
+        # What torchrun's new process would start with again: its arguments and directory.
+        self.argv, self.cwd = list(sys.argv), os.getcwd()
         # The launcher's count (its in-job restart round): in-process restarts add to it.
         self.base_count = int(environ.get(RESTART_COUNT, "0") or 0)
         self.warn = WarnOnce()
@@ -59,6 +63,8 @@ class ScriptRun:
         iteration = context().iteration
         torchrun_env.export({RESTART_COUNT: str(self.base_count + iteration)})
         self.leftovers.before_run()
+        sys.argv = list(self.argv)
+        os.chdir(self.cwd)
         try:
             with iteration_group_answers(self.warn):
                 runpy.run_path(self.path, run_name="__main__")
