@@ -34,8 +34,10 @@ def test_only_scripts_that_do_not_drive_the_loop_are_wrapped(
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(source)
-    assert restart_in_place(str(script), {}) is wrapped
-    assert restart_in_place(str(script), {"INPROCESS_RESTART_IN_PLACE": "0"}) is False
+    launched = {"INPROCESS_LAUNCH_ROUND": "0"}
+    assert restart_in_place(str(script), launched) is wrapped
+    assert restart_in_place(str(script), {**launched, "INPROCESS_RESTART_IN_PLACE": "0"}) is False
+    assert restart_in_place(str(script), {}) is False  # not started by inprocess.launch
 
 
 def test_config_comes_from_the_environment_and_errors_name_the_variable() -> None:
