@@ -38,3 +38,16 @@ def lru_cache_type() -> type:
     restart of a tensor-parallel job waits for the group timeout instead of milliseconds.
     """
     return functools._lru_cache_wrapper
+
+
+def atexit_count() -> int:
+    """How many ``atexit`` handlers are registered now (``atexit._ncallbacks``).
+
+    Needed because an unmodified script re-run in place registers its ``atexit`` handlers again
+    each iteration (``inprocess.script_mode.leftovers`` warns once); ``atexit`` has no public
+    way to count them (an unregistered handler may still be counted: CPython clears its slot).
+    If CPython removes it, that warning is lost (nothing else).
+    """
+    import atexit
+
+    return int(atexit._ncallbacks())

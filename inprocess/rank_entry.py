@@ -11,11 +11,11 @@ directory first on ``sys.path``.
 from __future__ import annotations
 
 import os
-import runpy
 import sys
 from collections.abc import Sequence
 
 from checkpoint import sealing
+from inprocess.script_mode.entry import run_script
 
 
 def main(argv: Sequence[str]) -> None:
@@ -25,7 +25,7 @@ def main(argv: Sequence[str]) -> None:
     sealing.take_from_environ()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py`
-    runpy.run_path(argv[0], run_name="__main__")
+    run_script(argv[0])
 
 
 if __name__ == "__main__":

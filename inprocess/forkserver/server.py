@@ -30,7 +30,6 @@ import contextlib
 import importlib
 import json
 import os
-import runpy
 import select
 import signal
 import socket
@@ -40,6 +39,7 @@ from collections.abc import Sequence
 
 from checkpoint import sealing
 from inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
+from inprocess.script_mode.entry import run_script
 
 _REAP_S = 0.02  # how often the server looks for ranks that ended
 
@@ -134,7 +134,7 @@ def _run_rank(request: dict[str, object], out_fd: int) -> int:
         os.chdir(str(request["cwd"]))
         sys.argv = argv
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py`
-        runpy.run_path(argv[0], run_name="__main__")
+        run_script(argv[0])
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)

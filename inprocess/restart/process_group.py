@@ -18,7 +18,8 @@ OWN_GROUP_FIX = (
     "@restartable creates each iteration's default process group itself (on the ranks that "
     "train, in a fresh store namespace): delete the init_process_group call (and "
     "destroy_process_group) from the script, or pass init_process_group=False and create "
-    "groups yourself over ctx.store"
+    "groups yourself over ctx.store; or keep them and drop @restartable: inprocess.launch "
+    "restarts an unmodified torchrun script in place (docs/script_mode.md)"
 )
 
 

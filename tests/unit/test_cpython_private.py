@@ -50,3 +50,17 @@ def test_lru_cache_type_is_the_type_of_every_functools_cache() -> None:
     cache_type = _cpython_private.lru_cache_type()
     assert isinstance(bounded, cache_type) and isinstance(unbounded, cache_type)
     assert not isinstance(len, cache_type)
+
+
+def test_atexit_count_counts_registered_handlers() -> None:
+    import atexit
+
+    def handler() -> None:
+        pass
+
+    before = _cpython_private.atexit_count()
+    atexit.register(handler)
+    try:
+        assert _cpython_private.atexit_count() == before + 1
+    finally:
+        atexit.unregister(handler)
