@@ -156,7 +156,7 @@ def _after_kill(signum: int, args: argparse.Namespace, clock: Clock) -> int:
 
 def _launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock) -> int | None:
     """Stand in for a killed launcher in the control store until the job's end status is
-    published (``JobControl.publish_end``); that status. None with etcd or one node."""
+    published (``JobControl.publish_end``); that status. None with one node."""
     from checkpoint.sealing import Sealer
     from inprocess.launch.cli import launch_secret
     from inprocess.launch.cli import parse_args as launch_args
@@ -165,8 +165,12 @@ def _launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Cloc
     from inprocess.store_server import client
 
     a = launch_args(list(launch_argv))
-    if a.store is not None or a.nnodes == 1:
+    if a.nnodes == 1:
         return None
+    if a.store is not None:
+        from inprocess.srun_task.etcd_outcome import launcher_job_status
+
+        return launcher_job_status(a, timeout, clock)
     # The control store's values are sealed with the launch's key, derived from the launchers'
     # secret (found as they find it) and the launch id node 0 published under it.
     root = Sealer(launch_secret(a))
