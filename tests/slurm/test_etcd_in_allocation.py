@@ -26,7 +26,7 @@ TRAIN_ARGS = "--soft-timeout 5 --hard-timeout 10 --persistent-every 20 --log-eve
 ENV = {"ETCD": "1", "STEPS": STEPS, "NPROC_PER_NODE": "1", "TRAIN_ARGS": TRAIN_ARGS}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def slurm3(clusters: Clusters) -> Iterator[SlurmCluster]:
     """A three-node cluster (the session's two-node one is closed first: one per machine)."""
     reason = slurm_cluster.skip_reason() or etcd_skip_reason()
@@ -37,49 +37,73 @@ def slurm3(clusters: Clusters) -> Iterator[SlurmCluster]:
         yield cluster
 
 
-def _submit(cluster: SlurmCluster, out: Path, run_dir: Path) -> Job:
-    env = {**ENV, "RUN_DIR": str(run_dir)}
-    return submit(cluster, "launch.sbatch", out, env=env, sbatch=("--nodes=3",))
+def _submit(cluster: SlurmCluster, script: str, out: Path) -> Job:
+    env = {**ENV, "RUN_DIR": str(out / "run")}
+    sbatch = ("--nodes=3", "--ntasks-per-node=1")
+    return submit(cluster, script, out, env=env, sbatch=sbatch)
 
 
 def _summary(what: str, job: Job, info: dict[str, str]) -> str:
     return (
-        f"{what}: {info['JobState']} {info['ExitCode']} restarts {info['Restarts']} "
-        f"{info['wall_s']} s, final loss {final_loss(job.log())}"
+        f"{what}: {info['JobState']} {info['ExitCode']} restarts {info['Restarts']}, "
+        f"{info['wall_s']} s from submission (RunTime {info['RunTime']}), "
+        f"final loss {final_loss(job.log())}"
     )
 
 
-def _assert_clean_end(job: Job, info: dict[str, str]) -> None:
+def _assert_clean_end(job: Job, info: dict[str, str], *, restarts: str = "0") -> None:
     log = job.log()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "0"), log[
-        -6000:
-    ]
+    state = (info["JobState"], info["ExitCode"], info["Restarts"])
+    assert state == ("COMPLETED", "0:0", restarts), log[-6000:]
     assert f"final step {STEPS} (steps completed)" in log
-    assert "autoresume" not in log  # no requeue was asked for
     assert not list(Path("/tmp").glob(f"restartable-etcd-{job.id}*")), "etcd data left behind"
     job.assert_nothing_left()
 
 
-@slow("two 3-node jobs of ~1.5 min each; tests/dist/test_etcd_allocation.py covers the members")
+@pytest.fixture(scope="module")
+def reference(slurm3: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The clean run's final loss (launch.sbatch, ETCD=1, no fault)."""
+    ref = _submit(slurm3, "launch.sbatch", tmp_path_factory.mktemp("ref"))
+    info = ref.wait_end(_JOB_S)
+    _assert_clean_end(ref, info)
+    healthy = r"3 member\(s\) on n1,n2,n3, healthy after [\d.]+ s; survives the loss of 1 node"
+    assert re.search(healthy, ref.log()), ref.log()[-3000:]
+    print(_summary("clean, ETCD=1, 3 nodes", ref, info))
+    return final_loss(ref.log())
+
+
+@slow("two 3-node jobs of ~2.5 min each; tests/dist/test_etcd_allocation.py covers the members")
 @pytest.mark.timeout(2 * _JOB_S + 120)
 def test_losing_node_0s_launcher_is_an_in_place_restart_with_etcd(
-    slurm3: SlurmCluster, tmp_path: Path
+    slurm3: SlurmCluster, reference: str, tmp_path: Path
 ) -> None:
     # Before: node 0's launcher hosted the store; its loss ended the attempt with 75 and a
     # requeue. With the allocation's etcd, the other nodes restart in process and finish.
-    ref = _submit(slurm3, tmp_path / "ref", tmp_path / "ref-run")
-    ref_info = ref.wait_end(_JOB_S)
-    _assert_clean_end(ref, ref_info)
-    healthy = r"3 member\(s\) on n1,n2,n3, healthy after [\d.]+ s; survives the loss of 1 node"
-    assert re.search(healthy, ref.log()), ref.log()[-3000:]
-    print(_summary("clean, ETCD=1, 3 nodes", ref, ref_info))
-
-    job = _submit(slurm3, tmp_path / "kill", tmp_path / "kill-run")
+    job = _submit(slurm3, "launch.sbatch", tmp_path)
     job.wait_output(r"step\s+40 ", _JOB_S)
     job.kill_launcher(0)
     info = job.wait_end(_JOB_S)
     _assert_clean_end(job, info)
     log = job.log()
     assert "launcher killed by SIGKILL; the job finished without it: exit 0" in log, log[-6000:]
-    assert final_loss(log) == final_loss(ref.log())
-    print(_summary("node 0's launcher SIGKILLed at step 40, ETCD=1", job, info))
+    assert "autoresume" not in log  # no requeue was asked for
+    assert final_loss(log) == reference
+    print(_summary("launch.sbatch, node 0's launcher SIGKILLed at step 40", job, info))
+
+
+@slow("one 3-node job of ~2.5 min (plus the clean one); the launch.sbatch case covers the store")
+@pytest.mark.timeout(2 * _JOB_S + 120)
+def test_train_sbatch_loses_rank_0_in_place_with_etcd(
+    slurm3: SlurmCluster, reference: str, tmp_path: Path
+) -> None:
+    # train.sbatch: rank 0 no longer hosts the store (etcd does), so its loss is one more rank
+    # that a warm reserve replaces.
+    job = _submit(slurm3, "train.sbatch", tmp_path)
+    job.wait_output(r"step\s+40 ", _JOB_S)
+    job.kill_rank(0)
+    info = job.wait_end(_JOB_S)
+    _assert_clean_end(job, info)
+    log = job.log()
+    assert "rank killed by SIGKILL; the job finished without it: exit 0" in log, log[-6000:]
+    assert final_loss(log) == reference
+    print(_summary("train.sbatch, rank 0 SIGKILLed at step 40", job, info))
