@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -79,6 +80,11 @@ def member(args: argparse.Namespace) -> int:
 
 
 def wait(args: argparse.Namespace) -> int:
+    if not 0 < args.timeout < math.inf:
+        raise ConfigError(
+            f"--timeout ({args.timeout}) must be a finite number of seconds > 0: the batch "
+            "script passes ETCD_START_TIMEOUT (default 60)"
+        )
     cluster = _cluster(args)
     n = len(cluster.nodes)
     warning = sizing_warning(n)

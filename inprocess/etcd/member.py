@@ -22,7 +22,6 @@ import subprocess
 from pathlib import Path
 from types import FrameType
 
-from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import ConfigError
 from inprocess.etcd.allocation import INSTALL_HINT
 
@@ -36,8 +35,8 @@ class Member:
     """Runs ``argv`` (``AllocationCluster.member_argv``) on ``data_dir``; ``run()`` blocks until
     it is stopped (status 0) or ends on its own (its status, after a message)."""
 
-    def __init__(self, argv: list[str], data_dir: Path, *, clock: Clock = SYSTEM) -> None:
-        self.argv, self.data_dir, self.clock = argv, data_dir, clock
+    def __init__(self, argv: list[str], data_dir: Path) -> None:
+        self.argv, self.data_dir = argv, data_dir
         self.stopping = False
         self.terms = 0  # job-wide SIGTERMs seen while etcd ran
         self._proc: subprocess.Popen[bytes] | None = None

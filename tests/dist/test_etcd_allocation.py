@@ -116,3 +116,9 @@ def test_wait_names_each_member_that_is_not_up(tmp_path: Path) -> None:
     assert "2 members cannot lose either" in r.stderr  # fewer than three: warned at start
     assert "not healthy within 1 s: 127.0.0.21 (127.0.0.21:" in r.stderr
     assert "Connection refused" in r.stderr and "ETCD_START_TIMEOUT" in r.stderr
+
+
+def test_wait_refuses_an_unbounded_timeout() -> None:
+    r = _etcd_cli("wait", "--nodes", "127.0.0.21", "--port", "40000", "--timeout", "inf")
+    assert r.returncode == 2, r.stderr
+    assert "--timeout (inf) must be a finite number of seconds > 0" in r.stderr
