@@ -44,6 +44,8 @@ PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sbatch", "/usr/sbin/munged")
 PROCTRACK = ("cgroup", "pgid", "linuxproc")
 NODES = {"n1": "127.0.0.11", "n2": "127.0.0.12"}
+# nodes=3 (SlurmCluster, `up --nodes 3`): an etcd member per node survives the loss of one
+NODES_3 = {**NODES, "n3": "127.0.0.13"}
 CPUS_PER_NODE = 4  # declared (config_overrides): more tasks than this machine's cores, on purpose
 LOCK = Path(tempfile.gettempdir()) / "restartable-slurm.lock"
 _START_TIMEOUT_S = 60.0
@@ -141,9 +143,14 @@ class SlurmCluster:
     (``lock_timeout`` seconds to get it; ``TimeoutError`` after that).
     """
 
-    def __init__(self, *, proctrack: str = "cgroup", lock_timeout: float = 600.0) -> None:
+    def __init__(
+        self, *, proctrack: str = "cgroup", lock_timeout: float = 600.0, nodes: int = 2
+    ) -> None:
         if proctrack not in PROCTRACK:
             raise ValueError(f"proctrack ({proctrack!r}) must be one of {PROCTRACK}")
+        if nodes not in (2, 3):
+            raise ValueError(f"nodes ({nodes}) must be 2 or 3")
+        self.nodes = NODES if nodes == 2 else NODES_3
         self.proctrack = proctrack
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.closed = False
@@ -175,11 +182,11 @@ class SlurmCluster:
         for sub in ("state", "spool"):
             (d / sub).mkdir()
         self.munge_socket = munge / "munge.socket.2"
-        ctld_port, *node_ports = free_ports(1 + len(NODES))
+        ctld_port, *node_ports = free_ports(1 + len(self.nodes))
         nodes = "\n".join(
             f"NodeName={name} NodeHostname=localhost NodeAddr={addr} Port={port} "
             f"CPUs={CPUS_PER_NODE} State=UNKNOWN"
-            for (name, addr), port in zip(NODES.items(), node_ports, strict=True)
+            for (name, addr), port in zip(self.nodes.items(), node_ports, strict=True)
         )
         self.conf.write_text(
             SLURM_CONF.format(
@@ -188,11 +195,11 @@ class SlurmCluster:
                 dir=d,
                 proctrack=self.proctrack,
                 nodes=nodes,
-                node_names=",".join(NODES),
+                node_names=",".join(self.nodes),
             )
         )
         (d / "cgroup.conf").write_text(CGROUP_CONF)
-        _ensure_hosts(NODES)
+        _ensure_hosts(self.nodes)
 
     def _spawn(self, name: str, argv: list[str], *, user: str | None = None) -> None:
         with open(self.dir / f"{name}.out", "ab") as out:
@@ -223,11 +230,11 @@ class SlurmCluster:
         self._wait(lambda: self.munge_socket.exists(), "munged to open its socket")
         self._spawn("slurmctld", ["/usr/sbin/slurmctld", "-D", "-f", str(self.conf)])
         self._wait(lambda: self._quiet(["scontrol", "ping"]), "slurmctld to answer")
-        for name in NODES:
+        for name in self.nodes:
             self._spawn(
                 f"slurmd-{name}", ["/usr/sbin/slurmd", "-D", "-N", name, "-f", str(self.conf)]
             )
-        self._wait(lambda: self.idle_nodes() == len(NODES), "every node to be idle")
+        self._wait(lambda: self.idle_nodes() == len(self.nodes), "every node to be idle")
 
     def _quiet(self, argv: list[str]) -> bool:
         r = subprocess.run(argv, env=self.env, capture_output=True, timeout=30)
@@ -269,7 +276,7 @@ class SlurmCluster:
             # Reverse start order: the nodes first, munged last (they all need it to the end).
             for name in reversed(list(self.procs)):
                 _stop(self.procs[name])
-            for name in NODES:
+            for name in self.nodes:
                 with contextlib.suppress(OSError):
                     _remove_cgroup(Path("/sys/fs/cgroup/freezer") / f"slurm_{name}")
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -348,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("install", help="apt-get the packages when missing (root, Debian)")
     up = sub.add_parser("up", help="start a cluster, print SLURM_CONF, stop it on Ctrl-C")
     up.add_argument("--proctrack", choices=PROCTRACK, default="cgroup")
+    up.add_argument("--nodes", type=int, choices=(2, 3), default=2)
     args = p.parse_args(argv)
     if args.cmd == "install":
         why = install()
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         print(reason, file=sys.stderr)
         return 1
     t0 = time.monotonic()
-    with SlurmCluster(proctrack=args.proctrack) as cluster:
+    with SlurmCluster(proctrack=args.proctrack, nodes=args.nodes) as cluster:
         print(
             f"export SLURM_CONF={cluster.conf}  # up in {time.monotonic() - t0:.1f} s", flush=True
         )

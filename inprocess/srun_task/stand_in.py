@@ -5,7 +5,8 @@ Evidence, cheapest first, each look every ``_POLL_S``:
 
 1. the end record next to the ``--autoresume-file`` flag (``inprocess.launch.outcome``: shared
    storage, stdlib only, read before torch is imported): whichever launcher ended first wrote it;
-2. the launchers' control store (TCPStore on node 0, without ``--store``; never for node 0's
+2. the launchers' control store: on etcd (``--store``), ``etcd_outcome`` waits there for the
+   survivors' end status; the TCPStore on node 0 (without ``--store``; never for node 0's
    own launcher, whose store died with it): the stand-in beats
    and leaves in the dead launcher's name there and reads ``launch/end``. Each connection try is
    short (``_CONNECT_S``), never two 30 s timeouts on a store that is gone.
@@ -42,6 +43,15 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
     if a.nnodes == 1:
         return None
     outcome = JobOutcome(a.autoresume_file, environment.launch_id())
+    if a.store is not None:
+        # On etcd nothing of the job lived in the killed launcher: the survivors train on and
+        # publish the end status there.
+        recorded = outcome.read()
+        if recorded is not None:
+            return recorded[0]
+        from inprocess.srun_task.etcd_outcome import launcher_job_status as on_etcd
+
+        return on_etcd(a, timeout, clock)
     deadline = clock.monotonic() + timeout
     store: Store | None = None
     lost_since: float | None = None  # since when node 0's store could not be reached
