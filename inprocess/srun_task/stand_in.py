@@ -44,14 +44,7 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
         return None
     outcome = JobOutcome(a.autoresume_file, environment.launch_id())
     if a.store is not None:
-        # On etcd nothing of the job lived in the killed launcher: the survivors train on and
-        # publish the end status there.
-        recorded = outcome.read()
-        if recorded is not None:
-            return recorded[0]
-        from inprocess.srun_task.etcd_outcome import launcher_job_status as on_etcd
-
-        return on_etcd(a, timeout, clock)
+        return _on_etcd(a, outcome, timeout, clock)
     deadline = clock.monotonic() + timeout
     store: Store | None = None
     lost_since: float | None = None  # since when node 0's store could not be reached
@@ -88,6 +81,19 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
         if store is not None:
             with contextlib.suppress(Exception):
                 store.set(f"launch/left/{a.node_rank}", "1")
+
+
+def _on_etcd(
+    a: argparse.Namespace, outcome: JobOutcome, timeout: float, clock: Clock
+) -> int | None:
+    """On etcd nothing of the job lived in the killed launcher: the survivors train on and
+    publish the end status there (the record first, if a launcher already ended)."""
+    recorded = outcome.read()
+    if recorded is not None:
+        return recorded[0]
+    from inprocess.srun_task.etcd_outcome import launcher_job_status as on_etcd
+
+    return on_etcd(a, timeout, clock)
 
 
 def _connect(a: argparse.Namespace, outcome: JobOutcome) -> Store:
