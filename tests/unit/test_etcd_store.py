@@ -385,8 +385,7 @@ def test_wait_value_returns_the_value_a_watch_saw_or_times_out(s: EtcdStore) -> 
 def test_count_arrival_counts_each_member_once_in_one_transaction(
     s: EtcdStore, cluster: EtcdCluster
 ) -> None:
-    from inprocess.protocol import fault_records, keys
-    from inprocess.restart import agreement
+    from inprocess.protocol import fault_records, keys, restart_meeting
 
     other = EtcdStore(cluster.url, prefix=s.prefix, timeout=20.0)
     with ThreadPoolExecutor(8) as pool:  # 12 arrivals of 8 members, from two clients at once
@@ -400,7 +399,7 @@ def test_count_arrival_counts_each_member_once_in_one_transaction(
     fault_records.report_fault(s, iteration=0, initial_rank=1, kind="dead", detail="x")
     fault_records.report_fault(s, iteration=0, initial_rank=1, kind="dead", detail="again")
     assert s.count_arrival(keys.iteration_prefix(0) + "restart/n", "1") == 1
-    got = agreement.restart_barrier(
+    got = restart_meeting.restart_barrier(
         s,
         0,
         initial_rank=0,
