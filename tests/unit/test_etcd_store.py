@@ -321,7 +321,7 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     from inprocess.clock import SYSTEM
     from inprocess.protocol import keys
     from inprocess.watchdog import process
-    from inprocess.watchdog.watch import Verdict
+    from inprocess.watchdog.watch import StoreReport, Verdict
 
     args = argparse.Namespace(
         store_url=cluster.url,
@@ -332,7 +332,8 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
         reserve=False,
     )
     dead = Verdict("dead", "rank process 1 disappeared", initial_rank=3, iteration=0, reserve=False)
-    process._report(None, args, dead, SYSTEM)
+    # No first client (None): the report opens one from the arguments, as the process does.
+    StoreReport(None, connect=lambda: process._connect(args), clock=SYSTEM)(dead)
     with EtcdStore(cluster.url, prefix="wd-job", timeout=10) as job:
         assert keys.gone_ranks(job) == {3}
         job.delete_all()
