@@ -4,7 +4,7 @@ A fault is appended to its iteration's ``faults`` list (``keys``) and ends the i
 once: the same writes break its ``join`` and ``ready`` barriers and set its ``end`` to "fault"
 (``iteration_end``), so every waiter wakes with the same answer. A death (``GONE_KINDS``) also
 marks the rank gone for the whole job and counts it at the restart barrier
-(``restart_meeting.count_once``), so nobody waits for it there. Writers: the rank itself (its
+(``count_once``, here), so nobody waits for it there. Writers: the rank itself (its
 exception), its watchdog process (death, hard timeout), health checks, drills. Reader: the
 rank that takes the restart decision (``read_faults``). Nothing here blocks.
 """
