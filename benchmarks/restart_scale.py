@@ -190,7 +190,7 @@ def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
 
 
 def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list[Any]) -> str:
-    """What ``inprocess.restart.agreement.RestartAgreement._decide`` does: read inputs, decide."""
+    """What ``inprocess.protocol.restart_meeting.decide`` does: read inputs, decide."""
     from inprocess.protocol import job_keys
     from inprocess.protocol.policy import Observed, decide
 
@@ -226,9 +226,8 @@ def _phase_restart(
     me: int, store: Any, shared: tuple[Any, Any, Any], t_fault: float
 ) -> dict[str, float]:
     from inprocess.clock import SYSTEM
-    from inprocess.protocol import barriers, fault_records, iteration_end, keys
+    from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
     from inprocess.protocol.policy import Decision
-    from inprocess.restart import agreement
 
     assignment, config, node_of = shared
     if me == FAULT_RANK:  # this thread plays the killed rank's watchdog
@@ -242,7 +241,7 @@ def _phase_restart(
     outcome = iteration_end.wait_outcome(store, 0, timeout=PHASE_TIMEOUT_S, clock=SYSTEM)
     woken = time.time()
     assert outcome == keys.OUTCOME_FAULT, outcome
-    raw = agreement.restart_barrier(
+    raw = restart_meeting.restart_barrier(
         store,
         0,
         initial_rank=me,

@@ -40,7 +40,6 @@ from inprocess.errors import FaultRecord
 from inprocess.protocol import fault_records, iteration_end, restart_meeting
 from inprocess.protocol.sealed_store import SealedStore
 from inprocess.protocol.store import as_store
-from inprocess.restart import agreement
 
 
 def _median_us(fn: Any, n: int) -> float:
@@ -57,7 +56,7 @@ def _restart(store: Any, it: int) -> None:
     restart_meeting.set_participants(store, it, 1)
     fault_records.record_fault(store, rec)
     iteration_end.wait_outcome(store, it, timeout=5.0, clock=SYSTEM)
-    agreement.restart_barrier(
+    restart_meeting.restart_barrier(
         store, it, initial_rank=0, participants=[0], decide=lambda faults: '{"go": 1}', timeout=5
     )
 

@@ -9,9 +9,10 @@ rank publishes first (``StoreRounds.report``), on the training thread. Pure but 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+from inprocess.clock import Clock
 from straggler import scores
 from straggler.config import DetectorConfig
 from straggler.report import Report
@@ -43,11 +44,11 @@ def decide(
     step: int,
     streaks: Mapping[int, int],
     started: float,
-    clock: Callable[[], float],
+    clock: Clock,
 ) -> Report:
     """The report of round ``round`` at ``step`` from the numbers of the ``present`` ranks
     (``rank_numbers``' text), ``streaks`` being those of the previous report. ``elapsed`` is
-    ``clock() - started`` once decided."""
+    ``clock.monotonic() - started`` once decided."""
     numbers = {r: json.loads(v) for r, v in present.items()}
     relative, section_relative = _relative(cfg, numbers)
     individual, section_individual, job_trend = _individual(cfg, numbers)
@@ -81,7 +82,7 @@ def decide(
         stop=cfg.stop_if_detected and bool(stragglers),
         missing=missing,
         job_trend=job_trend,
-        elapsed=clock() - started,
+        elapsed=clock.monotonic() - started,
     )
 
 

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from inprocess.clock import SYSTEM, Clock
 from straggler import scores
 from straggler.config import DetectorConfig
 from straggler.decide import decide, rank_numbers
@@ -45,9 +46,10 @@ class Detector:
     (a sync: one compare-and-set; a report: one write, a wait of at most ``gather_timeout``
     for the others' numbers, one compare-and-set). Options: ``DetectorConfig``'s fields, as
     ``Detector(config)`` or as keywords. ``on_report(report)`` runs on every rank after each
-    report (e.g. to write it to the run's journal). ``clock`` (seconds, for the schedule) and
-    ``cpu_clock`` (what a CPU section measures: process CPU time; ``time.thread_time`` for the
-    calling thread's only) are for tests and special cases.
+    report (e.g. to write it to the run's journal). ``clock`` (``inprocess.clock.Clock``: its
+    ``monotonic`` times the schedule) and ``cpu_clock`` (what a CPU section measures: process
+    CPU time; ``time.thread_time`` for the calling thread's only) are for tests and special
+    cases.
     """
 
     def __init__(
@@ -61,7 +63,7 @@ class Detector:
         world_size: int | None = None,
         host: str | None = None,
         on_report: Callable[[Report], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
         cpu_clock: Callable[[], float] = time.process_time,
         **options: Any,
     ) -> None:
@@ -125,7 +127,7 @@ class Detector:
         plan = self._plan
         if plan is not None and step < plan.step:
             return None
-        now = self.clock()
+        now = self.clock.monotonic()
         if plan is None:
             self._plan = self._sync(0, first_plan(step))
             self._round_at, self._report_at = (step, now), now

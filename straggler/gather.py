@@ -15,9 +15,10 @@ every rank acts on, so all of them stop or demote at the same step.
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from inprocess.clock import SYSTEM, Clock
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -43,7 +44,7 @@ class StoreRounds:
         rank: int,
         world_size: int,
         timeout: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout, self.clock = timeout, clock
@@ -68,11 +69,11 @@ class StoreRounds:
         answer = self._key(k, "report")
         self.store.set(self._key(k, f"r{self.rank}"), mine)
         wanted = [self._key(k, f"r{r}") for r in range(self.world_size)]
-        deadline = self.clock() + self.timeout
+        deadline = self.clock.monotonic() + self.timeout
         while True:
             if self.store.check([answer]):
                 return _text(self.store.get(answer))
-            left = deadline - self.clock()
+            left = deadline - self.clock.monotonic()
             if left <= 0:
                 break
             try:

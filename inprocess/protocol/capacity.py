@@ -25,15 +25,22 @@ _journal = logging.getLogger("restartable.journal")
 _POLL_S = 0.02  # how often a waiting decider re-reads the store (a few reads per wait)
 
 
+def may_wait(decision: Decision, *, target: int, pending: frozenset[int]) -> bool:
+    """Whether ``decision`` (taken with the ranks ready now) is short of ``target`` active ranks
+    while respawns are ``pending``: only then may waiting for them change it
+    (``decide_waiting``); otherwise it stands as it is."""
+    return _size(decision) < target and bool(pending)
+
+
 def decide_waiting(
     store: Store, inputs: DecisionInputs, *, timeout: float, clock: Clock = SYSTEM
 ) -> Decision:
     """The decision of the restart barrier of ``inputs.iteration``, waiting for pending
     respawns (``inputs.decide``: the policy with the store's gone and joined ranks).
 
-    Called by the one rank that decides (``inprocess.restart.agreement.restart_barrier``'s
-    ``decide``), while every other rank waits for the published decision (bounded by
-    ``barrier_timeout``, which must exceed ``timeout``). Decides with what the store holds now;
+    Called by the one rank that decides (``restart_meeting.decide``, when ``may_wait``), while
+    every other rank waits for the published decision (bounded by ``barrier_timeout``, which
+    must exceed ``timeout``). Decides with what the store holds now;
     when that decision fills fewer than ``target`` active ranks (it shrinks the job or stops it)
     and the announced respawns not yet ready would make it fill more, re-reads the store every
     ``_POLL_S`` until they joined, died, or ``timeout`` seconds passed, and decides again with
@@ -46,7 +53,7 @@ def decide_waiting(
     while True:
         gone, ready, pending = (frozenset(s) for s in job_keys.respawn_state(store))
         decision = decide(gone, ready)
-        if _size(decision) >= target or not pending:
+        if not may_wait(decision, target=target, pending=pending):
             break
         if _size(decide(gone, ready | pending)) <= _size(decision):
             break  # the respawns on their way would not change the outcome

@@ -4,7 +4,7 @@ A fault is appended to its iteration's ``faults`` list (``keys``) and ends the i
 once: the same writes break its ``join`` and ``ready`` barriers and set its ``end`` to "fault"
 (``iteration_end``), so every waiter wakes with the same answer. A death (``GONE_KINDS``) also
 marks the rank gone for the whole job and counts it at the restart barrier
-(``restart_meeting.count_once``), so nobody waits for it there. Writers: the rank itself (its
+(``count_once``, here), so nobody waits for it there. Writers: the rank itself (its
 exception), its watchdog process (death, hard timeout), health checks, drills. Reader: the
 rank that takes the restart decision (``read_faults``). Nothing here blocks.
 """
@@ -18,12 +18,14 @@ from dataclasses import asdict
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import FaultRecord
 from inprocess.protocol.keys import GONE_KEY, OUTCOME_FAULT, key, peek
-from inprocess.protocol.restart_meeting import count_once
 from inprocess.protocol.store import Store
 
 # The run journal's channel (``inprocess.journal`` writes what reaches it), used the way
 # checkpoint/ and rerun/ use it: the protocol sits below the journal and does not import it.
 _journal = logging.getLogger("restartable.journal")
+
+# ``restart/full``'s value when a death report, not a live rank, completed the restart barrier.
+REPORT_COMPLETED = "report"
 
 # Kinds after which the rank's process is gone: it will not arrive at any barrier.
 GONE_KINDS = frozenset({"dead", "hard_timeout"})
@@ -104,3 +106,33 @@ def read_faults(store: Store, iteration: int) -> list[FaultRecord]:
         return []
     lines = raw.decode().splitlines()
     return [FaultRecord(**json.loads(line)) for line in lines if line]
+
+
+def count_once(
+    store: Store,
+    iteration: int,
+    initial_rank: int,
+    *,
+    expected: int | None = None,
+    by: str = REPORT_COMPLETED,
+) -> bool:
+    """Count ``initial_rank`` at the restart barrier of ``iteration`` (once, alive or gone);
+    True when this call completed the barrier.
+
+    A live rank counts itself when it arrives (``by``: its own rank, ``expected``: the number of
+    participants, which it knows); a rank reported gone is counted by the report (its watchdog
+    arrives on its behalf; ``expected`` is read from the store, None before
+    ``set_participants``), so the last of either completes the barrier at once. Whoever
+    completes it writes ``restart/full`` = ``by`` (first writer wins): that rank decides.
+    One ``count_arrival`` (two ``add`` calls on a TCPStore, one transaction on etcd), plus one
+    read for a report. Never blocks.
+    """
+    n = store.count_arrival(key(iteration, "restart/n"), str(initial_rank))
+    if expected is None:
+        raw = peek(store, key(iteration, "restart/expected"))
+        if raw is None:
+            return False  # no live rank has started the iteration: one of them completes it
+        expected = int(raw)
+    if n < expected:
+        return False
+    return store.compare_set(key(iteration, "restart/full"), "", by).decode() == by

@@ -21,7 +21,7 @@ from typing import Protocol
 from checkpoint.sealing import ForgedValueError, parse_count
 from inprocess.clock import SYSTEM, Clock
 from inprocess.errors import RestartAbortedError, StoreTimeoutError
-from inprocess.protocol import iteration_end, keys, restart_meeting
+from inprocess.protocol import iteration_end, keys
 from inprocess.protocol.policy import Decision
 from inprocess.protocol.ranks import Assignment
 from inprocess.protocol.store import Store
@@ -70,7 +70,7 @@ def start_iteration(
         dict(
             [
                 (ITERATION_KEY, str(iteration)),
-                restart_meeting.participants_item(iteration, participants),
+                keys.participants_item(iteration, participants),
                 keys.reserves_item(iteration, reserves),
             ]
         ),

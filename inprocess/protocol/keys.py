@@ -95,6 +95,12 @@ def describe_keys(iteration: int) -> Sequence[str]:
     return [key(iteration, k) for k in ("faults", "end", "join/go", "restart/go")]
 
 
+def participants_item(iteration: int, count: int) -> tuple[str, str]:
+    """The key and value of how many ranks (active + reserve) take part in ``iteration``
+    (``restart_meeting.set_participants``; for one ``set_many`` with others)."""
+    return key(iteration, "restart/expected"), str(count)
+
+
 def gone_ranks(store: Store) -> set[int]:
     """Initial ranks whose process is known to be gone (any iteration); never blocks."""
     return parse_ranks(peek(store, GONE_KEY))

@@ -1,14 +1,18 @@
-"""The restart barrier's steps: after a fault, every live participant meets, one of them decides,
-and every rank reads the same published decision.
+"""The restart barrier: after a fault, every live participant meets, one of them decides, and
+every rank reads the same published decision.
 
-This module holds the steps and the keys they use (``restart/*`` in ``keys``); the caller drives
-them and takes the decision (``inprocess.restart.agreement.restart_barrier``), in this order::
+``restart_barrier`` drives the steps (``RestartMeeting``, keys ``restart/*`` in ``keys``) in this
+order, on the main thread of every live participant (the restart loop's restart phase)::
 
     meeting = RestartMeeting(store, iteration, initial_rank=me, participants=ranks)
     if meeting.arrive() or meeting.wait_decider(deadline=d, clock=clock):
-        return meeting.publish(decide(...))          # this rank decides
+        return meeting.publish(decide(faults))       # this rank decides
     decision = meeting.wait_decision(deadline=d, clock=clock)
     # None: the decider is gone, this rank decides in its place (publish as above)
+
+``decide`` (the restart loop passes ``functools.partial(decide, store, inputs, ...)``) is the
+policy (``policy.decide``) on what the store holds; only when the decision is short of ranks
+and respawns are on their way does it wait for them (``capacity.decide_waiting``).
 
 Exactly one rank decides: the live rank whose arrival completed the count, or, when a death
 report completed it (the dying rank came last), the first live rank to claim
@@ -16,7 +20,8 @@ report completed it (the dying rank came last), the first live rank to claim
 others block on ``go``, the decision; the first decision published wins (compare-and-set), so all
 ranks continue with the same one even if more faults are recorded later. Per rank: two ``add``
 and two waits for a value, whatever the number of ranks; no value that lists every rank is read
-except the decision (run-length encoded).
+except the decision (run-length encoded). A death report counts its rank itself
+(``fault_records.count_once``).
 
 Rare cases, handled by the re-check every ``barriers.RECHECK_S`` of a waiter (so they cost up to
 that much more): the decider died before publishing (reported gone: a waiter decides in its
@@ -26,55 +31,72 @@ previous restart) is counted by a waiter.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import dataclasses
+from collections.abc import Callable, Collection
 
-from inprocess.clock import Clock
+from inprocess.clock import SYSTEM, Clock
+from inprocess.errors import FaultRecord
+from inprocess.protocol import capacity, job_keys
 from inprocess.protocol.barriers import wait_released
-from inprocess.protocol.keys import gone_ranks, key, peek
+from inprocess.protocol.fault_records import REPORT_COMPLETED, count_once, read_faults
+from inprocess.protocol.keys import gone_ranks, key, participants_item
+from inprocess.protocol.policy import DecisionInputs
 from inprocess.protocol.store import Store
 
-# ``restart/full``'s value when a death report, not a live rank, completed the restart barrier.
-REPORT_COMPLETED = "report"
+
+def restart_barrier(
+    store: Store,
+    iteration: int,
+    *,
+    initial_rank: int,
+    participants: Collection[int],
+    decide: Callable[[list[FaultRecord]], str],
+    timeout: float,
+    clock: Clock = SYSTEM,
+) -> str:
+    """Every live participant meets after iteration ``iteration`` faulted; returns the decision.
+
+    Called by every live participant (active and reserve) once its part of the iteration is
+    over; blocks until the decision is published, at most ``timeout`` seconds
+    (``StoreTimeoutError``). Exactly one rank runs ``decide(faults)`` on the iteration's fault
+    records and publishes its result, and every rank returns the decision published first.
+    """
+    meeting = RestartMeeting(store, iteration, initial_rank=initial_rank, participants=participants)
+    deadline = clock.monotonic() + timeout
+    if meeting.arrive() or meeting.wait_decider(deadline=deadline, clock=clock):
+        return meeting.publish(decide(read_faults(store, iteration)))
+    published = meeting.wait_decision(deadline=deadline, clock=clock)
+    if published is None:  # the decider is gone before publishing: decide in its place
+        return meeting.publish(decide(read_faults(store, iteration)))
+    return published
+
+
+def decide(
+    store: Store,
+    inputs: DecisionInputs,
+    faults: list[FaultRecord],
+    *,
+    respawn_wait_timeout: float,
+    clock: Clock = SYSTEM,
+) -> str:
+    """The decision on ``faults`` (JSON, for ``publish``): ``inputs`` with those records, the
+    ranks the store says are gone and the respawned ones ready to join (``policy.decide``).
+
+    Short of ranks while respawns announced by the launchers are on their way, the decision
+    waits for them (``capacity.decide_waiting``, at most ``respawn_wait_timeout``; issue 35).
+    Any rank that finds the restart barrier full may run this; the store keeps the first
+    decision published, so every rank acts on the same one."""
+    inputs = dataclasses.replace(inputs, faults=tuple(faults))
+    gone, ready, pending = (frozenset(s) for s in job_keys.respawn_state(store))
+    decision = inputs.decide(gone, ready)
+    if capacity.may_wait(decision, target=inputs.target, pending=pending):
+        decision = capacity.decide_waiting(store, inputs, timeout=respawn_wait_timeout, clock=clock)
+    return decision.to_json()
 
 
 def set_participants(store: Store, iteration: int, count: int) -> None:
     """How many ranks (active + reserve) take part in ``iteration``; every rank writes it."""
     store.set(*participants_item(iteration, count))
-
-
-def participants_item(iteration: int, count: int) -> tuple[str, str]:
-    """The key and value ``set_participants`` writes (for one ``set_many`` with others)."""
-    return key(iteration, "restart/expected"), str(count)
-
-
-def count_once(
-    store: Store,
-    iteration: int,
-    initial_rank: int,
-    *,
-    expected: int | None = None,
-    by: str = REPORT_COMPLETED,
-) -> bool:
-    """Count ``initial_rank`` at the restart barrier of ``iteration`` (once, alive or gone);
-    True when this call completed the barrier.
-
-    A live rank counts itself when it arrives (``by``: its own rank, ``expected``: the number of
-    participants, which it knows); a rank reported gone is counted by the report (its watchdog
-    arrives on its behalf; ``expected`` is read from the store, None before
-    ``set_participants``), so the last of either completes the barrier at once. Whoever
-    completes it writes ``restart/full`` = ``by`` (first writer wins): that rank decides.
-    One ``count_arrival`` (two ``add`` calls on a TCPStore, one transaction on etcd), plus one
-    read for a report. Never blocks.
-    """
-    n = store.count_arrival(key(iteration, "restart/n"), str(initial_rank))
-    if expected is None:
-        raw = peek(store, key(iteration, "restart/expected"))
-        if raw is None:
-            return False  # no live rank has started the iteration: one of them completes it
-        expected = int(raw)
-    if n < expected:
-        return False
-    return store.compare_set(key(iteration, "restart/full"), "", by).decode() == by
 
 
 class RestartMeeting:

@@ -9,17 +9,20 @@ restart decision admits it or the job ends.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from inprocess.config import RestartConfig
 from inprocess.protocol import job_keys
 from inprocess.protocol.store import Store
 from inprocess.restart.agreement import RestartAgreement
 
+if TYPE_CHECKING:  # imported at run time by startup.new_watchdog only (see there)
+    from inprocess.watchdog_owner import Watchdog
+
 log = logging.getLogger(__name__)
 
 
-def register(store: Store, watchdog: Any, *, me: int) -> int:
+def register(store: Store, watchdog: Watchdog, *, me: int) -> int:
     """Start ``watchdog`` parked and register this process as a joiner; returns the iteration
     announced when it registered (``admit``'s ``since``)."""
     # Watched from now on, so that it is a ready reserve the moment it registers; until
@@ -38,7 +41,7 @@ def register(store: Store, watchdog: Any, *, me: int) -> int:
 
 def admit(
     store: Store,
-    watchdog: Any,
+    watchdog: Watchdog,
     agreement: RestartAgreement,
     cfg: RestartConfig,
     *,

@@ -8,7 +8,7 @@ is ``inprocess.restart.startup``'s; the goodbye in the store is ``inprocess.rest
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from checkpoint.sealing import job_sealer
 from inprocess import journal
@@ -28,6 +28,9 @@ from inprocess.restart.services import RankServices
 from inprocess.restart.story import RestartStory
 from inprocess.restart.warmup import FirstUseImports
 
+if TYPE_CHECKING:  # imported at run time by startup.new_watchdog only (see there)
+    from inprocess.watchdog_owner import Watchdog
+
 
 class RankLifetime:
     """The resources of one rank: the store and its clients, the services lent to every
@@ -43,7 +46,7 @@ class RankLifetime:
         self.cfg, self.env, self.me, self.clock = cfg, env, me, clock
         self.store_url = startup.store_url(cfg, env)
         self._store: Store | None = None  # connected by open()
-        self.watchdog: Any = None  # inprocess.watchdog.Watchdog
+        self._watchdog: Watchdog | None = None  # started by open()
         self.health: HealthChecker | None = None
         self.svc: RankServices | None = None
         # A reserve's imports of what DDP / FSDP2 need first (inprocess.restart.warmup).
@@ -88,12 +91,12 @@ class RankLifetime:
             clock=self.clock,
         )
         self.health = startup.health_checker(cfg)
-        self.watchdog = startup.new_watchdog(
+        self._watchdog = watchdog = startup.new_watchdog(
             cfg, env, me=self.me, url=self.store_url, sealer=sealer
         )
         if joining_job:
-            return joining.register(self.store, self.watchdog, me=self.me)
-        self.watchdog.start()
+            return joining.register(self.store, watchdog, me=self.me)
+        watchdog.start()
         with svc.progress.paused():
             barriers.initial_barrier(
                 self.store,
@@ -114,6 +117,13 @@ class RankLifetime:
         if self._store is None:
             raise RuntimeError("RankLifetime.store read before open() connected it")
         return self._store
+
+    @property
+    def watchdog(self) -> Watchdog:
+        """This rank's watchdog (after ``open()``: a programming error before)."""
+        if self._watchdog is None:
+            raise RuntimeError("RankLifetime.watchdog read before open() created it")
+        return self._watchdog
 
     def announce(self, iteration: int, assignment: Assignment) -> None:
         """Tell the watchdog and the store that ``iteration`` starts with ``assignment`` (the
@@ -155,7 +165,7 @@ class RankLifetime:
         owners = (
             (svc.interrupter, svc.progress, svc.rendezvous, svc.clients) if svc is not None else ()
         )
-        close_quietly(*owners, self.watchdog, self.health, self.first_use)
+        close_quietly(*owners, self._watchdog, self.health, self.first_use)
         if self._store is not None:
             leave_store(
                 self._store,

@@ -20,7 +20,7 @@ from inprocess.clock import SYSTEM, Clock
 from inprocess.config import RestartConfig
 from inprocess.context import RestartRecord
 from inprocess.errors import ConfigError, RestartAbortedError, StoreTimeoutError
-from inprocess.protocol import job_keys
+from inprocess.protocol import job_keys, restart_meeting
 from inprocess.protocol.environment import bind_to_launcher, read_env
 from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
 from inprocess.restart import joining, torchrun_env
@@ -310,17 +310,24 @@ class _Job:
     def _restart_phase(
         self, iteration: int, assignment: Assignment, target: int, out: Outcome
     ) -> PendingRestart:
-        """Meet at the restart barrier (``RestartAgreement.meet``: raises when the job stops);
-        returns the restart decided, with the time each phase of the fault took."""
-        assert self.own.svc is not None
+        """Meet at the restart barrier (``restart_meeting.restart_barrier``; the one rank that
+        decides runs ``RestartAgreement.decider``), then act on the published decision
+        (``RestartAgreement.accept``: raises when the job stops); returns the restart decided,
+        with the time each phase of the fault took."""
+        own = self.own
+        assert own.svc is not None
         t_barrier = self.clock.monotonic()
-        decision = self.agreement.meet(
-            self.own.store,
-            self.own.svc.progress,
-            iteration=iteration,
-            assignment=assignment,
-            target=target,
-        )
+        with own.svc.progress.paused():
+            published = restart_meeting.restart_barrier(
+                own.store,
+                iteration,
+                initial_rank=self.me,
+                participants=assignment.active + assignment.reserve,
+                decide=self.agreement.decider(own.store, iteration, assignment, target),
+                timeout=self.cfg.barrier_timeout,
+                clock=self.clock,
+            )
+        decision = self.agreement.accept(published)
         barrier_s = self.clock.monotonic() - t_barrier
         return PendingRestart.of(decision, before=assignment, out=out, barrier_s=barrier_s)
 

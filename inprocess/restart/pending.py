@@ -44,7 +44,7 @@ class PendingRestart:
     ) -> PendingRestart:
         """The restart ``decision`` (which has an assignment) took after the iteration that
         ended with ``out``; the restart barrier took ``barrier_s`` seconds."""
-        assert decision.assignment is not None  # RestartAgreement.meet raised otherwise
+        assert decision.assignment is not None  # RestartAgreement.accept raised otherwise
         first = min((f.time for f in decision.faults if f.time), default=out.noticed)
         return cls(
             decision=decision,

@@ -11,7 +11,7 @@ import functools
 import gc
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from checkpoint.sealing import Sealer
 from inprocess.clock import SYSTEM, Clock
@@ -31,6 +31,9 @@ from inprocess.restart.rendezvous import Rendezvous, advertised_host
 from inprocess.restart.services import ClientPool, RankServices
 from inprocess.store_server import client, connect
 from inprocess.timeouts.sections import section_clock
+
+if TYPE_CHECKING:  # imported at run time in new_watchdog only (see there)
+    from inprocess.watchdog_owner import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +157,7 @@ def health_checker(cfg: RestartConfig) -> HealthChecker:
 
 def new_watchdog(
     cfg: RestartConfig, env: LaunchEnv, *, me: int, url: str | None, sealer: Sealer | None
-) -> Any:
+) -> Watchdog:
     """This rank's watchdog (``inprocess.watchdog.Watchdog``), not started yet."""
     # Imported here: `python -m inprocess.watchdog` imports this package first, and runpy
     # warns when the module it is about to run was already imported by the package.

@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from inprocess.clock import SYSTEM, Clock
+from inprocess.clock import SYSTEM
 from inprocess.protocol.store import Store
 from inprocess.watchdog.pipe import READY_MESSAGE
-from inprocess.watchdog.watch import Verdict, Watch, report_to
+from inprocess.watchdog.watch import StoreReport, Watch
 from inprocess.watchdog.watched_rank import WatchedRank
 
 if TYPE_CHECKING:  # imported where used: the client is only needed without --store-url
@@ -49,7 +49,7 @@ def main(argv: Sequence[str]) -> int:
         hard_timeout=args.hard_timeout,
         grace=args.termination_grace_time,
         rank=rank,
-        report=lambda verdict: _report(store, args, verdict, clock),
+        report=StoreReport(store, connect=lambda: _connect(args), clock=clock),
         clock=clock,
     )
     _watch(watch, rank)
@@ -66,11 +66,6 @@ def _watch(watch: Watch, rank: WatchedRank) -> None:
         chunk, eof = _read_all(stdin) if stdin in readable else (b"", False)
         if watch.step(chunk, eof=eof, gone=eof or rank.gone(readable)) is not None:
             return
-
-
-def _report(store: Store | None, args: argparse.Namespace, verdict: Verdict, clock: Clock) -> None:
-    """Report ``verdict``, through a new client when the first one could not be made."""
-    report_to(store if store is not None else _connect(args), verdict, clock=clock)
 
 
 def _say_ready() -> None:

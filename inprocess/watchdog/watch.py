@@ -106,6 +106,21 @@ class Watch:
         return verdict
 
 
+class StoreReport:
+    """``Watch``'s ``report`` in the watchdog process: ``report_to`` the job's store, through
+    ``store``, or when there was none (the first connect failed) through a client ``connect()``
+    opens then (None again: logged only)."""
+
+    def __init__(
+        self, store: Store | None, *, connect: Callable[[], Store | None], clock: Clock = SYSTEM
+    ) -> None:
+        self._store, self._connect, self._clock = store, connect, clock
+
+    def __call__(self, verdict: Verdict) -> None:
+        store = self._store if self._store is not None else self._connect()
+        report_to(store, verdict, clock=self._clock)
+
+
 def report_to(store: Store | None, verdict: Verdict, *, clock: Clock = SYSTEM) -> None:
     """Log ``verdict`` and record it in ``store`` (None: logged only): a reserve's death only
     marks it gone (``fault_records.record_reserve_gone``: it must not interrupt the ranks that

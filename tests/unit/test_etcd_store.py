@@ -321,7 +321,7 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     from inprocess.clock import SYSTEM
     from inprocess.protocol import keys
     from inprocess.watchdog import process
-    from inprocess.watchdog.watch import Verdict
+    from inprocess.watchdog.watch import StoreReport, Verdict
 
     args = argparse.Namespace(
         store_url=cluster.url,
@@ -332,7 +332,8 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
         reserve=False,
     )
     dead = Verdict("dead", "rank process 1 disappeared", initial_rank=3, iteration=0, reserve=False)
-    process._report(None, args, dead, SYSTEM)
+    # No first client (None): the report opens one from the arguments, as the process does.
+    StoreReport(None, connect=lambda: process._connect(args), clock=SYSTEM)(dead)
     with EtcdStore(cluster.url, prefix="wd-job", timeout=10) as job:
         assert keys.gone_ranks(job) == {3}
         job.delete_all()
@@ -385,8 +386,7 @@ def test_wait_value_returns_the_value_a_watch_saw_or_times_out(s: EtcdStore) -> 
 def test_count_arrival_counts_each_member_once_in_one_transaction(
     s: EtcdStore, cluster: EtcdCluster
 ) -> None:
-    from inprocess.protocol import fault_records, keys
-    from inprocess.restart import agreement
+    from inprocess.protocol import fault_records, keys, restart_meeting
 
     other = EtcdStore(cluster.url, prefix=s.prefix, timeout=20.0)
     with ThreadPoolExecutor(8) as pool:  # 12 arrivals of 8 members, from two clients at once
@@ -400,7 +400,7 @@ def test_count_arrival_counts_each_member_once_in_one_transaction(
     fault_records.report_fault(s, iteration=0, initial_rank=1, kind="dead", detail="x")
     fault_records.report_fault(s, iteration=0, initial_rank=1, kind="dead", detail="again")
     assert s.count_arrival(keys.iteration_prefix(0) + "restart/n", "1") == 1
-    got = agreement.restart_barrier(
+    got = restart_meeting.restart_barrier(
         s,
         0,
         initial_rank=0,

@@ -19,7 +19,6 @@ from inprocess.clock import Clock
 from inprocess.errors import FaultRecord, StoreTimeoutError
 from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
 from inprocess.protocol.store import Store, as_store
-from inprocess.restart import agreement
 from tests.fake_clock import FakeClock
 
 BARRIER_TIMEOUT = 300.0  # RestartConfig's barrier_timeout, as a user leaves it
@@ -78,7 +77,7 @@ def test_a_restart_barrier_missing_a_live_rank_times_out_without_deciding(store:
         return "decision"
 
     with pytest.raises(StoreTimeoutError, match=r"^restart barrier 0 did not complete within"):
-        agreement.restart_barrier(
+        restart_meeting.restart_barrier(
             store,
             0,
             initial_rank=0,

@@ -12,7 +12,6 @@ from inprocess.clock import SYSTEM
 from inprocess.errors import FaultRecord, StoreTimeoutError
 from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
 from inprocess.protocol.store import StoreBase
-from inprocess.restart import agreement
 from tests.fake_clock import FakeClock
 
 
@@ -163,13 +162,13 @@ def test_restart_barrier_does_not_wait_for_gone_ranks(store: FakeStore) -> None:
     # Rank 1 arrives first and waits; meanwhile rank 0 arrives and completes the barrier.
     store.events.append(
         lambda: (
-            agreement.restart_barrier(
+            restart_meeting.restart_barrier(
                 store, 0, initial_rank=0, participants=[0, 1, 2], decide=decide, timeout=5.0
             )
             and None
         )
     )
-    got = agreement.restart_barrier(
+    got = restart_meeting.restart_barrier(
         store, 0, initial_rank=1, participants=[0, 1, 2], decide=decide, timeout=5.0
     )
     assert got == "decision"
@@ -189,7 +188,7 @@ def test_a_death_during_the_restart_wait_completes_it_at_once(
             store, iteration=0, initial_rank=2, kind="dead", detail="x"
         )
     )
-    got = agreement.restart_barrier(
+    got = restart_meeting.restart_barrier(
         store,
         0,
         initial_rank=0,

@@ -17,7 +17,6 @@ from inprocess.protocol import barriers, fault_records, iteration_end, keys, res
 from inprocess.protocol.policy import PUBLISHED_COLLATERAL, Decision, Observed, decide
 from inprocess.protocol.ranks import decode_ranks, encode_ranks, initial_assignment, node_of_ranks
 from inprocess.protocol.store import as_store
-from inprocess.restart import agreement
 from tests.unit.test_inprocess_store import FakeClock, FakeStore
 
 
@@ -85,7 +84,7 @@ def _restart(n: int) -> tuple[list[str], list[int], list[int], int]:
     out: dict[int, str] = {}
 
     def rank(r: int) -> None:
-        out[r] = agreement.restart_barrier(
+        out[r] = restart_meeting.restart_barrier(
             clients[r],
             0,
             initial_rank=r,
@@ -131,7 +130,7 @@ def test_a_decider_that_dies_before_publishing_is_replaced_after_one_recheck(
     fault_records.report_fault(
         store, iteration=0, initial_rank=2, kind="dead", detail="killed deciding"
     )
-    got = agreement.restart_barrier(
+    got = restart_meeting.restart_barrier(
         store,
         0,
         initial_rank=0,
@@ -152,7 +151,7 @@ def test_a_participant_gone_in_an_earlier_iteration_is_counted_by_the_recheck(
     fault_records.report_fault(store, iteration=0, initial_rank=2, kind="dead", detail="x")
     restart_meeting.set_participants(store, 1, 3)
     restart_meeting.count_once(store, 1, 1, expected=3, by="1")
-    got = agreement.restart_barrier(
+    got = restart_meeting.restart_barrier(
         store,
         1,
         initial_rank=0,
@@ -170,7 +169,7 @@ def test_a_waiter_that_times_out_raises_naming_the_barrier(
 ) -> None:
     restart_meeting.set_participants(store, 0, 3)
     with pytest.raises(StoreTimeoutError, match="restart barrier 0"):
-        agreement.restart_barrier(
+        restart_meeting.restart_barrier(
             store,
             0,
             initial_rank=0,

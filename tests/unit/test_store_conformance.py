@@ -21,7 +21,6 @@ from inprocess.protocol import barriers, fault_records, iteration_end, keys, res
 from inprocess.protocol.sealed_store import SealedStore, seal, unsealed
 from inprocess.protocol.store import C10dStore, Store, as_store
 from inprocess.protocol.tcpstore_client import TCPStoreClient
-from inprocess.restart import agreement
 from tests.etcd_cluster import EtcdCluster, skip_reason
 
 # "tcp-client": the watchdog's own client (inprocess.protocol.tcpstore_client) of a TCPStore.
@@ -253,7 +252,7 @@ def test_the_restart_protocol_runs_the_same_on_it(backend: Backend) -> None:
             decided.append(r)
             return f"{len(faults)} faults"
 
-        return agreement.restart_barrier(
+        return restart_meeting.restart_barrier(
             ranks[r], 0, initial_rank=r, participants=[0, 1, 2], decide=decide, timeout=10.0
         )
 

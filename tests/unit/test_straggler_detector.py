@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
+from inprocess.clock import Clock
 from straggler import ConfigError, Detector, DetectorConfig, Report, SectionError
 from tests.fake_clock import FakeClock
 
@@ -315,7 +316,9 @@ def test_report_json_round_trip() -> None:
 
 def test_without_store_a_single_rank_reports_on_its_own() -> None:
     clock, wall = FakeClock(0.0), FakeClock(0.0)  # one second per step, a report every 10 seconds
-    det = Detector(timer="cpu", report_time_interval=10.0, cpu_clock=clock, clock=wall)
+    det = Detector(
+        timer="cpu", report_time_interval=10.0, cpu_clock=clock, clock=Clock(monotonic=wall)
+    )
     got = []
     for s in range(60):
         with det.section("step"):

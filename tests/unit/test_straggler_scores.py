@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from inprocess.clock import Clock
 from straggler import scores
 from straggler.config import DetectorConfig
 from straggler.decide import decide, rank_numbers
@@ -162,7 +163,14 @@ def test_decide_flags_the_slow_rank_counts_its_streak_and_demotes_it_when_confir
     present = {0: _numbers(1.0), 1: _numbers(2.0, individual=0.5), 2: _numbers(1.0)}
     ticks = iter([10.5, 20.25])
     first = decide(
-        cfg, present, (3,), round=4, step=40, streaks={}, started=10.0, clock=lambda: next(ticks)
+        cfg,
+        present,
+        (3,),
+        round=4,
+        step=40,
+        streaks={},
+        started=10.0,
+        clock=Clock(monotonic=lambda: next(ticks)),
     )
     assert set(first.stragglers) == {1} and first.streaks == {1: 1} and first.demote is None
     assert first.relative[1] == pytest.approx(0.5) and first.missing == (3,)
@@ -176,7 +184,7 @@ def test_decide_flags_the_slow_rank_counts_its_streak_and_demotes_it_when_confir
         step=50,
         streaks=first.streaks,
         started=20.0,
-        clock=lambda: next(ticks),
+        clock=Clock(monotonic=lambda: next(ticks)),
     )
     assert second.streaks == {1: 2} and second.demote == 1 and not second.stop
 
@@ -185,7 +193,14 @@ def test_decide_with_both_families_off_flags_nobody() -> None:
     cfg = DetectorConfig(calc_relative_gpu_perf=False, calc_individual_gpu_perf=False)
     present = {0: _numbers(1.0), 1: _numbers(5.0, individual=0.1)}
     report = decide(
-        cfg, present, (), round=1, step=1, streaks={1: 3}, started=0.0, clock=lambda: 0.0
+        cfg,
+        present,
+        (),
+        round=1,
+        step=1,
+        streaks={1: 3},
+        started=0.0,
+        clock=Clock(monotonic=lambda: 0.0),
     )
     assert report.relative == {} and report.individual == {} and report.job_trend == 1.0
     assert report.stragglers == {} and report.streaks == {}
