@@ -1,7 +1,7 @@
 """Issue 47, "no clash with users' module names": a script whose folder (also the current
 directory) holds its own ``checkpoint.py``, ``rerun.py``, ``straggler.py``, ``inprocess.py`` and
 ``examples.py`` starts under the launcher, restarts in place after an exception and exits 0,
-while its own ``import checkpoint`` gets its own file (ours are ``restartable.*``)."""
+while the script's own ``checkpoint`` module is its own file (ours are ``restartable.*``)."""
 
 from __future__ import annotations
 

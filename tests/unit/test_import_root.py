@@ -1,6 +1,6 @@
 """Issue 47: one import root, ``restartable.*``. From the source tree the four packages are the
 repository's top-level folders; installed from a wheel they are folders of ``restartable/``; an
-old top-level name (``import inprocess``) fails at once, naming the one to import instead."""
+old top-level name (``inprocess``, say) fails at once, naming the one to import instead."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_installed_as_a_wheel_lays_them_out_the_packages_resolve_inside(tmp_path
     (tmp_path / "checkpoint.py").write_text("WHO = 'user'\n")  # the user's, in the cwd
     done = _python(
         "import sys; sys.path.insert(0, '');"
-        "import checkpoint, restartable, restartable.checkpoint.sealing as s;"
+        "import checkpoint, restartable, restartable.checkpoint.sealing as s;"  # names: keep
         "print(checkpoint.WHO, restartable.__path__, s.__file__)",
         path=site,
         cwd=tmp_path,
