@@ -122,6 +122,7 @@ def _imports(name: str, f: Path, tree: ast.Module, known: dict[str, Path]) -> se
     """Every module of ``known`` that ``name`` imports, anywhere in the file."""
 
     def closest(dotted: str) -> str | None:
+        dotted = dotted.removeprefix("restartable.")  # the import root of the four packages
         while dotted and dotted not in known:
             dotted = dotted.rpartition(".")[0]
         return dotted or None

@@ -31,7 +31,7 @@ try:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 except ImportError as exc:  # an optional extra: say how to get it
     raise ImportError(
-        f'checkpoint.lightning needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
+        f'{__name__} needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
     ) from exc
 
 from checkpoint.errors import CheckpointConfigError, CheckpointError
@@ -73,7 +73,7 @@ class TieredCheckpointIO(CheckpointIO):
     def __init__(self, manager: CheckpointManager) -> None:
         if not isinstance(manager, CheckpointManager):
             raise CheckpointConfigError(
-                f"manager ({type(manager).__name__}) must be a checkpoint.CheckpointManager: "
+                f"manager ({type(manager).__name__}) must be a CheckpointManager: "
                 "create one outside train(), e.g. CheckpointManager('ckpts/', persistent_every=50,"
                 " local_every=1)"
             )

@@ -31,5 +31,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name != "restartable":
-        raise AttributeError(f"module 'inprocess' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return importlib.import_module("inprocess.restart.loop").restartable

@@ -127,8 +127,9 @@ def context() -> RestartContext:
         return _CURRENT.get()
     except LookupError:
         raise ContextError(
-            "inprocess.context() was called outside a @restartable function: call it inside "
-            "the decorated train() (reserves and code after train() returned have no context)"
+            "inprocess.context() was called outside a @restartable function: call it "
+            "inside the decorated train() (reserves and code after train() returned have no "
+            "context)"
         ) from None
 
 

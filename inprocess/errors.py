@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 # Exceptions that report a numerical fault (NaN/Inf, a loss spike, a result that did not
 # reproduce): a float error, or a re-run verdict handed to the restart (``rerun.errors``).
-NUMERICAL_EXC_TYPES = ("FloatingPointError", "rerun.errors.RerunExit")
+# Matched as a suffix (is_numerical): also the name journals written before the packages moved
+# under ``restartable.`` (issue 47) hold.
+NUMERICAL_EXC_TYPES = ("FloatingPointError", "rerun.errors.RerunExit")  # names: keep
 
 
 def is_numerical(exc_type: str) -> bool:

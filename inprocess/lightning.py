@@ -31,7 +31,7 @@ try:
     import lightning.pytorch as pl
 except ImportError as exc:  # an optional extra: say how to get it
     raise ImportError(
-        f'inprocess.lightning needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
+        f'{__name__} needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
     ) from exc
 
 from checkpoint.private_files import replace_private

@@ -16,7 +16,7 @@ try:
     from lightning.pytorch.callbacks import ModelCheckpoint
 except ImportError as exc:  # an optional extra: say how to get it
     raise ImportError(
-        f'straggler.lightning needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
+        f'{__name__} needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
     ) from exc
 
 import torch.distributed as dist

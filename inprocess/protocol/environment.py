@@ -200,7 +200,7 @@ def store_setting(config_store: str | None, env: LaunchEnv) -> str | None:
 def _generation(value: int) -> int:
     if value < 0:
         raise ConfigError(
-            f"INPROCESS_RESPAWN_GENERATION ({value}) must be >= 0: it is set by inprocess.launch; "
+            f"INPROCESS_RESPAWN_GENERATION ({value}) must be >= 0: it is set by the launcher; "
             "unset it when starting a rank by hand"
         )
     return value

@@ -2,7 +2,7 @@
 child and exits with the job's outcome, not only its rank's.
 
     srun --kill-on-bad-exit=0 python -m inprocess.srun_task train.py --steps 1000
-    srun --kill-on-bad-exit=0 python -m inprocess.srun_task -m inprocess.launch --nnodes 2 ...
+    srun --kill-on-bad-exit=0 python -m inprocess.srun_task -m inprocess.launch ...
 
 Under ``srun --kill-on-bad-exit=0`` a rank that was killed (a fault the job survived: a warm
 reserve took its place and the job finished) would otherwise make srun exit 137 and Slurm record
@@ -53,6 +53,8 @@ from inprocess.protocol.store import Store
 from inprocess.srun_task.stand_in import launcher_job_status
 
 log = logging.getLogger("inprocess.srun_task")
+# ``-m`` modules that are a node's launcher: its full name and the short one users type.
+LAUNCHER_MODULES = ("inprocess.launch", "restartable.inprocess.launch")
 
 _PR_SET_CHILD_SUBREAPER = 36
 _OUTCOME_POLL_S = 0.5  # how often a dead rank's task looks at the job's state
@@ -139,7 +141,7 @@ def task_status(returncode: int, job_status: int | None) -> int:
 def _after_kill(signum: int, args: argparse.Namespace, clock: Clock) -> int:
     """The child was killed: wait for the job's outcome in the store; the task's status."""
     name = _signal_name(signum)
-    what = "launcher" if args.module == "inprocess.launch" else "rank"
+    what = "launcher" if args.module in LAUNCHER_MODULES else "rank"
     try:
         if what == "launcher":
             job_status = launcher_job_status(args.args, args.outcome_timeout, clock)

@@ -128,7 +128,8 @@ def test_a_multi_launch_set_classifies_each_window_once() -> None:
         *[{"event": "rerun_verdict", "t": 12.0 + r / 100, "launch": "b",
            "host": host[("b", r)], "rank": r, "training_rank": r, "iteration": 1, "step": 30,
            "verdict": "transient_error"} for r in ranks],
-        _fault("b", "n2", 1, 29, iteration=1, t=12.1, exc_type="rerun.errors.RerunExit"),
+        _fault("b", "n2", 1, 29, iteration=1, t=12.1,
+               exc_type="rerun.errors.RerunExit"),  # names: keep (an old journal)
         # Launch c: a straggler swapped out; a disk full; a CUDA error on n1; another fault on
         # n1, which lost rank 2 in launch a as well.
         _fault("c", "n0", 0, 40, kind="straggler", exc_type="", t=20.0),

@@ -41,6 +41,10 @@ def _conftest_flags() -> str:
     return "\n".join(p.read_text() for p in sorted((REPO_ROOT / "tests").rglob("conftest.py")))
 
 
+# A command's short name and the module whose flags it takes (restartable/launch.py).
+_SHORT_NAMES = {"restartable.launch": "restartable.inprocess.launch"}
+
+
 def _flag(token: str) -> str | None:
     """``--name`` of a token such as ``--name=value`` or ``[--name``; None for anything else."""
     token = token.strip("[]")
@@ -54,6 +58,7 @@ def _python_problems(argv: list[str]) -> list[str]:
     problems: list[str] = []
     if argv[0] == "-m":
         module, rest = argv[1], argv[2:]
+        module = _SHORT_NAMES.get(module, module)
         spec = importlib.util.find_spec(module)
         if spec is None or spec.origin is None:
             return [f"no module {module}"]
