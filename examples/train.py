@@ -163,9 +163,10 @@ def run(args: argparse.Namespace) -> int:
     # One warm reserve per fault that loses its rank; then the plan is checked against the
     # ranks that train (a fault on a rank that never trains would silently never fire).
     try:
-        # An `sdc` (a faulty chip) retires its rank once scrubbing finds it: a reserve too.
+        # An sdc fault needs a reserve: to check the steps, and for an `sdc` (a faulty chip) to
+        # take the place of the rank scrubbing retires.
         losing = sum(
-            f.loses_rank or f.kind == "sdc"
+            f.loses_rank or f.kind.startswith("sdc")
             for f in faults.parse_plan(args.faults, steps=args.steps)
         )
         active = args.active or max(1, world - losing)

@@ -73,7 +73,8 @@ class Judge:
         self.last_passed = [None if v < 0 else v for v in values[1:]]
 
     def checked_rank(self, step: int, every: int) -> int:
-        return (step // every) % self.world
+        """Rotating, rank 0 first at step ``every`` (step 0 is not checked in the example)."""
+        return (step // every - 1) % self.world
 
     def sends_now(self, step: int, every: int) -> bool:
         """Whether step ``step``'s checked rank sends it (once per sampled step; every rank

@@ -118,6 +118,26 @@ def _recorded(
             round=round_of(r),
             training_rank=r.get("training_rank"),
         )
+    if event == "sdc_finding":  # rerun.scrub: a checked step's result was wrong
+        return Fault(
+            launch=launch,
+            iteration=int(r.get("iteration", 0)),
+            rank=int(r.get("fault_rank", r.get("rank", -1))),
+            host=str(r.get("host", "")),
+            kind="sdc:" + str(r.get("verdict", "")),
+            exc_type="",
+            where="",
+            step=r.get("step"),
+            detail=(
+                f"{r.get('verdict')} at step {r.get('step')} (found at step "
+                f"{r.get('detected_at')}), settled by {r.get('settled_by')}; rolled back "
+                f"{r.get('steps_rolled_back')} step(s) to step {r.get('rollback_to')}"
+            ),
+            in_collective=False,
+            t=float(r["t"]),
+            round=round_of(r),
+            training_rank=r.get("training_rank"),
+        )
     return None
 
 
