@@ -113,6 +113,14 @@ class Scrubber:
             self._judge = Judge(self._make_store, rank=rank, world=world, timeout=self._timeout)
             self._judge.resume(old, self.snaps)
 
+    def wait_for_reserve(self, timeout: float) -> bool:
+        """COLLECTIVE (reserve mode): wait up to ``timeout`` seconds until a reserve serves
+        checks, so that the first steps are checked too (a reserve starts serving once its
+        imports are done). Returns whether one does; without one, training goes on unchecked."""
+        if self.mode != "reserve" or self._judge is None:
+            return False
+        return self._judge.wait_ready(timeout)
+
     def restore(self, loaded: int, *, restore: Callable[[Any], None]) -> int:
         """COLLECTIVE, after the checkpoint load of each ``train()`` call: the step to start
         from (``loaded``, or the verified step a finding rolls back to)."""
@@ -132,7 +140,7 @@ class Scrubber:
             self._open_capture(batch, rng, None)
             return
         assert self._judge is not None
-        for mismatch in self._judge.judge():
+        for mismatch in self._judge.judge(step, self.every):
             self._settle_mismatch(mismatch)
         if self._judge.sends_now(step, self.every):
             self.snaps.take(step, snapshot)

@@ -45,8 +45,6 @@ class Judge:
         self, make_store: Callable[[], ScrubStore], *, rank: int, world: int, timeout: float
     ) -> None:
         self.sender = Sender(make_store)
-        self._make_store = make_store
-        self._store: ScrubStore | None = None
         self.rank, self.world, self.timeout = rank, world, timeout
         self.ready = False
         self.outstanding: list[int | None] = [None] * world  # the step each rank's request is of
@@ -71,6 +69,18 @@ class Judge:
         values = [int(v) for v in vec.tolist()]
         self.ready = bool(values[0])
         self.last_passed = [None if v < 0 else v for v in values[1:]]
+
+    def wait_ready(self, timeout: float) -> bool:
+        """COLLECTIVE: rank 0 waits (bounded) for a serving reserve; every rank learns it."""
+        flag = torch.zeros(1, dtype=torch.int64, device=agree.comm_device())
+        if self.rank == 0:
+            end = time.monotonic() + timeout
+            while not self._peek_ready() and time.monotonic() < end:
+                time.sleep(0.05)
+            flag[0] = int(self._peek_ready())
+        agree.reduce_max_(flag)
+        self.ready = bool(flag.item())
+        return self.ready
 
     def checked_rank(self, step: int, every: int) -> int:
         """Rotating, rank 0 first at step ``every`` (step 0 is not checked in the example)."""
@@ -99,8 +109,17 @@ class Judge:
             return steps[0] if steps else 0
         return min(s for s in self.last_passed if s is not None)
 
-    def judge(self) -> list[Mismatch]:
-        """COLLECTIVE, at each sampled step: agree on the answers; returns the mismatches."""
+    def judge(self, step: int, every: int) -> list[Mismatch]:
+        """COLLECTIVE, at each sampled step: agree on the answers; returns the mismatches.
+
+        Back-pressure: when it is this rank's turn again and the reserve has not answered its
+        previous request yet, this rank waits for the answer (bounded by ``timeout``), so a
+        reserve that falls a whole rotation behind slows the job instead of leaving steps
+        unchecked."""
+        if self.mine is not None and self.ready and self.checked_rank(step, every) == self.rank:
+            end = self.mine.sent_at + self.timeout
+            while self._code(self.mine) == PENDING and time.monotonic() < end:
+                time.sleep(0.002)
         vec = torch.zeros(1 + self.world, dtype=torch.int64, device=agree.comm_device())
         vec[0] = int(self.rank == 0 and self._peek_ready())
         if self.mine is not None:
@@ -116,11 +135,11 @@ class Judge:
             )
         self.ready = bool(values[0])
         found = []
-        for rank, code in enumerate(values[1:]):
-            step = self.outstanding[rank]
-            if step is None or (code == PENDING and self.ready):
+        for rank, got in enumerate(values[1:]):
+            sent = self.outstanding[rank]
+            if sent is None or (got == PENDING and self.ready):
                 continue
-            code = code or UNCHECKED  # no reserve left to answer it
+            code, step = got or UNCHECKED, sent  # PENDING without a reserve: none will answer
             self.outstanding[rank] = None
             mine, self.mine = (self.mine, None) if rank == self.rank else (None, self.mine)
             if code == PASSED:
@@ -141,12 +160,10 @@ class Judge:
             self.last_passed[rank] = target
 
     def close(self) -> None:
-        self.sender.close()
+        self.sender.close()  # and its store clients
 
     def _peek_ready(self) -> bool:
-        if self._store is None:
-            self._store = self._make_store()
-        return self._store.add(READY_KEY, 0) > 0
+        return self.sender.reader().add(READY_KEY, 0) > 0
 
     def _code(self, out: Outstanding) -> int:
         if out.failed:

@@ -60,10 +60,14 @@ class Sender:
         """The reserve's answer to ``out``, or None while there is none (never blocks)."""
         if out.seq is None:
             return None
+        data = peek(self.reader(), result_key(out.seq))
+        return None if data is None else Answer.decode(data)
+
+    def reader(self) -> ScrubStore:
+        """The training thread's store client (created on first use)."""
         if self._reader is None:
             self._reader = self._make_store()
-        data = peek(self._reader, result_key(out.seq))
-        return None if data is None else Answer.decode(data)
+        return self._reader
 
     def _run(self) -> None:
         store: ScrubStore | None = None
@@ -82,7 +86,10 @@ class Sender:
                 )
             finally:
                 out.done.set()
+        del store
 
     def close(self) -> None:
+        """End the thread and drop the store clients (their sockets close with them)."""
+        self._reader = None
         if self._thread is not None:
             self._queue.put(None)
