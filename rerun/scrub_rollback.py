@@ -71,7 +71,9 @@ def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> i
             "persistent checkpoint older than the corruption"
         )
     src = world - int(held.item())
-    box = [snaps.get(target) if rank == src else None]
+    # A copy even on the source: loading may alias its tensors (an optimizer's state), and
+    # training would then change the kept copy that a later finding may need again.
+    box = [copy.deepcopy(snaps.get(target)) if rank == src else None]
     if agree.is_distributed():
         dist.broadcast_object_list(box, src=src)
     restore(box[0])
