@@ -143,9 +143,13 @@ class Scrubber:
         for mismatch in self._judge.judge(step, self.every):
             self._settle_mismatch(mismatch)
         if self._judge.sends_now(step, self.every):
-            self.snaps.take(step, snapshot)
-            self.snaps.keep_from(self._judge.oldest_needed(self.snaps))
-            if self._judge.checked_rank(step, self.every) == self._rank:
+            checked = self._judge.checked_rank(step, self.every)
+            # The rollback copy: kept by the next rank, which a retirement of the checked one
+            # leaves in the job (each rank copies its state once per rotation, not per check).
+            if (checked + 1) % self._world == self._rank:
+                self.snaps.take(step, snapshot)
+                self.snaps.keep_from(self._judge.oldest_needed())
+            if checked == self._rank:
                 self._open_capture(batch, rng, params_of(self._module))
 
     def after_step(self, loss: torch.Tensor) -> None:
@@ -215,9 +219,7 @@ class Scrubber:
         verdict = _VERDICTS[
             scrub_inplace.agree_codes(code, rank=self._rank, world=self._world)[m.rank]
         ]
-        oldest = self.snaps.steps()[0] if self.snaps.steps() else m.step
-        passed = self._judge.last_passed[m.rank]
-        target = m.step if verdict == "transient" else (oldest if passed is None else passed)
+        target = m.step if verdict == "transient" else self._judge.rollback_target(m.rank)
         how = {"transient": "gave the reserve's", "persistent": "gave its own again"}.get(
             verdict, "gave a third"
         )

@@ -50,6 +50,7 @@ class Judge:
         self.outstanding: list[int | None] = [None] * world  # the step each rank's request is of
         self.last_passed: list[int | None] = [None] * world
         self.mine: Outstanding | None = None
+        self.first: int | None = None  # the first checked step (the job's copies start there)
         self.sent = self.passed = self.unchecked = 0
 
     def resume(self, old: Judge | None, snaps: Snapshots) -> None:
@@ -57,18 +58,23 @@ class Judge:
         reserve that took a retired rank's place) learns them from the others."""
         if old is not None and old.world == self.world:
             self.last_passed = list(old.last_passed)
-            self.ready = old.ready
+            self.ready, self.first = old.ready, old.first
             self.sent, self.passed, self.unchecked = old.sent, old.passed, old.unchecked
             old.close()
         vec = torch.tensor(
-            [int(self.ready), *(-1 if s is None else s for s in self.last_passed)],
+            [
+                int(self.ready),
+                -1 if self.first is None else self.first,
+                *(-1 if s is None else s for s in self.last_passed),
+            ],
             dtype=torch.int64,
             device=agree.comm_device(),
         )
         agree.reduce_max_(vec)
         values = [int(v) for v in vec.tolist()]
         self.ready = bool(values[0])
-        self.last_passed = [None if v < 0 else v for v in values[1:]]
+        self.first = None if values[1] < 0 else values[1]
+        self.last_passed = [None if v < 0 else v for v in values[2:]]
 
     def wait_ready(self, timeout: float) -> bool:
         """COLLECTIVE: rank 0 waits (bounded) for a serving reserve; every rank learns it."""
@@ -94,6 +100,7 @@ class Judge:
             return False
         self.outstanding[rank] = step
         self.sent += 1
+        self.first = step if self.first is None else self.first
         return True
 
     def submit(
@@ -101,13 +108,15 @@ class Judge:
     ) -> None:
         self.mine = self.sender.submit(req, grads, loss)
 
-    def oldest_needed(self, snaps: Snapshots) -> int:
-        """The oldest step a finding may roll back to: each rank's newest verified step (the
-        oldest copy while some rank has none yet)."""
-        steps = snaps.steps()
-        if any(s is None for s in self.last_passed) or not steps:
-            return steps[0] if steps else 0
-        return min(s for s in self.last_passed if s is not None)
+    def rollback_target(self, rank: int) -> int:
+        """Where a persistent fault of ``rank`` sends the job: its newest verified step, or
+        the first checked step while it has none (the same on every rank)."""
+        passed = self.last_passed[rank]
+        return passed if passed is not None else (self.first or 0)
+
+    def oldest_needed(self) -> int:
+        """The oldest step a finding may still roll back to."""
+        return min(self.rollback_target(r) for r in range(self.world))
 
     def judge(self, step: int, every: int) -> list[Mismatch]:
         """COLLECTIVE, at each sampled step: agree on the answers; returns the mismatches.

@@ -1,8 +1,8 @@
 """Verified states to roll back to, and the rollback itself after the restart.
 
-Every active rank keeps a copy of its training state at each sampled step (before the step),
-from the oldest step a check may still send the job back to (the last passed check of each
-rank) onwards: a few copies (one per rank, plus the ones in flight). After a finding, every
+At each checked step (before the step) the rank after the checked one keeps a copy of its
+training state (the replicas are equal), from the oldest step a check may still send the job
+back to (the last passed check of each rank) onwards: a few copies per rank. After a finding, every
 rank restarts, restores its newest checkpoint as usual, and then ``rollback`` replaces that
 state by the copy of the finding's step, taken from a rank that holds it (a warm reserve that
 replaced a retired rank holds none): one broadcast, on the fault path only.
@@ -31,7 +31,7 @@ class Snapshots:
         self.pending: int | None = None  # the step to roll back to after the restart
 
     def take(self, step: int, snapshot: Callable[[], Any]) -> None:
-        self._by_step[step] = copy.deepcopy(snapshot())
+        self._by_step[step] = clone_tree(snapshot())
 
     def steps(self) -> list[int]:
         return sorted(self._by_step)
@@ -48,6 +48,18 @@ class Snapshots:
 
     def get(self, step: int) -> Any | None:
         return self._by_step.get(step)
+
+
+def clone_tree(obj: Any) -> Any:
+    """A copy of a state dict: tensors cloned, containers rebuilt, anything else deep-copied
+    (several times faster than ``copy.deepcopy`` on an optimizer's many small tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(clone_tree(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> int:
