@@ -41,6 +41,7 @@ from typing import Any, NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rundir
+import scrubbing
 import story
 
 # torch-free: --help answers without importing torch
@@ -132,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="learned timeout = this x the longest duration seen (default 5.0)",
     )
+    scrubbing.add_arguments(p)
     p.add_argument("--report-png", type=Path, default=None)
     p.add_argument("--log-every", type=_positive, default=50, help="progress line every N steps")
     p.add_argument("--debug", action="store_true", help="tracebacks and every log on the console")
@@ -169,11 +171,21 @@ def run(args: argparse.Namespace) -> int:
     # One warm reserve per fault that loses its rank; then the plan is checked against the
     # ranks that train (a fault on a rank that never trains would silently never fire).
     try:
-        losing = sum(f.loses_rank for f in faults.parse_plan(args.faults, steps=args.steps))
+        # An sdc fault needs a reserve: to check the steps, and for an `sdc` (a faulty chip) to
+        # take the place of the rank scrubbing retires.
+        losing = sum(
+            f.loses_rank or f.kind.startswith("sdc")
+            for f in faults.parse_plan(args.faults, steps=args.steps)
+        )
         active = args.active or max(1, world - losing)
         plan = faults.parse_plan(args.faults, steps=args.steps, world_size=active)
+        scrubbing.check_plan(plan, args)
     except ValueError as e:
         raise UsageError(f"--faults: {e}") from None
+    try:
+        scrub_mode = scrubbing.mode(args, world=world, active=active)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if any(f.kind == "slow" for f in plan):
         raise UsageError(
             "--faults: kind 'slow' needs a straggler detector in the training loop, and this "
@@ -219,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from inprocess import context, restartable
     from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
     from rerun import RerunDataIterator, RerunStateMachine
+    from rerun.scrub import Scrubber
 
     torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     if args.device == "cuda":
@@ -254,7 +267,21 @@ def run(args: argparse.Namespace) -> int:
         replication_factor=2 if world > int(os.environ.get("LOCAL_WORLD_SIZE", world)) else 1,
     )
 
+    # Silent data corruption: a warm reserve re-computes sampled steps while it waits (prewarm).
+    def forward(m: torch.nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return m(xy[0].to(device_of(m)), xy[1].to(device_of(m)))
+
+    scrub = Scrubber(
+        every=args.scrub_every,
+        mode=scrub_mode,  # type: ignore[arg-type]
+        compute=forward,
+        make_model=lambda: build_model(cfg, args.seed),
+        make_store=scrubbing.store_factory() if scrub_mode == "reserve" else None,
+    )
+    corruption = scrubbing.Corruption(plan, run_dir)
+
     @restartable(
+        prewarm=scrub.serve,
         # gloo for CPU tensors: NCCL, the default where CUDA is available, reduces only GPU ones.
         backend="nccl" if args.device == "cuda" else "gloo",
         soft_timeout=args.soft_timeout,
@@ -289,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
             # The group of this iteration has set this rank's GPU (LOCAL_RANK) for NCCL.
             device = torch.device(args.device, torch.cuda.current_device() if cuda else None)
             model = build_model(cfg, args.seed).to(device)
+            corruption.attach(model)  # the sdc faults' gradient hook, before the scrubber's
             # DDP, or sharded on a mesh of this iteration's group (examples/parallel.py).
             net = shard(model, args.parallel, world=ctx.world_size, device=device)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -299,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
             restored = mgr.load_latest(ckpt)
             restore = mgr.last_restore
             start = state.step if restored is not None else 0
+            scrub.begin(model, rank=ctx.rank, world=ctx.world_size, initial_rank=ctx.initial_rank)
+            start = scrub.restore(start, restore=scrubbing.restore_into(state))
         if ctx.rank == 0:
             _tell_restart(ctx.last_restart, run_dir, restored, restore, time.monotonic() - t0)
         tick, tick_step = time.monotonic(), start
@@ -307,21 +337,23 @@ def run(args: argparse.Namespace) -> int:
             with ctx.section("step"):  # a hang in here is caught at the learned timeout
                 # Fires this rank's planned faults once per run, each recorded in the run dir first
                 # (the report times them); a due NaN comes back for the loss of the first attempt.
-                nan_due = faults.fire_planned(plan, step=step, record_dir=run_dir)
-                batches = RerunDataIterator(
-                    iter(
-                        [
-                            batch(
-                                data,
-                                seed=args.seed,
-                                step=step,
-                                rank=data_rank(args.parallel, ctx.rank),
-                                batch_size=args.batch_size,
-                                seq=cfg.seq,
-                            )
-                        ]
-                    )
+                due = faults.fire_planned(plan, step=step, record_dir=run_dir)
+                nan_due = due if due is not None and due.kind == "nan" else None
+                corruption.fired(due, step)
+                xy = batch(
+                    data,
+                    seed=args.seed,
+                    step=step,
+                    rank=data_rank(args.parallel, ctx.rank),
+                    batch_size=args.batch_size,
+                    seq=cfg.seq,
                 )
+                batches = RerunDataIterator(iter([xy]))
+                # Sampled steps: judge the reserve's answers (may roll back), copy the state.
+                # Not step 0: torch's get_state_dict creates an unstepped AdamW's state (step
+                # 1), which would change every later update.
+                if step > 0:
+                    scrub.before_step(step, xy, snapshot=state.state_dict)
                 attempts = 0
                 while rsm.should_run_forward_backward(batches):
                     attempts += 1
@@ -332,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
                         loss = loss * float("nan")  # a transient numerical fault on this rank
                     loss.backward()
                     rsm.validate_loss(loss)
+                scrub.after_step(loss)  # a check sent to the reserve, or made in place
                 _, exit_now, _ = rsm.should_checkpoint_and_exit()
                 if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
                     rsm.exit_or_raise(close=[mgr])  # the checkpoint is committed first
@@ -365,7 +398,11 @@ def run(args: argparse.Namespace) -> int:
         # Also when train() stops for good (RestartAbortedError): a save still in flight is
         # abandoned here, instead of holding the interpreter's exit until its timeout.
         mgr.close()
+        scrub.close()
     if result is None:  # a reserve that was never needed
+        checks, seconds = scrub.reserve_stats
+        if checks:
+            log.info("sdc scrubbing: this reserve checked %d step(s) in %.3f s", checks, seconds)
         return 0
     if result["rank"] == 0:
         if not result["preempted"]:
@@ -375,6 +412,10 @@ def run(args: argparse.Namespace) -> int:
         # ends at the last job_end written so far (the other ranks end at the same step).
         _write_report(journal_dir, run_dir, result, png=args.report_png)
     return PREEMPTED_EXIT_CODE if result["preempted"] else 0
+
+
+def device_of(m: Any) -> Any:
+    return next(m.parameters()).device
 
 
 def _check_gpus(torch: Any, local_world_size: int) -> None:

@@ -49,6 +49,8 @@ class FaultRecord:
         """The fault's name in restart lines, reports and attribution alike: its ``kind``, but
         "numerical" for an exception that reports a numerical fault (``is_numerical``); the
         restart policy keeps reading ``kind``."""
+        if self.kind == "exception" and self.exc_type.endswith(".SilentDataCorruption"):
+            return "sdc"  # rerun.scrub found a wrong result on this rank
         return (
             "numerical" if self.kind == "exception" and is_numerical(self.exc_type) else self.kind
         )

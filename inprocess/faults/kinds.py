@@ -50,6 +50,19 @@ KINDS: Mapping[str, Kind] = MappingProxyType(
                 f"the rank's compute {SLOW_FACTOR:g}x slower from then on (a straggler)",
                 lasting=True,
             ),
+            # Silent data corruption (inprocess/faults/sdc.py): applied by the caller to a local
+            # gradient, before the all-reduce averages it into every replica.
+            Kind(
+                "sdc",
+                "one mantissa bit of one local gradient element flipped on every step from then "
+                "on (a faulty chip)",
+                lasting=True,
+            ),
+            Kind(
+                "sdc-once",
+                "one mantissa bit of one local gradient element flipped at that step (a transient)",
+                numeric=True,
+            ),
         )
     }
 )

@@ -10,7 +10,7 @@ from inprocess.faults.kinds import KINDS, kind_of, kinds_help
 
 ITEM_SYNTAX = "KIND@rankR:stepS"
 SYNTAX = f"{ITEM_SYNTAX}[,{ITEM_SYNTAX}...]"
-_ITEM = re.compile(r"^(?P<kind>[a-z_]+)@rank(?P<rank>\d+):step(?P<step>\d+)$")
+_ITEM = re.compile(r"^(?P<kind>[a-z_-]+)@rank(?P<rank>\d+):step(?P<step>\d+)$")
 
 
 @dataclass(frozen=True)

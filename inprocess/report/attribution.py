@@ -8,7 +8,8 @@ rank; a killed rank's peers record broken collectives; the killed rank writes no
 finding names the fault's class and a suspected origin with the rule that fired and its
 evidence. Classes: ``kill`` (the process died), ``hang`` (soft, section, atomic or hard
 timeout), ``exception``, ``numerical`` (a re-run verdict, a ``FloatingPointError``),
-``straggler``, ``unhealthy`` (a failed health check). Origins, first match wins:
+``sdc`` (silent data corruption found by scrubbing: rank, host, step, how it was settled, the
+steps rolled back), ``straggler``, ``unhealthy`` (a failed health check). Origins, first match wins:
 
 0. injected: the fault plan or a drill fired it (a ``fault_fired`` record of the blamed process
    in the window): what the plan says, nothing to attribute.
@@ -51,7 +52,7 @@ class Finding:
     """The classification of one fault window, with the evidence for it."""
 
     fault: Fault
-    fault_class: str  # kill | hang | exception | numerical | straggler | unhealthy
+    fault_class: str  # kill | hang | exception | numerical | sdc | straggler | unhealthy
     origin: str  # injected | hardware | application | infrastructure | unknown
     rule: str
     hosts: list[str] = field(default_factory=list)
@@ -82,6 +83,7 @@ class Finding:
             "launches": self.launches,
             "ranks": self.ranks,
             "exclude": self.exclude,
+            **({"sdc": f.detail} if self.fault_class == "sdc" else {}),
         }
 
     def line(self) -> str:
@@ -97,6 +99,7 @@ class Finding:
             f"{self.fault_class}, origin {self.origin}: {self.rule}"
             + (f"; hosts {', '.join(self.hosts)}" if self.origin == "hardware" else "")
             + (f"; {self.exclude}" if self.exclude else "")
+            + (f"; sdc: {f.detail}" if self.fault_class == "sdc" else "")
         )
 
 
@@ -107,7 +110,9 @@ def analyse(records: list[dict[str, Any]]) -> list[Finding]:
 
 
 def classify(f: Fault) -> str:
-    """kill | hang | exception | numerical | straggler | unhealthy."""
+    """kill | hang | exception | numerical | sdc | straggler | unhealthy."""
+    if f.kind.startswith("sdc:"):
+        return "sdc"
     if f.kind.startswith("rerun:") or is_numerical(f.exc_type):
         return "numerical"
     if f.kind in HANG_KINDS:
@@ -155,13 +160,15 @@ def _primary(window: list[Fault]) -> Fault:
     """The fault that explains the window: a re-run verdict (the numerical fault, not the
     exception that carries it out of ``train()``), else a rank's own fault (the injected one
     first, then the earliest), else the earliest collective failure."""
-    verdicts = [f for f in window if f.kind.startswith("rerun:")]
+    verdicts = [f for f in window if f.kind.startswith(("rerun:", "sdc:"))]
     if verdicts:
         # Every rank writes the verdict: the one of the rank whose exception carried it out.
         raisers = {f.rank for f in window if f.exc_type}
         v = min(verdicts, key=lambda f: (not f.injected, f.rank not in raisers, f.t))
         # The step as ctx.ping names it (the exception's), not the re-run machine's count.
         steps = [f.step for f in window if f.rank == v.rank and f.exc_type and f.step is not None]
+        if v.kind.startswith("sdc:"):  # the step whose result was wrong, not the one it was found
+            return v
         return replace(v, step=steps[0]) if steps else v
     own = [f for f in window if not f.in_collective]
     pool = own or window
@@ -177,7 +184,7 @@ def _finding(
 ) -> Finding:
     """Rules 0-3 and 5 (``attribute`` applies the recurrence rule, 4, to what is left)."""
     cls = classify(f)
-    own = [g for g in window if not g.in_collective and not g.kind.startswith("rerun:")]
+    own = [g for g in window if not g.in_collective and not g.kind.startswith(("rerun:", "sdc:"))]
     ranks = sorted({g.rank for g in own})
 
     def found(origin: str, rule: str, evidence: list[Fault] | None = None) -> Finding:

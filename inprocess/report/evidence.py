@@ -118,7 +118,33 @@ def _recorded(
             round=round_of(r),
             training_rank=r.get("training_rank"),
         )
+    if event == "sdc_finding":  # rerun.scrub: a checked step's result was wrong
+        return _sdc_fault(r, launch, round_of(r))
     return None
+
+
+def _sdc_fault(r: dict[str, Any], launch: str, round_: int) -> Fault:
+    """The evidence of an ``sdc_finding`` record: the rank whose step was wrong, its host,
+    the step, and in ``detail`` how it was settled and how far the job rolled back."""
+    return Fault(
+        launch=launch,
+        iteration=int(r.get("iteration", 0)),
+        rank=int(r.get("fault_rank", r.get("rank", -1))),
+        host=str(r.get("host", "")),
+        kind="sdc:" + str(r.get("verdict", "")),
+        exc_type="",
+        where="",
+        step=r.get("step"),
+        detail=(
+            f"{r.get('verdict')} at step {r.get('step')} (found at step {r.get('detected_at')}), "
+            f"settled by {r.get('settled_by')}; rolled back {r.get('steps_rolled_back')} step(s) "
+            f"to step {r.get('rollback_to')}"
+        ),
+        in_collective=False,
+        t=float(r["t"]),
+        round=round_,
+        training_rank=r.get("training_rank"),
+    )
 
 
 def _unrecorded(

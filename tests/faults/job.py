@@ -42,9 +42,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import CheckpointManager
 from inprocess import context, restartable
 from inprocess.faults import PlannedFault, trigger
+from inprocess.faults.sdc import GradientBitFlip, corrupting
 from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from inprocess.store_server import client
+from rerun.scrub import Scrubber
 
 STEPS = 12
+SCRUB_STEP_S = 0.2  # sdc rows: a step lasts longer than the reserve's check of one
 PERSISTENT_EVERY = 4
 
 
@@ -160,6 +164,37 @@ def _flip(path: Path) -> None:
         f.write(bytes([(b[0] if b else 0) ^ 0xFF]))
 
 
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _forward(m: torch.nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(m(xy[0]), xy[1])
+
+
+def _scrubber(mode: str) -> Scrubber:
+    """sdc rows: a warm reserve re-computes every step of one rank (rotating), or each rank
+    its own (in place)."""
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    return Scrubber(
+        every=1,
+        mode=mode,  # type: ignore[arg-type]
+        compute=_forward,
+        make_model=_model,
+        make_store=lambda: client(host, port, timeout=30.0),
+    )
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {"model": state["model"].state_dict(), "optim": state["optim"].state_dict()}
+
+
+def _load(state: dict[str, Any], sd: dict[str, Any]) -> None:
+    state["model"].load_state_dict(sd["model"])
+    state["optim"].load_state_dict(sd["optim"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", required=True, type=Path)
@@ -186,7 +221,10 @@ def main() -> int:
         timeout=30.0,
     )
 
+    scrub = _scrubber(job.row.get("scrub", "off"))
+
     def reserve_waits() -> None:
+        scrub.serve()  # sdc rows: the reserve re-computes the checked steps
         job.maybe("reserve", who="reserve", iteration=0, step=None)
 
     @restartable(
@@ -197,14 +235,17 @@ def main() -> int:
         barrier_timeout=30.0,
         completion_timeout=20.0,
         max_iterations=8,
-        prewarm=reserve_waits if job.row.get("rank") == "reserve" else None,
+        prewarm=reserve_waits if job.row.get("rank") == "reserve" or scrub.mode != "off" else None,
     )
     def train(preempt: PreemptionHandler) -> dict[str, Any]:
         ctx = context()
         it = ctx.iteration
         job.maybe("startup", who=ctx.rank, iteration=it, step=None)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        model = _model()
+        flip = GradientBitFlip()
+        flip.attach(model)  # sdc rows: before the scrubber's gradient capture
+        if corrupting(run_dir / "faults"):
+            flip.arm_lasting()
         if job.row.get("parallel") == "fsdp":  # sharded: DTensor parameters and moments
             mesh = init_device_mesh("cpu", (ctx.world_size,))
             for module in (model[0], model[2], model):
@@ -216,6 +257,10 @@ def main() -> int:
         state = {"model": model, "optim": opt}
         job.maybe("restore", who=ctx.rank, iteration=it, step=None)
         start = mgr.load_latest(state) or 0
+        scrub.begin(model, rank=ctx.rank, world=ctx.world_size, initial_rank=ctx.initial_rank)
+        if it == 0:  # the first steps are checked too (after a retirement no reserve is left)
+            scrub.wait_for_reserve(60.0)
+        start = scrub.restore(start, restore=lambda sd: _load(state, sd))
         if job.baseline_fds is None:
             job.baseline_fds = _fds()
         for step in range(start, STEPS):
@@ -224,8 +269,14 @@ def main() -> int:
                 print(f"job: step {step}", flush=True)  # the test kills the launcher now
                 time.sleep(30)
             nan = job.maybe("step", who=ctx.rank, iteration=it, step=step)
+            if nan and job.row["kind"].startswith("sdc"):
+                flip.arm_once() if job.row["kind"] == "sdc-once" else flip.arm_lasting()
+                nan = False
             x, y = _batch(step, ctx.rank)
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            if scrub.mode != "off":
+                time.sleep(SCRUB_STEP_S)
+                scrub.before_step(step, (x, y), snapshot=lambda: _snapshot(state))
+            loss = _forward(ddp, (x, y))
             if nan:
                 loss = loss * float("nan")
             if not torch.isfinite(loss):
@@ -233,6 +284,7 @@ def main() -> int:
             # The peers are inside backward's all_reduce while this rank fires.
             job.maybe("collective", who=ctx.rank, iteration=it, step=step)
             loss.backward()
+            scrub.after_step(loss)
             with ctx.atomic():
                 job.maybe("atomic", who=ctx.rank, iteration=it, step=step)
                 opt.step()
@@ -262,6 +314,7 @@ def main() -> int:
         print(f"job: train() stopped: {type(e).__name__}: {e}", flush=True)
     finally:
         mgr.close()
+        scrub.close()
     if result is not None and result.get("preempted"):
         status = PREEMPTED_EXIT_CODE
     if dist.is_initialized():

@@ -68,6 +68,7 @@ class Row:
         pair = f"+{also['kind']}-r{also['rank']}" if also else ""
         pair += "+journal_full" if "journal_tmpfs_kb" in self.extra else ""
         par = f"-{self.extra['parallel']}" if "parallel" in self.extra else ""
+        par += f"-{self.extra['scrub']}" if "scrub" in self.extra else ""
         return f"{self.kind}-{self.phase}-r{self.rank}{it}{pair}{par}".replace(":", "_")
 
     def spec(self) -> dict[str, Any]:
@@ -132,6 +133,15 @@ def full_matrix() -> list[Row]:
         # trains to its true end.
         Row("forged_value", "step", 0, expect="forged"),
     ]
+    # Silent data corruption (a flipped gradient bit) in the step, where gradients are made:
+    # found by a warm reserve's re-computation (persistent: the rank retired; transient: kept)
+    # or in place (transient only), rolled back to a verified step: the clean run's parameters.
+    # Every step is checked, rank 0's at odd steps, rank 1's at even ones: sdc-once hits one.
+    for rank in (0, 1):
+        at = {"step": FAULT_STEP + rank}
+        rows.append(Row("sdc", "step", rank, extra={"scrub": "reserve"}))
+        rows.append(Row("sdc-once", "step", rank, extra={"scrub": "reserve", **at}))
+        rows.append(Row("sdc-once", "step", rank, extra={"scrub": "in_place"}))
     # The parallelism dimension: the same model sharded with FSDP2 (DTensor state in both tiers,
     # the mesh's groups released at each restart) instead of replicated with DDP.
     for kind in ("exception", "hang", "kill"):

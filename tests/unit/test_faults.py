@@ -48,9 +48,10 @@ def in_train(*, rank: int, initial_rank: int, iteration: int) -> Iterator[None]:
 
 
 def test_table_holds_each_kind_and_the_old_names_are_aliases() -> None:
-    assert tuple(faults.KINDS) == (*FIRED_KINDS[:4], "nan", "sigterm", "slow")
+    kinds = (*FIRED_KINDS[:4], "nan", "sigterm", "slow", "sdc", "sdc-once")
+    assert tuple(faults.KINDS) == kinds
     assert {k for k, v in faults.KINDS.items() if v.loses_rank} == {"kill", "hang_gil"}
-    assert [k for k, v in faults.KINDS.items() if v.numeric] == ["nan"]
+    assert [k for k, v in faults.KINDS.items() if v.numeric] == ["nan", "sdc-once"]
     assert {old: faults.kind_of(old).name for old in faults.ALIASES} == {
         "raise": "exception",
         "sigkill_self": "kill",

@@ -1,0 +1,120 @@
+"""Costs of silent-data-corruption scrubbing in the example job (examples/train.py, 3 active ranks
++ 1 warm reserve under ``python -m inprocess.launch``).
+
+Run: ``python benchmarks/sdc_scrub.py [--quick]``. Prints one JSON document with:
+
+* ``step_time``: the active ranks' steady-state step time with ``--scrub reserve`` and with
+  ``--scrub off``, launched interleaved (off, on, off, on, ...) so that machine noise hits both
+  alike; the ratio on/off (target <= 1.02 with a reserve). Taken from the example's progress
+  lines (steps/s of rank 0 between two lines; the first two lines, startup and warm-up, are
+  dropped). On a machine where the reserve shares the CPUs with the active ranks, its
+  re-computations take CPU time from them; with a device per rank (the intended setting) they
+  do not.
+* ``latency``: for each K (``--scrub-every``), a run with ``sdc@rank1:step40``: the step at which
+  the corruption was found, the latency in steps, and the steps rolled back.
+* ``reserve``: the reserve's time per check (decode, forward/backward, digest, answer), from its
+  own count in the clean runs.
+* ``false_positives``: findings in the clean runs with scrubbing on (must be 0); the slow test
+  tests/dist/test_sdc_example.py::test_no_false_positive_in_repeated_clean_runs runs 50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+from inprocess import journal  # noqa: E402
+
+RATE = re.compile(r"step +(\d+) +loss [\d.]+ +([\d.]+) steps/s")
+RESERVE = re.compile(r"this reserve checked (\d+) step\(s\) in ([\d.]+) s")
+
+
+def launch(run_dir: Path, *, steps: int, faults: str, extra: list[str]) -> str:
+    argv = [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "4"]
+    argv += ["examples/train.py", "--steps", str(steps), "--faults", faults, "--active", "3"]
+    argv += ["--run-dir", str(run_dir), "--log-every", "10", *extra]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv} failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    logs = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*/rank*.log")))
+    return done.stdout + logs
+
+
+def findings(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in journal.read(run_dir / "journal") if r["event"] == "sdc_finding"]
+
+
+def step_times(out: str) -> list[float]:
+    rates = [float(m[2]) for m in RATE.finditer(out)][2:]
+    return [1.0 / r for r in rates if r > 0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="2 rounds of 100 steps, K in (2, 5)")
+    p.add_argument("--every", type=int, default=5, help="K of the step-time runs (default 5)")
+    args = p.parse_args()
+    rounds, steps = (2, 100) if args.quick else (3, 200)
+    ks = (2, 5) if args.quick else (1, 2, 5, 10)
+    tmp = Path(tempfile.mkdtemp(prefix="sdc-bench-"))
+    times: dict[str, list[float]] = {"off": [], "reserve": []}
+    checks, check_s, false_pos = 0, 0.0, 0
+    for i in range(rounds):
+        for mode in ("off", "reserve"):
+            run_dir = tmp / f"{mode}{i}"
+            every = ["--scrub-every", str(args.every)]
+            out = launch(run_dir, steps=steps, faults="none", extra=["--scrub", mode, *every])
+            times[mode] += step_times(out)
+            false_pos += len(findings(run_dir))
+            for m in RESERVE.finditer(out):
+                checks, check_s = checks + int(m[1]), check_s + float(m[2])
+    latency = []
+    for k in ks:
+        run_dir = tmp / f"sdc-k{k}"
+        launch(run_dir, steps=80, faults="sdc@rank1:step40", extra=["--scrub-every", str(k)])
+        (f,) = findings(run_dir)
+        latency.append(
+            {
+                "every": k,
+                "rank_checked_every_steps": 3 * k,
+                "found_at_step": f["detected_at"],
+                "latency_steps": f["detected_at"] - 40,
+                "rolled_back_steps": f["steps_rolled_back"],
+                "verdict": f["verdict"],
+            }
+        )
+    off, on = statistics.median(times["off"]), statistics.median(times["reserve"])
+    print(
+        json.dumps(
+            {
+                "machine_note": "CPU ranks over gloo; the reserve shares the CPUs with 3 ranks",
+                "step_time": {
+                    "every": args.every,
+                    "off_median_s": off,
+                    "reserve_median_s": on,
+                    "ratio": on / off,
+                    "samples": {k: len(v) for k, v in times.items()},
+                },
+                "latency": latency,
+                "reserve": {
+                    "checks": checks,
+                    "seconds_per_check": check_s / checks if checks else None,
+                },
+                "false_positives": {"clean_runs_scrubbed": rounds, "findings": false_pos},
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
