@@ -151,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

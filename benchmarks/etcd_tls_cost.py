@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))  # tests.etcd_cluster, tests.etcd_secure
 # The same restart protocol and timer as the sealing benchmark (benchmarks/ is sys.path[0]).
 from sealing_cost import _median_us, _restart  # noqa: E402
 
-from inprocess.etcd import EtcdStore  # noqa: E402
+from restartable.inprocess.etcd import EtcdStore  # noqa: E402
 from tests.etcd_cluster import EtcdCluster, skip_reason  # noqa: E402
 from tests.etcd_secure import SecureEtcd  # noqa: E402
 

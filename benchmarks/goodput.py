@@ -1,6 +1,6 @@
 """Goodput: the example job with the same fault plan on two stacks, in one invocation.
 
-(a) restartable: ``python -m inprocess.launch`` + ``examples/train.py`` (in-process restart, warm
+(a) restartable: ``python -m restartable.launch`` + ``examples/train.py`` (in-process restart, warm
     reserves, local checkpoint every step, async persistent every N steps, re-run of NaN steps);
 (b) baseline: ``torchrun --max-restarts=K`` + ``benchmarks/goodput_baseline.py`` (new processes
     after every fault, synchronous ``torch.distributed.checkpoint.save`` every N steps).
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from inprocess import faults
+from restartable.inprocess import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,7 +128,7 @@ def main() -> int:
     ours_cmd = [
         sys.executable,
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         str(args.active + reserves),
         "examples/train.py",

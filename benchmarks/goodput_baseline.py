@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPTConfig, batch, build_model, corpus
 from torchrun_group import attempt_store
 
-from inprocess import faults, journal
-from inprocess.faults.kinds import InjectedFault
-from inprocess.report.cli import format_report, reports
+from restartable.inprocess import faults, journal
+from restartable.inprocess.faults.kinds import InjectedFault
+from restartable.inprocess.report.cli import format_report, reports
 
 
 def latest_step(ckpt_root: Path) -> int | None:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from inprocess import journal
+from restartable.inprocess import journal
 
 
 def _steps(

@@ -1,4 +1,4 @@
-"""Process-level recovery costs of ``python -m inprocess.launch`` (CPU, gloo, localhost).
+"""Process-level recovery costs of ``python -m restartable.launch`` (CPU, gloo, localhost).
 
 In one invocation, with the rank script of the launcher tests
 (``tests/dist/workers_launcher_recovery.py``: an all_reduce loop that checkpoints every step to
@@ -62,7 +62,7 @@ CONFIG = {
     "completion_timeout": 30.0,
     "termination_grace_time": 0.5,
 }
-LAUNCH = ["-m", "inprocess.launch", "--monitor-interval", "0.02", "--stop-grace", "2"]
+LAUNCH = ["-m", "restartable.launch", "--monitor-interval", "0.02", "--stop-grace", "2"]
 
 
 def _free_port() -> int:
@@ -92,7 +92,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 def refill_once(warm: bool = True) -> dict[str, float]:
     """Kill -> respawned process registered as a ready reserve (seconds), from the journal's
     ``reserve_ready`` record; ``warm``: forked from the warm pool (else ``--no-warm-pool``)."""
-    from inprocess import journal
+    from restartable.inprocess import journal
 
     d = Path(tempfile.mkdtemp(prefix="bench-refill-"))
     opts = {
@@ -149,7 +149,7 @@ def watchdog_once() -> dict[str, Any]:
 
     from torch.distributed import TCPStore
 
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=30))  # fmt: skip

@@ -55,7 +55,7 @@ def example_state(parallel: str | None = None) -> dict[str, Any]:
     from gpt import GPTConfig, build_model
     from state import TrainState
 
-    from rerun import RerunStateMachine
+    from restartable.rerun import RerunStateMachine
 
     model = build_model(GPTConfig(), seed=1234)
     if parallel is not None:
@@ -80,8 +80,8 @@ def timing_parts(mgr: Any, state: dict[str, Any]) -> Iterator[dict[str, list[int
     """While open, each call of a save's parts adds its duration (ns) to the yielded lists; the
     wrapped functions are the real ones, restored on exit. Keys: ``save`` (the manager's), the
     parts, and ``state_dict`` (inside ``walk``: the walk's own time is walk - state_dict)."""
-    from checkpoint.local import packing, walk
-    from checkpoint.local import tier as tier_module
+    from restartable.checkpoint.local import packing, walk
+    from restartable.checkpoint.local import tier as tier_module
 
     times: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
@@ -156,7 +156,7 @@ def measure_parts(
 
 def _manager(tmp: str, local_dir: str | None) -> Any:
     """A manager that saves only the local tier, at every step (persistent: never here)."""
-    from checkpoint.manager import CheckpointManager
+    from restartable.checkpoint.manager import CheckpointManager
 
     return CheckpointManager(
         f"{tmp}/ckpt",
@@ -171,8 +171,8 @@ def measure(state: dict[str, Any], n: int, gap: float, local_dir: str | None) ->
     """n rounds of (copy floor, walk floor, save), each after `gap` of sleep: a save follows a
     training step, so caches are cold for all three alike (a hot timeit loop of the floors ran
     2.5-4x faster than the same work inside saves here)."""
-    from checkpoint.local import walk
-    from checkpoint.local.memo import WalkMemo
+    from restartable.checkpoint.local import walk
+    from restartable.checkpoint.local.memo import WalkMemo
 
     tensors = [x.value for x in walk.leaves(state, []) if isinstance(x.value, torch.Tensor)]
     views = [torch.empty_like(t) for t in tensors]

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def measure(width: int, layers: int, saves: int, batch: int) -> dict[str, Any]:
     """The figures of one size (see the module docstring)."""
-    from checkpoint.group import BackgroundGroup
-    from checkpoint.local import LocalTier
+    from restartable.checkpoint.group import BackgroundGroup
+    from restartable.checkpoint.local import LocalTier
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).cuda()
@@ -120,7 +120,7 @@ def measure_overlapped(
     """Blocks of `saves` steps, each followed by an overlapped save (the next step's optimizer
     waits for its copy), against blocks of plain steps, alternating, one synchronize per block;
     then the restore of the newest step from memory."""
-    from checkpoint.local import LocalTier
+    from restartable.checkpoint.local import LocalTier
 
     sync = torch.cuda.synchronize
     blocks: dict[str, list[float]] = {"plain": [], "overlapped": [], "restore": []}

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from rerun import RerunDataIterator, RerunStateMachine
+from restartable.rerun import RerunDataIterator, RerunStateMachine
 
 
 def batches(n_in: int, batch: int, device: torch.device) -> Iterator[torch.Tensor]:

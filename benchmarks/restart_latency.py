@@ -226,7 +226,7 @@ def inprocess_worker(scenario: Scenario, out: Path, trials: int, victim: int) ->
     import torch
     import torch.distributed as dist
 
-    from inprocess import context, restartable
+    from restartable.inprocess import context, restartable
 
     options = {
         "backend": scenario.backend,
@@ -336,7 +336,7 @@ def measure_inprocess(s: Scenario, trials: int) -> tuple[list[float], list[float
         cmd = [
             sys.executable,
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             str(s.nproc),
             __file__,

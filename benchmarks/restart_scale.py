@@ -52,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from inprocess.protocol.store import StoreBase  # noqa: E402 (torch-free, after the path)
+from restartable.inprocess.protocol.store import StoreBase  # noqa: E402 (torch-free, after the path)
 
 FAULT_RANK = 1  # the rank that is killed; its watchdog records the death
 RANKS_PER_NODE = 8  # node_of for the decision (granularity "rank", so only bookkeeping)
@@ -178,8 +178,8 @@ class CountingStore(StoreBase):
 
 def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
     """The assignment, config and node map every simulated rank of an N-rank job shares."""
-    from inprocess.config import RestartConfig
-    from inprocess.protocol.ranks import initial_assignment, node_of_ranks
+    from restartable.inprocess.config import RestartConfig
+    from restartable.inprocess.protocol.ranks import initial_assignment, node_of_ranks
 
     reserves = max(1, n // RESERVE_SHARE)
     node_of = node_of_ranks(world_size=n, local_world_size=min(RANKS_PER_NODE, n))
@@ -191,8 +191,8 @@ def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
 
 def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list[Any]) -> str:
     """What ``inprocess.protocol.restart_meeting.decide`` does: read inputs, decide."""
-    from inprocess.protocol import job_keys
-    from inprocess.protocol.policy import Observed, decide
+    from restartable.inprocess.protocol import job_keys
+    from restartable.inprocess.protocol.policy import Observed, decide
 
     gone, joined = job_keys.gone_and_ready_joiners(store)
     observed = Observed(
@@ -210,7 +210,7 @@ def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list
 
 
 def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str, float]:
-    from inprocess.protocol import job_keys
+    from restartable.inprocess.protocol import job_keys
 
     assignment = shared[0]
     job_keys.start_iteration(
@@ -225,9 +225,15 @@ def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str,
 def _phase_restart(
     me: int, store: Any, shared: tuple[Any, Any, Any], t_fault: float
 ) -> dict[str, float]:
-    from inprocess.clock import SYSTEM
-    from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
-    from inprocess.protocol.policy import Decision
+    from restartable.inprocess.clock import SYSTEM
+    from restartable.inprocess.protocol import (
+        barriers,
+        fault_records,
+        iteration_end,
+        keys,
+        restart_meeting,
+    )
+    from restartable.inprocess.protocol.policy import Decision
 
     assignment, config, node_of = shared
     if me == FAULT_RANK:  # this thread plays the killed rank's watchdog
@@ -264,8 +270,8 @@ def _phase_restart(
 
 
 def _phase_ckpt(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str, float]:
-    from checkpoint.exchange import StoreExchange
-    from checkpoint.group import _arrive
+    from restartable.checkpoint.exchange import StoreExchange
+    from restartable.checkpoint.group import _arrive
 
     assignment = shared[0]
     new_active = [r for r in assignment.active if r != FAULT_RANK] + [assignment.reserve[0]]
@@ -306,7 +312,7 @@ def _connect(kind: str, address: str, n: int) -> Any:
             timeout=datetime.timedelta(seconds=PHASE_TIMEOUT_S),
             wait_for_workers=False,
         )
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     return EtcdStore(address, prefix=f"scale{n}", timeout=PHASE_TIMEOUT_S)
 
@@ -334,8 +340,8 @@ def _worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any) 
     shared = _setup(n)
     # Imported now: a first import inside a phase (checkpoint pulls in torch.distributed
     # .checkpoint) held every thread of the process for ~2 s under the import lock.
-    importlib.import_module("checkpoint.exchange")
-    importlib.import_module("checkpoint.group")
+    importlib.import_module("restartable.checkpoint.exchange")
+    importlib.import_module("restartable.checkpoint.group")
 
     with ThreadPoolExecutor(CONNECT_PARALLEL) as pool:
         stores = dict(

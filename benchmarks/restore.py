@@ -129,8 +129,8 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
     import torch
     import torch.distributed as dist
 
-    from checkpoint.group import BackgroundGroup
-    from checkpoint.local import LocalTier
+    from restartable.checkpoint.group import BackgroundGroup
+    from restartable.checkpoint.local import LocalTier
 
     rank, n = dist.get_rank(), _nbytes(state)
     out: dict[str, float] = {}
@@ -206,7 +206,7 @@ def _local(state: dict[str, Any], local_dir: str, repeat: int) -> dict[str, floa
 
 
 def _persistent(state: dict[str, Any], root: str) -> dict[str, float]:
-    from checkpoint.manager import CheckpointManager
+    from restartable.checkpoint.manager import CheckpointManager
 
     with CheckpointManager(root, persistent_every=1, keep=1, timeout=300.0) as mgr:
         mgr.save(1, state)

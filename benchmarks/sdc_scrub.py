@@ -1,5 +1,5 @@
 """Costs of silent-data-corruption scrubbing in the example job (examples/train.py, 3 active ranks
-+ 1 warm reserve under ``python -m inprocess.launch``).
++ 1 warm reserve under ``python -m restartable.launch``).
 
 Run: ``python benchmarks/sdc_scrub.py [--quick]``. Prints one JSON document with:
 
@@ -32,14 +32,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-from inprocess import journal  # noqa: E402
+from restartable.inprocess import journal  # noqa: E402
 
 RATE = re.compile(r"step +(\d+) +loss [\d.]+ +([\d.]+) steps/s")
 RESERVE = re.compile(r"this reserve checked (\d+) step\(s\) in ([\d.]+) s")
 
 
 def launch(run_dir: Path, *, steps: int, faults: str, extra: list[str]) -> str:
-    argv = [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "4"]
+    argv = [sys.executable, "-m", "restartable.launch", "--nproc-per-node", "4"]
     argv += ["examples/train.py", "--steps", str(steps), "--faults", faults, "--active", "3"]
     argv += ["--run-dir", str(run_dir), "--log-every", "10", *extra]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)

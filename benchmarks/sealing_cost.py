@@ -33,13 +33,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoint.exchange import StoreExchange
-from checkpoint.sealing import Sealer
-from inprocess.clock import SYSTEM
-from inprocess.errors import FaultRecord
-from inprocess.protocol import fault_records, iteration_end, restart_meeting
-from inprocess.protocol.sealed_store import SealedStore
-from inprocess.protocol.store import as_store
+from restartable.checkpoint.exchange import StoreExchange
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.clock import SYSTEM
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol import fault_records, iteration_end, restart_meeting
+from restartable.inprocess.protocol.sealed_store import SealedStore
+from restartable.inprocess.protocol.store import as_store
 
 
 def _median_us(fn: Any, n: int) -> float:
@@ -66,7 +66,15 @@ def _in_job(faults: int) -> dict[str, Any]:
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
     job = repo / "benchmarks" / "sealing_cost_job.py"
-    cmd = [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "2", str(job), str(faults)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "restartable.launch",
+        "--nproc-per-node",
+        "2",
+        str(job),
+        str(faults),
+    ]
     done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     lines = done.stdout.splitlines()
     rows = [json.loads(ln.split("BENCH ", 1)[1]) for ln in lines if "BENCH " in ln]

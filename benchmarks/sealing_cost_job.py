@@ -1,6 +1,6 @@
 """The rank script of ``benchmarks/sealing_cost.py --job``: real in-process restarts, timed.
 
-    python -m inprocess.launch --nproc-per-node 2 benchmarks/sealing_cost_job.py FAULTS
+    python -m restartable.launch --nproc-per-node 2 benchmarks/sealing_cost_job.py FAULTS
 
 Every ``Sealer.seal`` / ``Sealer.open`` of this process is timed (all threads: the main
 thread's protocol, the monitors, the checkpoint exchange). Rank 0 raises once in each of the
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import sealing
-from inprocess import context, restartable
+from restartable.checkpoint import sealing
+from restartable.inprocess import context, restartable
 
 _lock = threading.Lock()
 _spent = [0.0, 0]  # seconds inside seal/open, calls

@@ -101,7 +101,7 @@ def command(config: str, args: argparse.Namespace, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         str(nproc),
         "--master-port",

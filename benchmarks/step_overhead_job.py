@@ -1,6 +1,6 @@
 """One run of ``benchmarks/step_overhead.py``: the example's tiny GPT under DDP, layers switched on.
 
-Started by the driver under ``python -m inprocess.launch`` (or ``torchrun`` for ``--layers 0``).
+Started by the driver under ``python -m restartable.launch`` (or ``torchrun`` for ``--layers 0``).
 ``--layers K`` switches on the first K layers of ``LAYERS``, cumulatively:
 
     0 plain DDP (the script makes its own process group; no framework code runs)
@@ -117,7 +117,7 @@ def cpu_snapshot() -> dict[str, float]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        kind = "watchdog" if "inprocess.watchdog" in cmd else cmd.split(" ")[-2:][0]
+        kind = "watchdog" if "restartable.inprocess.watchdog" in cmd else cmd.split(" ")[-2:][0]
         snap[f"child {kind}"] = snap.get(f"child {kind}", 0.0) + _process_cpu(child)
     launcher = os.environ.get("INPROCESS_LAUNCHER_PID")
     if launcher is not None and os.environ.get("RANK") == "0":  # it hosts the store: count it once
@@ -240,9 +240,9 @@ def main() -> int:
     from parallel import shard
     from state import TrainState
 
-    from checkpoint import CheckpointManager
-    from inprocess import restartable
-    from rerun import RerunDataIterator, RerunStateMachine
+    from restartable.checkpoint import CheckpointManager
+    from restartable.inprocess import restartable
+    from restartable.rerun import RerunDataIterator, RerunStateMachine
 
     torch.set_num_threads(1)
     layers = args.layers
@@ -337,7 +337,7 @@ def main() -> int:
         result: dict[str, Any] | None = loop(rank)
         dist.destroy_process_group()
     else:
-        from inprocess import context
+        from restartable.inprocess import context
 
         @restartable(
             backend="gloo",  # the plain runs' backend, also on a host with a GPU

@@ -92,7 +92,7 @@ def measure_ops(store: Any, other: Any, n: int) -> dict[str, dict[str, float]]:
 def bench_ops(n: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
@@ -109,7 +109,7 @@ def bench_ops(n: int) -> dict[str, Any]:
 
 
 def bench_leader_loss(trials: int) -> dict[str, Any]:
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     stalls = []
     for _ in range(trials):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from straggler import Detector
+from restartable.straggler import Detector
 
 
 class Step:

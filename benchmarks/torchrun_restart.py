@@ -91,7 +91,7 @@ def _commands(script: Path, work: Path, a: argparse.Namespace) -> dict[str, list
             *("--nproc-per-node", str(a.nproc), "--max-restarts", "1", *args),
         ],
         "ours": [
-            *(sys.executable, "-m", "inprocess.launch"),
+            *(sys.executable, "-m", "restartable.launch"),
             *("--nproc-per-node", str(ours_nproc), *args),
         ],
     }

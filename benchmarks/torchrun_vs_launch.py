@@ -54,7 +54,7 @@ if mode == "plain":
     loop()
     dist.destroy_process_group()
 else:
-    from inprocess import restartable
+    from restartable.inprocess import restartable
     restartable(soft_timeout=30.0, hard_timeout=60.0, backend="gloo")(loop)()
 """
 
@@ -91,7 +91,7 @@ def compare(repeats: int, nproc: int, steps: int) -> dict[str, object]:
         ours = [
             sys.executable,
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             str(nproc),
             str(script),
@@ -128,7 +128,7 @@ def restarts(runs: int) -> dict[str, object]:
             cmd = [
                 sys.executable,
                 "-m",
-                "inprocess.launch",
+                "restartable.launch",
                 "--nproc-per-node",
                 "3",
                 "examples/minimal.py",

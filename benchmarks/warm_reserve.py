@@ -34,7 +34,7 @@ def one_run(root: Path) -> dict[str, float]:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as d:
         ckpt = str(Path(d) / "ckpt")
-        launch = [sys.executable, "-m", "inprocess.launch", "--nproc-per-node", "3"]
+        launch = [sys.executable, "-m", "restartable.launch", "--nproc-per-node", "3"]
         cmd = [*launch, str(EXAMPLE), "2", "1", "--kill-at", "16", "--ckpt", ckpt]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=d)
     text = out.stdout + out.stderr

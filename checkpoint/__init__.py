@@ -16,9 +16,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+if __name__ != "restartable.checkpoint":  # the source tree's folder, imported by its old name
+    raise ImportError(
+        f"{__name__!r} is restartable's checkpoint/ folder imported by its old name: "
+        "import restartable.checkpoint instead (python -m restartable.launch for the launcher)"
+    )
+
 if TYPE_CHECKING:
-    from checkpoint.config import LocalConfig, PersistentConfig
-    from checkpoint.errors import (
+    from restartable.checkpoint.config import LocalConfig, PersistentConfig
+    from restartable.checkpoint.errors import (
         CheckpointAbandoned,
         CheckpointConfigError,
         CheckpointCorruptError,
@@ -28,28 +34,28 @@ if TYPE_CHECKING:
         CheckpointStorageError,
         ShardingMismatchError,
     )
-    from checkpoint.group import BackgroundGroup
-    from checkpoint.local import ReplicatedState
-    from checkpoint.manager import CheckpointManager
-    from checkpoint.per_rank import PerRank
-    from checkpoint.restore_choice import Restore
+    from restartable.checkpoint.group import BackgroundGroup
+    from restartable.checkpoint.local import ReplicatedState
+    from restartable.checkpoint.manager import CheckpointManager
+    from restartable.checkpoint.per_rank import PerRank
+    from restartable.checkpoint.restore_choice import Restore
 
 _HOMES = {
-    "BackgroundGroup": "checkpoint.group",
-    "CheckpointAbandoned": "checkpoint.errors",
-    "ShardingMismatchError": "checkpoint.errors",
-    "CheckpointConfigError": "checkpoint.errors",
-    "CheckpointCorruptError": "checkpoint.errors",
-    "CheckpointError": "checkpoint.errors",
-    "CheckpointManager": "checkpoint.manager",
-    "CheckpointMismatchError": "checkpoint.errors",
-    "CheckpointRankError": "checkpoint.errors",
-    "CheckpointStorageError": "checkpoint.errors",
-    "LocalConfig": "checkpoint.config",
-    "PersistentConfig": "checkpoint.config",
-    "PerRank": "checkpoint.per_rank",
-    "ReplicatedState": "checkpoint.local",
-    "Restore": "checkpoint.restore_choice",
+    "BackgroundGroup": "restartable.checkpoint.group",
+    "CheckpointAbandoned": "restartable.checkpoint.errors",
+    "ShardingMismatchError": "restartable.checkpoint.errors",
+    "CheckpointConfigError": "restartable.checkpoint.errors",
+    "CheckpointCorruptError": "restartable.checkpoint.errors",
+    "CheckpointError": "restartable.checkpoint.errors",
+    "CheckpointManager": "restartable.checkpoint.manager",
+    "CheckpointMismatchError": "restartable.checkpoint.errors",
+    "CheckpointRankError": "restartable.checkpoint.errors",
+    "CheckpointStorageError": "restartable.checkpoint.errors",
+    "LocalConfig": "restartable.checkpoint.config",
+    "PersistentConfig": "restartable.checkpoint.config",
+    "PerRank": "restartable.checkpoint.per_rank",
+    "ReplicatedState": "restartable.checkpoint.local",
+    "Restore": "restartable.checkpoint.restore_choice",
 }
 __all__ = [
     "BackgroundGroup",

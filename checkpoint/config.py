@@ -6,7 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
-from checkpoint.errors import CheckpointConfigError
+from restartable.checkpoint.errors import CheckpointConfigError
 
 # Test-only: the name of a point in the background save at which the process SIGKILLs itself
 # (see ``checkpoint.persistent.save.CRASH_POINTS``). Read here and nowhere else.

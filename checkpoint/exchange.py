@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from checkpoint import _torch_private, plain, store_delete
-from checkpoint.errors import CheckpointAbandoned, CheckpointError
-from checkpoint.sealing import ForgedValueError, Sealer, job_sealer, parse_count
+from restartable.checkpoint import _torch_private, plain, store_delete
+from restartable.checkpoint.errors import CheckpointAbandoned, CheckpointError
+from restartable.checkpoint.sealing import ForgedValueError, Sealer, job_sealer, parse_count
 
 if TYPE_CHECKING:
     import torch.distributed as dist

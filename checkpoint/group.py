@@ -11,9 +11,9 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
-from checkpoint import _torch_private
-from checkpoint.errors import CheckpointConfigError, CheckpointError
-from checkpoint.sealing import parse_count
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.errors import CheckpointConfigError, CheckpointError
+from restartable.checkpoint.sealing import parse_count
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -34,9 +34,9 @@ except ImportError as exc:  # an optional extra: say how to get it
         f'{__name__} needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
     ) from exc
 
-from checkpoint.errors import CheckpointConfigError, CheckpointError
-from checkpoint.manager import CheckpointManager
-from checkpoint.private_files import replace_private
+from restartable.checkpoint.errors import CheckpointConfigError, CheckpointError
+from restartable.checkpoint.manager import CheckpointManager
+from restartable.checkpoint.private_files import replace_private
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _load_lightning_part(data: bytes, *, weights_only: bool | None) -> dict[str,
     read with ``torch.load(weights_only=True)``: a checkpoint file is input and runs no code.
     Only a caller that asks for ``weights_only=False`` itself (``Trainer.fit(...,
     weights_only=False)``, for hyper-parameters of its own classes) gets the full unpickler."""
-    from checkpoint.local.header_objects import numpy_globals, short_reason
+    from restartable.checkpoint.local.header_objects import numpy_globals, short_reason
 
     try:
         with torch.serialization.safe_globals(numpy_globals()):

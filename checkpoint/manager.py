@@ -8,22 +8,22 @@ import os
 import time
 from typing import Any
 
-from checkpoint import optimizers
-from checkpoint.config import (
+from restartable.checkpoint import optimizers
+from restartable.checkpoint.config import (
     LocalConfig,
     PersistentConfig,
     local_config,
     read_test_hooks,
     tiers_record,
 )
-from checkpoint.errors import CheckpointConfigError, CheckpointError
-from checkpoint.group import BackgroundGroup
-from checkpoint.local import LocalTier
-from checkpoint.per_rank import current_rank, keyed_by_rank
-from checkpoint.persistent import CheckpointDirs, Committed, PersistentSaver, SaveStats
-from checkpoint.rank_values import RankValuesCheck
-from checkpoint.restore_choice import Restore, Tiers, restore_newest
-from checkpoint.schedule import SaveSchedule
+from restartable.checkpoint.errors import CheckpointConfigError, CheckpointError
+from restartable.checkpoint.group import BackgroundGroup
+from restartable.checkpoint.local import LocalTier
+from restartable.checkpoint.per_rank import current_rank, keyed_by_rank
+from restartable.checkpoint.persistent import CheckpointDirs, Committed, PersistentSaver, SaveStats
+from restartable.checkpoint.rank_values import RankValuesCheck
+from restartable.checkpoint.restore_choice import Restore, Tiers, restore_newest
+from restartable.checkpoint.schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointConfigError
+from restartable.checkpoint.errors import CheckpointConfigError
 
 
 class PerRank(dict[str, Any]):

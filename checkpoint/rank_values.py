@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import _torch_private
-from checkpoint.per_rank import PerRank
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.per_rank import PerRank
 
 log = logging.getLogger(__name__)
 

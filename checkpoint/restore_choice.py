@@ -8,15 +8,20 @@ import logging
 import time
 from typing import Any
 
-from checkpoint.errors import CheckpointError, ShardingMismatchError
-from checkpoint.group import BackgroundGroup
-from checkpoint.local import LocalTier
-from checkpoint.per_rank import current_rank, keyed_by_rank
-from checkpoint.persistent import CheckpointDirs, PersistentSaver, list_committed, load_latest
-from checkpoint.schedule import SaveSchedule
+from restartable.checkpoint.errors import CheckpointError, ShardingMismatchError
+from restartable.checkpoint.group import BackgroundGroup
+from restartable.checkpoint.local import LocalTier
+from restartable.checkpoint.per_rank import current_rank, keyed_by_rank
+from restartable.checkpoint.persistent import (
+    CheckpointDirs,
+    PersistentSaver,
+    list_committed,
+    load_latest,
+)
+from restartable.checkpoint.schedule import SaveSchedule
 
 # The manager's channel: these lines were the manager's, and printed logs show the logger name.
-log = logging.getLogger("checkpoint.manager")
+log = logging.getLogger("restartable.checkpoint.manager")
 
 TIERS = ("memory", "local_dir", "peer", "persistent")
 

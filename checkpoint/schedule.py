@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.config import LocalConfig, PersistentConfig
+from restartable.checkpoint.config import LocalConfig, PersistentConfig
 
 # The manager's channel: these lines were the manager's, and printed logs show the logger name.
-log = logging.getLogger("checkpoint.manager")
+log = logging.getLogger("restartable.checkpoint.manager")
 
 
 class SaveSchedule:

@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from checkpoint.private_files import private_dir
+from restartable.checkpoint.private_files import private_dir
 
 __all__ = [
     "SECRETS_DIR_ENV",

@@ -1,7 +1,7 @@
 """pytorch/examples' DDP tutorial (distributed/ddp-tutorial-series/multigpu_torchrun.py) ported
 with @restartable as docs/inprocess.md#porting-a-torchrun-script says, on CPU/gloo.
 
-    python -m inprocess.launch --nproc-per-node 3 examples/ddp_tutorial.py 10 1 --kill-at 16
+    python -m restartable.launch --nproc-per-node 3 examples/ddp_tutorial.py 10 1 --kill-at 16
 
 2 ranks train, 1 waits as a warm reserve. --kill-at STEP: rank 0's process SIGKILLs itself once
 at STEP; the reserve takes its place and restores its state from the node-local copy.
@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from checkpoint import CheckpointManager
-from inprocess import context, restartable
+from restartable.checkpoint import CheckpointManager
+from restartable.inprocess import context, restartable
 
 p = argparse.ArgumentParser()
 p.add_argument("total_epochs", type=int)

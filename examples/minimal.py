@@ -1,6 +1,6 @@
 """The smallest @restartable DDP job: 2 ranks train, 1 waits as a warm reserve.
 
-    python -m inprocess.launch --nproc-per-node 3 examples/minimal.py --fail-at 30
+    python -m restartable.launch --nproc-per-node 3 examples/minimal.py --fail-at 30
 
 --fail-at STEP: rank 1 raises once at STEP; every rank restarts in place and resumes.
 Run again, the same command resumes an unfinished run and says when there is nothing left to do;
@@ -13,8 +13,8 @@ import os
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointManager, PerRank
-from inprocess import context, restartable
+from restartable.checkpoint import CheckpointManager, PerRank
+from restartable.inprocess import context, restartable
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=60)

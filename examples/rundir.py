@@ -26,7 +26,7 @@ def launch_id() -> str:
     (``inprocess.launch``'s, the same in every in-job restart round, so a restarted round finds
     the node-local checkpoints and the journal of its launch; under Slurm one per job attempt),
     else the torchrun run, or the store address."""
-    from inprocess.protocol.environment import launch_id as framework_launch_id
+    from restartable.inprocess.protocol.environment import launch_id as framework_launch_id
 
     found = framework_launch_id() or os.environ.get("TORCHELASTIC_RUN_ID")
     return found or f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}"

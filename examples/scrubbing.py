@@ -62,7 +62,7 @@ def check_plan(plan: list[Any], args: argparse.Namespace) -> None:
 
 def store_factory() -> Callable[[], Any]:
     """A new client of the job's store (MASTER_ADDR:MASTER_PORT) per call."""
-    from inprocess.store_server import client
+    from restartable.inprocess.store_server import client
 
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     return lambda: client(host, port, timeout=60.0)
@@ -81,7 +81,7 @@ class Corruption:
         """At every model build (each train() call), before anything else hooks gradients."""
         if not self._any:
             return
-        from inprocess.faults.sdc import GradientBitFlip, corrupting
+        from restartable.inprocess.faults.sdc import GradientBitFlip, corrupting
 
         self.flip = GradientBitFlip()
         self.flip.attach(model)
@@ -92,7 +92,7 @@ class Corruption:
         """After ``faults.fire_planned`` at ``step`` (``due``: the numeric fault it returned)."""
         if self.flip is None:
             return
-        from inprocess.faults.sdc import corrupting
+        from restartable.inprocess.faults.sdc import corrupting
 
         if due is not None and due.kind == "sdc-once":
             self.flip.arm_once()

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from rerun import RerunStateMachine
+from restartable.rerun import RerunStateMachine
 
 
 class TrainState(Stateful):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 # Loggers whose INFO records belong to the story (the rest is detail).
-_STORY = ("train", "inprocess.faults")
+_STORY = ("train", "restartable.inprocess.faults")
 
 
 class _Story(logging.Filter):

@@ -2,7 +2,7 @@
 
 Run (4 ranks on this machine's CPU, 5 faults, about 30 s on 2 cores):
 
-    python -m inprocess.launch --nproc-per-node 4 examples/train.py --faults demo
+    python -m restartable.launch --nproc-per-node 4 examples/train.py --faults demo
 
 ``--parallel fsdp|tp|hsdp`` shards the model (FSDP2 ``fully_shard``, tensor parallel, or HSDP on a
 2-D mesh; examples/parallel.py) instead of replicating it with DDP; both checkpoint tiers keep the
@@ -15,8 +15,9 @@ reserves replace lost ranks), ``CheckpointManager`` keeps a host-memory copy eve
 torch_dist checkpoint every ``--persistent-every`` steps, and ``RerunStateMachine`` re-runs a step
 whose loss is NaN or spiky. The framework journals what it does (``RUN_DIR/journal/<launch>/``,
 one file per process); at the end rank 0 prints the framework's downtime report of this launch
-(``inprocess.report``, the same as ``python -m inprocess.report RUN_DIR/journal/<launch>``) and
-writes it to ``RUN_DIR/report.json`` (and a PNG timeline with ``--report-png``).
+(``inprocess.report``, the same as ``python -m restartable.inprocess.report
+RUN_DIR/journal/<launch>``) and writes it to ``RUN_DIR/report.json`` (and a PNG timeline with
+``--report-png``).
 
 The console shows the story (each fault, each restart, progress, the report); every rank's
 details go to ``RUN_DIR/logs/<launch>/rank<N>.log``. SIGTERM (forwarded by the launcher, or sent
@@ -45,10 +46,10 @@ import scrubbing
 import story
 
 # torch-free: --help answers without importing torch
-from inprocess import RestartAbortedError, RestartRecord, faults
-from inprocess.journal import read as read_journal
-from inprocess.report import job_view
-from inprocess.report.cli import format_report, plot, reports
+from restartable.inprocess import RestartAbortedError, RestartRecord, faults
+from restartable.inprocess.journal import read as read_journal
+from restartable.inprocess.report import job_view
+from restartable.inprocess.report.cli import format_report, plot, reports
 
 log = logging.getLogger("train")
 
@@ -142,8 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # before torch's 2-3 s import: --help and bad flags answer at once
-    from checkpoint import CheckpointConfigError, CheckpointStorageError
-    from inprocess.errors import ConfigError
+    from restartable.checkpoint import CheckpointConfigError, CheckpointStorageError
+    from restartable.inprocess.errors import ConfigError
 
     try:
         return run(args)
@@ -227,11 +228,11 @@ def run(args: argparse.Namespace) -> int:
     from parallel import data_rank, shard
     from state import TrainState
 
-    from checkpoint import CheckpointManager
-    from inprocess import context, restartable
-    from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
-    from rerun import RerunDataIterator, RerunStateMachine
-    from rerun.scrub import Scrubber
+    from restartable.checkpoint import CheckpointManager
+    from restartable.inprocess import context, restartable
+    from restartable.inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+    from restartable.rerun import RerunDataIterator, RerunStateMachine
+    from restartable.rerun.scrub import Scrubber
 
     torch.set_num_threads(1)  # 4 ranks on 2 cores: more threads only contend
     if args.device == "cuda":
@@ -289,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=0.5,
         active_world_size=active,
         granularity="rank",
-        # The framework's own record of the run: `python -m inprocess.report RUN_DIR/journal/L`.
+        # The framework's own record of the run: `python -m restartable.inprocess.report
+        # RUN_DIR/journal/L`.
         journal_dir=str(journal_dir),
         calculate_timeouts=args.calculate_timeouts,
         safety_factor=args.safety_factor,

@@ -5,7 +5,7 @@ specialized purposes"). Each accessor here is the only caller of its private nam
 package, and ``tests/unit/test_cpython_private.py`` exercises every one, so an interpreter
 upgrade that renames or changes one fails that test loudly instead of a restart. Imported by the
 restart path only (the monitor's view of the main thread, the release of DTensor's caches),
-never by ``import inprocess``.
+never by ``import restartable.inprocess``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ torch does not promise these names across releases. Each accessor here is the on
 private name in the package, and ``tests/unit/test_torch_private.py`` exercises every one, so a
 torch upgrade that renames or changes one fails that test loudly instead of a restart. The torch
 range they were checked on is ``dependencies`` in pyproject.toml. Imported only where torch
-already is (the rank's restart path), never by ``import inprocess``.
+already is (the rank's restart path), never by ``import restartable.inprocess``.
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inprocess import config_checks
-from inprocess.config_checks import (  # re-exported: their import path stays inprocess.config
+from restartable.inprocess import config_checks
+from restartable.inprocess.config_checks import (  # re-exported: restartable.inprocess.config
     ETCD_MIN_SOFT_TIMEOUT,
     GRANULARITIES,
     SIMULATED_FAULT_TYPES,
 )
-from inprocess.config_fields import RestartFields
-from inprocess.config_timeouts import group_timeouts
-from inprocess.errors import ConfigError
+from restartable.inprocess.config_fields import RestartFields
+from restartable.inprocess.config_timeouts import group_timeouts
+from restartable.inprocess.errors import ConfigError
 
 __all__ = [
     "ETCD_MIN_SOFT_TIMEOUT",
@@ -71,8 +71,8 @@ class RestartConfig(RestartFields):
     * ``calculate_timeouts``: learn each section's timeout from its observed durations
       (``safety_factor`` x the longest, after a warm-up; see docs/timeouts.md).
     * ``journal_dir``: write the run journal there (one JSONL file per process; see
-      docs/journal.md and ``python -m inprocess.report``). None: ``$RESTARTABLE_JOURNAL_DIR``,
-      else no journal.
+      docs/journal.md and ``python -m restartable.inprocess.report``). None:
+      ``$RESTARTABLE_JOURNAL_DIR``, else no journal.
     * ``store``: the coordination store on an etcd v3 cluster,
       ``"etcd://host1:2379,host2:2379,host3:2379"`` (every endpoint is tried; see docs/etcd.md).
       None: ``$INPROCESS_STORE`` (set by ``inprocess.launch --store``), else the TCPStore at

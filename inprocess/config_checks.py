@@ -17,9 +17,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from inprocess.config_fields import RestartFields
-from inprocess.errors import ConfigError
-from inprocess.timeouts.estimator import SECTIONS
+from restartable.inprocess.config_fields import RestartFields
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.timeouts.estimator import SECTIONS
 
 GRANULARITIES = ("rank", "node")
 # The fault drill's kinds (Megatron-Bridge's FaultToleranceConfig names; inprocess.faults.drill).
@@ -210,7 +210,7 @@ def store(cfg: RestartFields) -> None:
     """``store`` is an etcd URL whose timeouts hold (``check_store_timeouts``)."""
     if cfg.store is None:
         return
-    from inprocess.etcd.url import parse_url
+    from restartable.inprocess.etcd.url import parse_url
 
     try:
         parse_url(cfg.store)

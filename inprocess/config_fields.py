@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inprocess.config_timeouts import TimeoutField, Timeouts
+from restartable.inprocess.config_timeouts import TimeoutField, Timeouts
 
 
 @dataclass(frozen=True, kw_only=True)

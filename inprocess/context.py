@@ -8,16 +8,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from inprocess import journal
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import ContextError
-from inprocess.restart.progress import ProgressTracker
+from restartable.inprocess import journal
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import ContextError
+from restartable.inprocess.restart.progress import ProgressTracker
 
 if TYPE_CHECKING:  # annotations only: the restart loop builds the context and imports them
     import torch.distributed as dist
 
-    from inprocess.restart.interrupter import Interrupter
-    from inprocess.timeouts.sections import SectionClock
+    from restartable.inprocess.restart.interrupter import Interrupter
+    from restartable.inprocess.timeouts.sections import SectionClock
 
 # A ContextVar, not a global: each wrapped call sets and resets its own value.
 _CURRENT: contextvars.ContextVar[RestartContext] = contextvars.ContextVar("inprocess_context")
@@ -116,7 +116,7 @@ class RestartContext:
         """Swap ``rank`` for a warm reserve now (a straggler): called by every active rank with
         the same arguments; False on every rank when no reserve is free, else a restart (see
         ``inprocess.restart.demotion.replace_rank``)."""
-        from inprocess.restart.demotion import replace_rank  # it imports this module
+        from restartable.inprocess.restart.demotion import replace_rank  # it imports this module
 
         return replace_rank(self, rank, reason=reason, tag=tag, clock=self._clock)
 
@@ -127,7 +127,7 @@ def context() -> RestartContext:
         return _CURRENT.get()
     except LookupError:
         raise ContextError(
-            "inprocess.context() was called outside a @restartable function: call it "
+            "restartable.inprocess.context() was called outside a @restartable function: call it "
             "inside the decorated train() (reserves and code after train() returned have no "
             "context)"
         ) from None

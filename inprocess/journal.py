@@ -29,10 +29,10 @@ import threading
 from pathlib import Path
 from typing import Any, TextIO
 
-from checkpoint.private_files import NotPrivateError, open_private, private_dir
-from inprocess import journal_fields
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol import environment
+from restartable.checkpoint.private_files import NotPrivateError, open_private, private_dir
+from restartable.inprocess import journal_fields
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol import environment
 
 CHANNEL = "restartable.journal"
 SCHEMA_VERSION = 1

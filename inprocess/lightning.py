@@ -34,10 +34,10 @@ except ImportError as exc:  # an optional extra: say how to get it
         f'{__name__} needs PyTorch Lightning ({exc}): pip install -e ".[lightning]"'
     ) from exc
 
-from checkpoint.private_files import replace_private
-from inprocess.clock import SYSTEM, Clock
-from inprocess.context import RestartContext, context
-from inprocess.errors import ConfigError, ContextError, InprocessError
+from restartable.checkpoint.private_files import replace_private
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.context import RestartContext, context
+from restartable.inprocess.errors import ConfigError, ContextError, InprocessError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class FaultToleranceCallback(pl.Callback):
             trainer = L.Trainer(..., callbacks=[ft, ...])
             trainer.fit(model, ckpt_path="last")
 
-    and launch with ``python -m inprocess.launch --nproc-per-node N --max-restarts K`` (N may
+    and launch with ``python -m restartable.launch --nproc-per-node N --max-restarts K`` (N may
     exceed the Trainer's ``devices``: pass ``active_world_size`` and the rest are warm reserves).
     """
 
@@ -104,7 +104,7 @@ class FaultToleranceCallback(pl.Callback):
             raise ConfigError(
                 f"simulated_fault_params ({simulated_fault_params!r}) is not supported by the "
                 "callback: a fault fired from train() would fire again after every restart; use "
-                "the launcher's drill, python -m inprocess.launch --simulated-fault-type "
+                "the launcher's drill, python -m restartable.launch --simulated-fault-type "
                 "rank_killed --simulated-fault-base-delay 30 ... (docs/launching.md)"
             )
         if logger_name is not None and (not isinstance(logger_name, str) or not logger_name):
@@ -146,7 +146,8 @@ class FaultToleranceCallback(pl.Callback):
         (unless ``$RESTARTABLE_JOURNAL_DIR`` is set). Called once, at import time, before
         ``train()`` runs.
         """
-        from inprocess.restart.loop import restartable  # imports torch; keep this module light
+        # imports torch; keep this module light
+        from restartable.inprocess.restart.loop import restartable
 
         owned = sorted(set(options) & set(_OWNED))
         if owned:
@@ -188,7 +189,7 @@ class FaultToleranceCallback(pl.Callback):
             raise ConfigError(
                 "FaultToleranceCallback: trainer.fit() runs outside a train() decorated with "
                 "this callback's restartable(): decorate it with @ft.restartable(...) and launch "
-                "with python -m inprocess.launch (docs/lightning.md)"
+                "with python -m restartable.launch (docs/lightning.md)"
             )
         try:
             ctx = context()

@@ -22,8 +22,8 @@ import signal
 import threading
 from types import FrameType, TracebackType
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.watchdog import kill_notice
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.watchdog import kill_notice
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Hosting of and connecting to the coordination store (never inside a training process).
 
-``python -m inprocess.store_server --port P --world-size N [--token T]`` runs a detached
+``python -m restartable.inprocess.store_server --port P --world-size N [--token T]`` runs a detached
 TCPStore server. It exits once every rank of the job has left (``mark_left``) or is known to be
 gone (its watchdog reported its death); with ``--wait-for-tasks`` (every rank runs under
 ``inprocess.srun_task``, which marks a dead rank as left once it has read the job's outcome) only
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from checkpoint.sealing import ForgedValueError, child_env, job_sealer
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import ConfigError
-from inprocess.protocol.environment import LaunchEnv
-from inprocess.protocol.keys import GONE_KEY, ROOT, parse_ranks, peek
-from inprocess.protocol.sealed_store import seal
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import ForgedValueError, child_env, job_sealer
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.protocol.environment import LaunchEnv
+from restartable.inprocess.protocol.keys import GONE_KEY, ROOT, parse_ranks, peek
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def spawn_server(
     argv = [
         sys.executable,
         "-m",
-        "inprocess.store_server",
+        "restartable.inprocess.store_server",
         "--port",
         str(port),
         "--world-size",

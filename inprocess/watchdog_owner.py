@@ -3,7 +3,7 @@
 The watchdog is a separate process that reports the rank's death and enforces hard_timeout;
 the rank owns a ``Watchdog`` (that process plus a heartbeat thread). This module runs in the
 rank process, so it lives outside ``inprocess/watchdog/``, which holds the watchdog process
-(``python -m inprocess.watchdog``) and the pipe protocol both sides speak
+(``python -m restartable.inprocess.watchdog``) and the pipe protocol both sides speak
 (``inprocess.watchdog.pipe``).
 """
 
@@ -20,12 +20,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from checkpoint.private_files import open_private, private_dir
-from checkpoint.sealing import SECRET_ENV
-from inprocess.clock import SYSTEM, Clock
+from restartable.checkpoint.private_files import open_private, private_dir
+from restartable.checkpoint.sealing import SECRET_ENV
+from restartable.inprocess.clock import SYSTEM, Clock
 
 # The pipe protocol lives beside the process side (stdlib only, cheap to import).
-from inprocess.watchdog.pipe import CLOSE_MESSAGE, READY_MESSAGE, beat_line
+from restartable.inprocess.watchdog.pipe import CLOSE_MESSAGE, READY_MESSAGE, beat_line
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Watchdog:
         cmd = [
             sys.executable,
             "-m",
-            "inprocess.watchdog",
+            "restartable.inprocess.watchdog",
             f"--store-host={self._store_host}",
             f"--store-port={self._store_port}",
             f"--initial-rank={self._initial_rank}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from rerun.errors import RerunConfigError
+from restartable.rerun.errors import RerunConfigError
 
 
 class RerunDataIterator:

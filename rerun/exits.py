@@ -14,9 +14,9 @@ import threading
 from collections.abc import Iterable
 from typing import Any, NoReturn
 
-from rerun import agree, verdicts
-from rerun.errors import InvalidTransition, RankAction, RerunExit
-from rerun.state_machine import Diagnostic, State, exit_decision
+from restartable.rerun import agree, verdicts
+from restartable.rerun.errors import InvalidTransition, RankAction, RerunExit
+from restartable.rerun.state_machine import Diagnostic, State, exit_decision
 
 logger = logging.getLogger(__name__)
 

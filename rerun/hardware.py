@@ -14,11 +14,11 @@ import socket
 
 import torch
 
-from rerun import exits, verdicts
-from rerun.errors import RerunExit
-from rerun.record import StepRecord
-from rerun.report import report_verdict
-from rerun.state_machine import Diagnostic, State, Transition
+from restartable.rerun import exits, verdicts
+from restartable.rerun.errors import RerunExit
+from restartable.rerun.record import StepRecord
+from restartable.rerun.report import report_verdict
+from restartable.rerun.state_machine import Diagnostic, State, Transition
 
 
 def default_hardware_id() -> str:

@@ -15,8 +15,8 @@ import random
 from collections.abc import Iterable
 from typing import Any
 
-from rerun.errors import RerunConfigError
-from rerun.state_machine import Diagnostic, State
+from restartable.rerun.errors import RerunConfigError
+from restartable.rerun.state_machine import Diagnostic, State
 
 _KINDS = tuple(d.value for d in Diagnostic)
 

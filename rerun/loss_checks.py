@@ -12,8 +12,8 @@ from typing import Protocol
 
 import torch
 
-from rerun.checks import LargeValueTracker, Rejection, Value, is_not_finite
-from rerun.errors import RerunConfigError
+from restartable.rerun.checks import LargeValueTracker, Rejection, Value, is_not_finite
+from restartable.rerun.errors import RerunConfigError
 
 NAN_LOSS_MESSAGE = "loss is NaN or Inf"
 SPIKY_LOSS_MESSAGE = "Spiky loss"

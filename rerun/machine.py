@@ -19,16 +19,16 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from rerun import agree, exits, persist
-from rerun.checks import LargeValueTracker, Rejection, Value, compare_floats
-from rerun.data import RerunDataIterator
-from rerun.errors import InvalidTransition, RerunConfigError, RerunExit
-from rerun.hardware import HardwareLedger
-from rerun.injector import RerunErrorInjector
-from rerun.loss_checks import LossChecks
-from rerun.passes import PassChecks
-from rerun.replay import StepReplay
-from rerun.state_machine import (
+from restartable.rerun import agree, exits, persist
+from restartable.rerun.checks import LargeValueTracker, Rejection, Value, compare_floats
+from restartable.rerun.data import RerunDataIterator
+from restartable.rerun.errors import InvalidTransition, RerunConfigError, RerunExit
+from restartable.rerun.hardware import HardwareLedger
+from restartable.rerun.injector import RerunErrorInjector
+from restartable.rerun.loss_checks import LossChecks
+from restartable.rerun.passes import PassChecks
+from restartable.rerun.replay import StepReplay
+from restartable.rerun.state_machine import (
     Diagnostic,
     Event,
     Flag,

@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from rerun import agree, tracker
-from rerun.checks import Rejection, Value, as_float
-from rerun.errors import RerunConfigError
-from rerun.injector import RerunErrorInjector
-from rerun.record import StepRecord
-from rerun.state_machine import NUM_FLAGS, Flag, RerunMode, State
-from rerun.stats import QuickStats
+from restartable.rerun import agree, tracker
+from restartable.rerun.checks import Rejection, Value, as_float
+from restartable.rerun.errors import RerunConfigError
+from restartable.rerun.injector import RerunErrorInjector
+from restartable.rerun.record import StepRecord
+from restartable.rerun.state_machine import NUM_FLAGS, Flag, RerunMode, State
+from restartable.rerun.stats import QuickStats
 
 logger = logging.getLogger(__name__)
 

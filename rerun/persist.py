@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from rerun import agree, persist_fields
-from rerun.errors import RerunConfigError
-from rerun.record import Rejected, StepRecord
-from rerun.replay import StepReplay
-from rerun.rng import RngSnapshot, safe_load
-from rerun.state_machine import RerunMode, State, persisted_state
+from restartable.rerun import agree, persist_fields
+from restartable.rerun.errors import RerunConfigError
+from restartable.rerun.record import Rejected, StepRecord
+from restartable.rerun.replay import StepReplay
+from restartable.rerun.rng import RngSnapshot, safe_load
+from restartable.rerun.state_machine import RerunMode, State, persisted_state
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from rerun.errors import RerunConfigError
-from rerun.state_machine import RerunMode, State
+from restartable.rerun.errors import RerunConfigError
+from restartable.rerun.state_machine import RerunMode, State
 
 
 def _int(v: Any) -> bool:

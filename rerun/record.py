@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rerun import agree, tracker
-from rerun.checks import Rejection, Value, as_float
-from rerun.state_machine import Flag
+from restartable.rerun import agree, tracker
+from restartable.rerun.checks import Rejection, Value, as_float
+from restartable.rerun.state_machine import Flag
 
 
 @dataclass

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rerun import data as data_mod
-from rerun import rng
-from rerun.data import RerunDataIterator
-from rerun.state_machine import RerunMode
+from restartable.rerun import data as data_mod
+from restartable.rerun import rng
+from restartable.rerun.data import RerunDataIterator
+from restartable.rerun.state_machine import RerunMode
 
 
 class StepReplay:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from rerun.state_machine import Diagnostic
-from rerun.verdicts import Suspects
+from restartable.rerun.state_machine import Diagnostic
+from restartable.rerun.verdicts import Suspects
 
 logger = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name, so rerun need not import it).

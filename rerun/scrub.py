@@ -28,13 +28,13 @@ from typing import Any, Literal
 
 import torch
 
-from rerun import agree, scrub_inplace
-from rerun.scrub_finding import SdcFinding, SilentDataCorruption, report_finding
-from rerun.scrub_judge import Judge, Mismatch
-from rerun.scrub_reserve import ReserveChecker
-from rerun.scrub_rollback import Snapshots, rollback
-from rerun.scrub_wire import Request, ScrubStore
-from rerun.sdc_digest import Captured, Compute, params_of, recompute
+from restartable.rerun import agree, scrub_inplace
+from restartable.rerun.scrub_finding import SdcFinding, SilentDataCorruption, report_finding
+from restartable.rerun.scrub_judge import Judge, Mismatch
+from restartable.rerun.scrub_reserve import ReserveChecker
+from restartable.rerun.scrub_rollback import Snapshots, rollback
+from restartable.rerun.scrub_wire import Request, ScrubStore
+from restartable.rerun.sdc_digest import Captured, Compute, params_of, recompute
 
 logger = logging.getLogger(__name__)
 

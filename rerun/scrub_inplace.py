@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from rerun import agree
-from rerun.sdc_digest import Compute, digest, recompute
+from restartable.rerun import agree
+from restartable.rerun.sdc_digest import Compute, digest, recompute
 
 logger = logging.getLogger(__name__)
 

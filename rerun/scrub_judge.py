@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rerun import agree
-from rerun.scrub_reserve import NONDETERMINISTIC
-from rerun.scrub_rollback import Snapshots
-from rerun.scrub_sender import Outstanding, Sender
-from rerun.scrub_wire import READY_KEY, Request, ScrubStore
+from restartable.rerun import agree
+from restartable.rerun.scrub_reserve import NONDETERMINISTIC
+from restartable.rerun.scrub_rollback import Snapshots
+from restartable.rerun.scrub_sender import Outstanding, Sender
+from restartable.rerun.scrub_wire import READY_KEY, Request, ScrubStore
 
 logger = logging.getLogger(__name__)
 

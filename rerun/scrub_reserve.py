@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from rerun.scrub_wire import (
+from restartable.rerun.scrub_wire import (
     READY_KEY,
     SEQ_KEY,
     Answer,
@@ -32,7 +32,7 @@ from rerun.scrub_wire import (
     request_key,
     result_key,
 )
-from rerun.sdc_digest import Compute, recompute
+from restartable.rerun.sdc_digest import Compute, recompute
 
 logger = logging.getLogger(__name__)
 

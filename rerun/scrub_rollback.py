@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rerun import agree
+from restartable.rerun import agree
 
 logger = logging.getLogger(__name__)
 

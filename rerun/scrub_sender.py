@@ -17,8 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rerun.scrub_wire import SEQ_KEY, Answer, Request, ScrubStore, peek, request_key, result_key
-from rerun.sdc_digest import digest
+from restartable.rerun.scrub_wire import (
+    SEQ_KEY,
+    Answer,
+    Request,
+    ScrubStore,
+    peek,
+    request_key,
+    result_key,
+)
+from restartable.rerun.sdc_digest import digest
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from rerun.errors import InvalidTransition
+from restartable.rerun.errors import InvalidTransition
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17

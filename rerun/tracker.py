@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rerun.errors import RerunConfigError
+from restartable.rerun.errors import RerunConfigError
 
 # Statuses, one per line of the file.
 INITIAL_RUN = "initial_run"  # a result was rejected (the first time the step ran)

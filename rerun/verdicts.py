@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rerun import agree
-from rerun.errors import RankAction
-from rerun.record import StepRecord
-from rerun.state_machine import Diagnostic, State
+from restartable.rerun import agree
+from restartable.rerun.errors import RankAction
+from restartable.rerun.record import StepRecord
+from restartable.rerun.state_machine import Diagnostic, State
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from straggler.errors import ConfigError
+from restartable.straggler.errors import ConfigError
 
 REFERENCES = ("median", "best")
 TIMERS = ("auto", "cpu", "cuda")

@@ -12,10 +12,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from inprocess.clock import Clock
-from straggler import scores
-from straggler.config import DetectorConfig
-from straggler.report import Report
+from restartable.inprocess.clock import Clock
+from restartable.straggler import scores
+from restartable.straggler.config import DetectorConfig
+from restartable.straggler.report import Report
 
 # {section: {rank: score}}, per family
 SectionScores = dict[str, dict[int, float]]

@@ -12,15 +12,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inprocess.clock import SYSTEM, Clock
-from straggler import scores
-from straggler.config import DetectorConfig
-from straggler.decide import decide, rank_numbers
-from straggler.errors import ConfigError
-from straggler.gather import StoreRounds
-from straggler.report import Report
-from straggler.schedule import Plan, first_plan, next_plan
-from straggler.timing import Section, cuda_timing
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.straggler import scores
+from restartable.straggler.config import DetectorConfig
+from restartable.straggler.decide import decide, rank_numbers
+from restartable.straggler.errors import ConfigError
+from restartable.straggler.gather import StoreRounds
+from restartable.straggler.report import Report
+from restartable.straggler.schedule import Plan, first_plan, next_plan
+from restartable.straggler.timing import Section, cuda_timing
 
 if TYPE_CHECKING:
     import torch.distributed as dist

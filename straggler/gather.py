@@ -18,7 +18,7 @@ import datetime
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.clock import SYSTEM, Clock
 
 if TYPE_CHECKING:
     import torch.distributed as dist

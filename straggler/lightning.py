@@ -21,11 +21,11 @@ except ImportError as exc:  # an optional extra: say how to get it
 
 import torch.distributed as dist
 
-from straggler._torch_private import default_store
-from straggler.config import DetectorConfig
-from straggler.detector import Detector
-from straggler.errors import ConfigError
-from straggler.report import Report
+from restartable.straggler._torch_private import default_store
+from restartable.straggler.config import DetectorConfig
+from restartable.straggler.detector import Detector
+from restartable.straggler.errors import ConfigError
+from restartable.straggler.report import Report
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from straggler.errors import SectionError
+from restartable.straggler.errors import SectionError
 
 # Samples kept per section between two reports: bounds memory on a long interval; a quantile
 # of the newest MAX_SAMPLES entries is as good as that of all of them.
@@ -124,7 +124,7 @@ def cuda_timing(timer: str) -> bool:
     except ImportError:
         available = False
     if timer == "cuda" and not available:
-        from straggler.errors import ConfigError
+        from restartable.straggler.errors import ConfigError
 
         raise ConfigError("timer ('cuda') needs CUDA, which is not available: use 'auto' or 'cpu'")
     if timer == "auto" and available:

@@ -7,7 +7,7 @@ readings are this fake time and whose ``sleep`` advances it instead of blocking.
 
 from __future__ import annotations
 
-from inprocess.clock import Clock
+from restartable.inprocess.clock import Clock
 
 
 class FakeClock:

@@ -266,7 +266,7 @@ def run_job(
     cwd: Path | None = None,
     umask: int = -1,
 ) -> JobOutput:
-    """Run ``python argv...`` (e.g. ``-m inprocess.launch ...``) from ``cwd`` (the repo root),
+    """Run ``python argv...`` (e.g. ``-m restartable.launch ...``) from ``cwd`` (the repo root),
     under ``umask`` when given (-1: this process's).
 
     ``signal_when=(text, signum)`` sends ``signum`` to the job's main process once ``text``

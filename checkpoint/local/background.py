@@ -32,12 +32,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointAbandoned
-from checkpoint.exchange import StoreExchange
-from checkpoint.local import directory, integrity, placement
-from checkpoint.local.holdings import Holdings
-from checkpoint.local.restore import Shard
-from checkpoint.local.transport import Outgoing, transfer
+from restartable.checkpoint.errors import CheckpointAbandoned
+from restartable.checkpoint.exchange import StoreExchange
+from restartable.checkpoint.local import directory, integrity, placement
+from restartable.checkpoint.local.holdings import Holdings
+from restartable.checkpoint.local.restore import Shard
+from restartable.checkpoint.local.transport import Outgoing, transfer
 
 log = logging.getLogger(__name__)
 

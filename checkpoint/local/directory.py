@@ -58,9 +58,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint.errors import CheckpointError, CheckpointStorageError
-from checkpoint.local import integrity, packing, parts
-from checkpoint.private_files import NotPrivateError, open_private, private_dir
+from restartable.checkpoint.errors import CheckpointError, CheckpointStorageError
+from restartable.checkpoint.local import integrity, packing, parts
+from restartable.checkpoint.private_files import NotPrivateError, open_private, private_dir
 
 _FILE = re.compile(r"^shard-\d+-[0-9a-f]{8}-\d+\.bin$")
 _PROBE = ".restartable-probe"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.errors import CheckpointError
+from restartable.checkpoint.errors import CheckpointError
 
 # Header form of a leaf that is neither a tensor nor JSON (bytes, RNG states, small objects):
 # torch.save's bytes, base64-encoded, read back with torch.load(weights_only=True) (the restricted

@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from checkpoint.local.restore import Shard
+from restartable.checkpoint.local.restore import Shard
 
 UNCONFIRMED_KEPT = 2  # newest unconfirmed steps kept: the one in flight and the one before
 

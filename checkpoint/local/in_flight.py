@@ -9,12 +9,12 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from checkpoint.exchange import StoreExchange
-from checkpoint.local.peers import GroupSource
-from checkpoint.worker import BackgroundWorker
+from restartable.checkpoint.exchange import StoreExchange
+from restartable.checkpoint.local.peers import GroupSource
+from restartable.checkpoint.worker import BackgroundWorker
 
 # The tier's channel: these lines were the tier's, and printed logs show the logger name.
-log = logging.getLogger("checkpoint.local.tier")
+log = logging.getLogger("restartable.checkpoint.local.tier")
 
 
 class InFlight:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from checkpoint.local import sharded
+from restartable.checkpoint.local import sharded
 
 
 class ReplicatedState(dict[str, Any]):

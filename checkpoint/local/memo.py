@@ -35,8 +35,8 @@ from typing import Any, cast
 
 import torch
 
-from checkpoint import _torch_private
-from checkpoint.local.leaf import Leaf, ReplicatedState
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.local.leaf import Leaf, ReplicatedState
 
 _Key = tuple[int, str, bool]  # (id of the mapping, its path, under a ReplicatedState)
 # A mapping with fewer plain tensors in it (one parameter's optimizer state: step, exp_avg,

@@ -39,7 +39,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from checkpoint._torch_private import version_counter
+from restartable.checkpoint._torch_private import version_counter
 
 log = logging.getLogger(__name__)
 

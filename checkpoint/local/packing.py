@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from checkpoint import _torch_private
-from checkpoint.errors import CheckpointError
-from checkpoint.local import header_check, sharded
-from checkpoint.local.leaf import Leaf
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.local import header_check, sharded
+from restartable.checkpoint.local.leaf import Leaf
 
 MAGIC = b"RSTLOCAL"
 _PREFIX = struct.Struct("<8sQ")  # magic, header length

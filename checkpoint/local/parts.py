@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from checkpoint.local.packing import Parsed
+from restartable.checkpoint.local.packing import Parsed
 
 PART_MAX = 32 << 20  # a shard moves in parts of at most this size (see part_bounds)
 DIRECT_MIN = 1 << 20  # a tensor this large is a part (or parts) of its own

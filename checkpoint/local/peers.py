@@ -7,9 +7,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from checkpoint.exchange import Attempts, StoreExchange
-from checkpoint.local import placement
-from checkpoint.local.background import AGREE_EVERY
+from restartable.checkpoint.exchange import Attempts, StoreExchange
+from restartable.checkpoint.local import placement
+from restartable.checkpoint.local.background import AGREE_EVERY
 
 
 class GroupSource(Protocol):

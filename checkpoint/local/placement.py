@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from checkpoint.local.leaf import Leaf
+    from restartable.checkpoint.local.leaf import Leaf
 
 ShardId = tuple[int, int]  # (step, owner rank at save time)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from checkpoint.local import packing, placement
-from checkpoint.local.leaf import Leaf
-from checkpoint.local.memo import Block, expand, picker
+from restartable.checkpoint.local import packing, placement
+from restartable.checkpoint.local.leaf import Leaf
+from restartable.checkpoint.local.memo import Block, expand, picker
 
 # Read by C over every tensor at every save (the layout check): one attribute per map, since
 # a tuple of three per tensor cost half as much again to build and compare.

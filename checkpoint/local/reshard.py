@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointError
-from checkpoint.local import directory, packing, unpacking, walk
-from checkpoint.local.leaf import Leaf
-from checkpoint.local.restore import RestoreResult, Shard
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.local import directory, packing, unpacking, walk
+from restartable.checkpoint.local.leaf import Leaf
+from restartable.checkpoint.local.restore import RestoreResult, Shard
 
 log = logging.getLogger(__name__)
 

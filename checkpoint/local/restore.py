@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointError, ShardingMismatchError
-from checkpoint.local import directory, integrity, packing, placement
-from checkpoint.local.restore_target import IntoState, ReplicatedOwner, Target
-from checkpoint.local.transport import Outgoing, transfer
+from restartable.checkpoint.errors import CheckpointError, ShardingMismatchError
+from restartable.checkpoint.local import directory, integrity, packing, placement
+from restartable.checkpoint.local.restore_target import IntoState, ReplicatedOwner, Target
+from restartable.checkpoint.local.transport import Outgoing, transfer
 
 log = logging.getLogger(__name__)
 

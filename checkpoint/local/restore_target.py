@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointError, ShardingMismatchError
-from checkpoint.local import packing, unpacking, walk
-from checkpoint.local.leaf import Leaf
+from restartable.checkpoint.errors import CheckpointError, ShardingMismatchError
+from restartable.checkpoint.local import packing, unpacking, walk
+from restartable.checkpoint.local.leaf import Leaf
 
 ReplicatedOwner = Callable[[list[Leaf], int], dict[str, int]]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.errors import ShardingMismatchError
+from restartable.checkpoint.errors import ShardingMismatchError
 
 __all__ = ["ShardingMismatchError", "describe", "is_dtensor", "local_and_sharding", "to_json"]
 

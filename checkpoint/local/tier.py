@@ -24,20 +24,20 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from checkpoint.collectives import rank_and_size
-from checkpoint.config import LocalConfig
-from checkpoint.errors import CheckpointError
-from checkpoint.local import directory, packing, placement, walk
-from checkpoint.local.background import BackgroundSaver, SaveJob, spare_core
-from checkpoint.local.holdings import Holdings
-from checkpoint.local.in_flight import InFlight
-from checkpoint.local.memo import WalkMemo, split_parts
-from checkpoint.local.overlap import CudaOps, DeviceOps, Snapshots
-from checkpoint.local.peers import GroupSource, Peers
-from checkpoint.local.plan import Plan, PlanCache
-from checkpoint.local.reshard import restore_resharded
-from checkpoint.local.restore import RestoreResult, Shard, restore
-from checkpoint.worker import BackgroundWorker
+from restartable.checkpoint.collectives import rank_and_size
+from restartable.checkpoint.config import LocalConfig
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.local import directory, packing, placement, walk
+from restartable.checkpoint.local.background import BackgroundSaver, SaveJob, spare_core
+from restartable.checkpoint.local.holdings import Holdings
+from restartable.checkpoint.local.in_flight import InFlight
+from restartable.checkpoint.local.memo import WalkMemo, split_parts
+from restartable.checkpoint.local.overlap import CudaOps, DeviceOps, Snapshots
+from restartable.checkpoint.local.peers import GroupSource, Peers
+from restartable.checkpoint.local.plan import Plan, PlanCache
+from restartable.checkpoint.local.reshard import restore_resharded
+from restartable.checkpoint.local.restore import RestoreResult, Shard, restore
+from restartable.checkpoint.worker import BackgroundWorker
 
 __all__ = ["LocalTier", "RestoreResult"]
 

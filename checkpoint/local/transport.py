@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint.local.integrity import Checksum
-from checkpoint.local.packing import Parsed
-from checkpoint.local.parts import Place, part_bounds
+from restartable.checkpoint.local.integrity import Checksum
+from restartable.checkpoint.local.packing import Parsed
+from restartable.checkpoint.local.parts import Place, part_bounds
 
 # [step, owner, world, nbytes, checksum, number of parts]; nbytes = -1 tells the receiver the
 # sender has nothing (its copy failed verification): nothing else follows from that sender.

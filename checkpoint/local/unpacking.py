@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from checkpoint.errors import CheckpointMismatchError
-from checkpoint.local import sharded
-from checkpoint.local.header_objects import decode_object
-from checkpoint.local.leaf import Leaf
-from checkpoint.local.packing import Parsed, TensorEntry, copy_entries, parse
-from checkpoint.local.walk import leaves
+from restartable.checkpoint.errors import CheckpointMismatchError
+from restartable.checkpoint.local import sharded
+from restartable.checkpoint.local.header_objects import decode_object
+from restartable.checkpoint.local.leaf import Leaf
+from restartable.checkpoint.local.packing import Parsed, TensorEntry, copy_entries, parse
+from restartable.checkpoint.local.walk import leaves
 
 
 def unpack_into(buf: torch.Tensor, state: Mapping[str, Any]) -> None:

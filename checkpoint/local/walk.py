@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from checkpoint.local import header_objects, sharded
-from checkpoint.local.leaf import Leaf, ReplicatedState
+from restartable.checkpoint.local import header_objects, sharded
+from restartable.checkpoint.local.leaf import Leaf, ReplicatedState
 
 if TYPE_CHECKING:
-    from checkpoint.local.memo import Block, WalkMemo
+    from restartable.checkpoint.local.memo import Block, WalkMemo
 
 
 def is_stateful(obj: Any) -> bool:

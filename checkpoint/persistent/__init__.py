@@ -1,8 +1,8 @@
 """The persistent tier: async torch_dist (PyTorch DCP) saves with atomic commit, verified loads."""
 
-from checkpoint.persistent.layout import CheckpointDirs, Committed
-from checkpoint.persistent.load import list_committed, load_latest
-from checkpoint.persistent.save import PersistentSaver, SaveStats
+from restartable.checkpoint.persistent.layout import CheckpointDirs, Committed
+from restartable.checkpoint.persistent.load import list_committed, load_latest
+from restartable.checkpoint.persistent.save import PersistentSaver, SaveStats
 
 __all__ = [
     "CheckpointDirs",

@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from checkpoint.errors import CheckpointAbandoned
+from restartable.checkpoint.errors import CheckpointAbandoned
 
 _CHUNK = 16 << 20  # read size for verification; large reads keep it I/O bound
 

@@ -18,8 +18,8 @@ import time
 import uuid
 from typing import Any
 
-from checkpoint.errors import CheckpointStorageError
-from checkpoint.private_files import NotPrivateError, open_private, private_dir
+from restartable.checkpoint.errors import CheckpointStorageError
+from restartable.checkpoint.private_files import NotPrivateError, open_private, private_dir
 
 log = logging.getLogger(__name__)
 

@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from checkpoint import _torch_private
-from checkpoint.collectives import all_gather, broadcast, rank_and_size
-from checkpoint.errors import (
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.collectives import all_gather, broadcast, rank_and_size
+from restartable.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
 )
-from checkpoint.persistent.integrity import verify_files
-from checkpoint.persistent.layout import CheckpointDirs, Committed
-from checkpoint.persistent.safe_reader import SafeLoadPlanner, UnsafeCheckpointError
-from checkpoint.persistent.staging import expand_stateful
-from checkpoint.persistent.storage import make_reader
+from restartable.checkpoint.persistent.integrity import verify_files
+from restartable.checkpoint.persistent.layout import CheckpointDirs, Committed
+from restartable.checkpoint.persistent.safe_reader import SafeLoadPlanner, UnsafeCheckpointError
+from restartable.checkpoint.persistent.staging import expand_stateful
+from restartable.checkpoint.persistent.storage import make_reader
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

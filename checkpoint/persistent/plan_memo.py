@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from checkpoint import plain
+from restartable.checkpoint import plain
 
 
 class PlanMemo:

@@ -22,17 +22,17 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from checkpoint import plain
-from checkpoint.config import PersistentConfig, TestHooks
-from checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRankError
-from checkpoint.exchange import StoreExchange
-from checkpoint.persistent.integrity import file_checksum
-from checkpoint.persistent.layout import CheckpointDirs, dir_name
-from checkpoint.persistent.object_bytes import ObjectArchives
-from checkpoint.persistent.plan_memo import PlanMemo, structure
-from checkpoint.persistent.save_job import Failed, SaveJob, SaveStats
-from checkpoint.persistent.storage import make_writer, write_files
-from checkpoint.persistent.tensor_bytes import ArchiveTemplates
+from restartable.checkpoint import plain
+from restartable.checkpoint.config import PersistentConfig, TestHooks
+from restartable.checkpoint.errors import CheckpointAbandoned, CheckpointError, CheckpointRankError
+from restartable.checkpoint.exchange import StoreExchange
+from restartable.checkpoint.persistent.integrity import file_checksum
+from restartable.checkpoint.persistent.layout import CheckpointDirs, dir_name
+from restartable.checkpoint.persistent.object_bytes import ObjectArchives
+from restartable.checkpoint.persistent.plan_memo import PlanMemo, structure
+from restartable.checkpoint.persistent.save_job import Failed, SaveJob, SaveStats
+from restartable.checkpoint.persistent.storage import make_writer, write_files
+from restartable.checkpoint.persistent.tensor_bytes import ArchiveTemplates
 
 log = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name: checkpoint does not import it).

@@ -22,9 +22,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, m
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from checkpoint import _torch_private
-from checkpoint.errors import CheckpointCorruptError
-from checkpoint.local.header_objects import safe_load, short_reason
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.errors import CheckpointCorruptError
+from restartable.checkpoint.local.header_objects import safe_load, short_reason
 
 # Every global a DCP ``.metadata`` pickle names: DCP's plain dataclasses and one enum,
 # torch.Size, dtypes and layouts, the checkpoint id's path. Calling any of them with a pickle's

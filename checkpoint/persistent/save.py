@@ -44,15 +44,15 @@ import threading
 import time
 from typing import Any
 
-from checkpoint.config import PersistentConfig, TestHooks
-from checkpoint.errors import CheckpointError
-from checkpoint.exchange import Attempts
-from checkpoint.group import BackgroundGroup
-from checkpoint.persistent.layout import CheckpointDirs
-from checkpoint.persistent.protocol import METADATA_FILE, SaveProtocol
-from checkpoint.persistent.save_job import Failed, SaveJob, SaveStats
-from checkpoint.persistent.staging import StagingPool
-from checkpoint.worker import BackgroundWorker
+from restartable.checkpoint.config import PersistentConfig, TestHooks
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.exchange import Attempts
+from restartable.checkpoint.group import BackgroundGroup
+from restartable.checkpoint.persistent.layout import CheckpointDirs
+from restartable.checkpoint.persistent.protocol import METADATA_FILE, SaveProtocol
+from restartable.checkpoint.persistent.save_job import Failed, SaveJob, SaveStats
+from restartable.checkpoint.persistent.staging import StagingPool
+from restartable.checkpoint.worker import BackgroundWorker
 
 log = logging.getLogger(__name__)
 

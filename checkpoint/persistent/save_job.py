@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from checkpoint.errors import CheckpointError
-from checkpoint.exchange import StoreExchange
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.exchange import StoreExchange
 
 
 @dataclasses.dataclass

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from checkpoint import _torch_private
-from checkpoint.errors import CheckpointConfigError
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.errors import CheckpointConfigError
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from checkpoint import _torch_private
-from checkpoint.persistent.integrity import CrcStream
-from checkpoint.persistent.layout import CheckpointDirs
-from checkpoint.persistent.object_bytes import ObjectArchives
-from checkpoint.persistent.safe_reader import SafeFileSystemReader, safe_fsspec_reader
-from checkpoint.persistent.tensor_bytes import ArchiveTemplates
-from checkpoint.private_files import open_private
+from restartable.checkpoint import _torch_private
+from restartable.checkpoint.persistent.integrity import CrcStream
+from restartable.checkpoint.persistent.layout import CheckpointDirs
+from restartable.checkpoint.persistent.object_bytes import ObjectArchives
+from restartable.checkpoint.persistent.safe_reader import SafeFileSystemReader, safe_fsspec_reader
+from restartable.checkpoint.persistent.tensor_bytes import ArchiveTemplates
+from restartable.checkpoint.private_files import open_private
 
 DATA_SUFFIX = ".distcp"
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from checkpoint import _torch_private
+from restartable.checkpoint import _torch_private
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@
 protocol work over it. Needs the ``etcd`` extra (``pip install 'restartable[etcd]'``). See
 docs/etcd.md.
 
-The names below are imported on first use (PEP 562): ``python -m inprocess.etcd member|wait``
-(an etcd cluster inside a Slurm allocation) and the URL parser start without torch, whose import
-takes 3-20 s on a loaded node.
+The names below are imported on first use (PEP 562): ``python -m restartable.inprocess.etcd
+member|wait`` (an etcd cluster inside a Slurm allocation) and the URL parser start without torch,
+whose import takes 3-20 s on a loaded node.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from inprocess.etcd.url import EtcdAddress, is_etcd_url, parse_url
+from restartable.inprocess.etcd.url import EtcdAddress, is_etcd_url, parse_url
 
 if TYPE_CHECKING:
-    from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
-    from inprocess.etcd.store import EtcdStore
+    from restartable.inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
+    from restartable.inprocess.etcd.store import EtcdStore
 
 __all__ = [
     "EtcdAddress",
@@ -30,13 +30,13 @@ __all__ = [
     "parse_url",
 ]
 _LAZY = {
-    "EtcdStore": "inprocess.etcd.store",
-    "EtcdStoreError": "inprocess.etcd.errors",
-    "EtcdTimeoutError": "inprocess.etcd.errors",
+    "EtcdStore": "restartable.inprocess.etcd.store",
+    "EtcdStoreError": "restartable.inprocess.etcd.errors",
+    "EtcdTimeoutError": "restartable.inprocess.etcd.errors",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
-        raise AttributeError(f"module 'inprocess.etcd' has no attribute {name!r}")
+        raise AttributeError(f"module 'restartable.inprocess.etcd' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,11 +1,13 @@
-"""``python -m inprocess.etcd member|wait``: an etcd cluster inside a Slurm allocation, for the
-job's store (examples/slurm/*.sbatch with ETCD=1; docs/launching.md#etcd-inside-the-allocation).
+"""``python -m restartable.inprocess.etcd member|wait``: an etcd cluster inside a Slurm allocation,
+for the job's store (examples/slurm/*.sbatch with ETCD=1;
+docs/launching.md#etcd-inside-the-allocation).
 
     NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)
-    srun --overlap --ntasks-per-node=1 python -m inprocess.etcd member --nodes "$NODES" \\
-        --port 40000 --data-root /tmp/etcd-$SLURM_JOB_ID --token job-$SLURM_JOB_ID &
-    export INPROCESS_STORE=$(python -m inprocess.etcd wait --nodes "$NODES" --port 40000)
-    ...                                    # the launchers / ranks use INPROCESS_STORE
+    srun --overlap --ntasks-per-node=1 python -m restartable.inprocess.etcd member \\
+        --nodes "$NODES" --port 40000 --data-root /tmp/etcd-$SLURM_JOB_ID \\
+        --token job-$SLURM_JOB_ID &
+    export INPROCESS_STORE=$(python -m restartable.inprocess.etcd wait \\
+        --nodes "$NODES" --port 40000)          # the launchers / ranks use INPROCESS_STORE
     kill -USR2 %1; wait                    # srun relays it: every member stops, data removed
 
 The first nodes run a member (every node up to 3, then 3 or 5: ``default_members``); a task on
@@ -22,22 +24,22 @@ import math
 import sys
 from pathlib import Path
 
-from inprocess.errors import ConfigError
-from inprocess.etcd.allocation import (
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.allocation import (
     AllocationCluster,
     default_members,
     sizing_warning,
     tolerated_losses,
 )
-from inprocess.etcd.health import ClusterNotHealthy, wait_healthy
-from inprocess.etcd.member import Member, node_name
+from restartable.inprocess.etcd.health import ClusterNotHealthy, wait_healthy
+from restartable.inprocess.etcd.member import Member, node_name
 
-log = logging.getLogger("inprocess.etcd")
+log = logging.getLogger("restartable.inprocess.etcd")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m inprocess.etcd",
+        prog="python -m restartable.inprocess.etcd",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -105,9 +107,9 @@ def wait(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[inprocess.etcd] %(message)s"))
-    logging.getLogger("inprocess.etcd").addHandler(handler)
-    logging.getLogger("inprocess.etcd").setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("[restartable.inprocess.etcd] %(message)s"))
+    logging.getLogger("restartable.inprocess.etcd").addHandler(handler)
+    logging.getLogger("restartable.inprocess.etcd").setLevel(logging.INFO)
     args = _parser().parse_args(argv)
     try:
         return member(args) if args.cmd == "member" else wait(args)

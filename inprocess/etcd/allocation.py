@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from inprocess.errors import ConfigError
+from restartable.inprocess.errors import ConfigError
 
 ETCD_BIN = "/usr/bin/etcd"  # Debian's etcd-server
 INSTALL_HINT = "ETCD=1 needs /usr/bin/etcd on every node: apt-get install etcd-server"

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from inprocess.etcd import txn as t
-from inprocess.etcd.errors import EtcdTimeoutError
-from inprocess.etcd.guard import WriteGuard
-from inprocess.etcd.keyspace import JobKeys
+from restartable.inprocess.etcd import txn as t
+from restartable.inprocess.etcd.errors import EtcdTimeoutError
+from restartable.inprocess.etcd.guard import WriteGuard
+from restartable.inprocess.etcd.keyspace import JobKeys
 
 
 class AtomicWrites:

@@ -9,9 +9,9 @@ monitor and its watchdog open their own client with ``open_store``; all of one j
 
 from __future__ import annotations
 
-from inprocess.errors import ConfigError
-from inprocess.etcd.store import EtcdStore
-from inprocess.etcd.url import parse_url
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.store import EtcdStore
+from restartable.inprocess.etcd.url import parse_url
 
 
 def job_prefix(url: str, job_id: str | None, *, round_: int = 0) -> str:

@@ -15,11 +15,16 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import ConfigError
-from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
-from inprocess.etcd.security import ENV_CA, ENV_CERT, EtcdCredentials, credentials_from_env
-from inprocess.etcd.url import TLS_SCHEME, EtcdAddress
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
+from restartable.inprocess.etcd.security import (
+    ENV_CA,
+    ENV_CERT,
+    EtcdCredentials,
+    credentials_from_env,
+)
+from restartable.inprocess.etcd.url import TLS_SCHEME, EtcdAddress
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client

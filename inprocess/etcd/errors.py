@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from inprocess.errors import InprocessError, StoreTimeoutError
+from restartable.inprocess.errors import InprocessError, StoreTimeoutError
 
 
 class EtcdStoreError(InprocessError, RuntimeError):

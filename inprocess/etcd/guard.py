@@ -9,12 +9,12 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inprocess.etcd import txn as t
+from restartable.inprocess.etcd import txn as t
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
 
-    from inprocess.etcd.endpoints import Endpoints
+    from restartable.inprocess.etcd.endpoints import Endpoints
 
 
 class WriteGuard:

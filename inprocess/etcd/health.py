@@ -7,9 +7,9 @@ import json
 import urllib.error
 import urllib.request
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import InprocessError
-from inprocess.etcd.allocation import AllocationCluster
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import InprocessError
+from restartable.inprocess.etcd.allocation import AllocationCluster
 
 _POLL_S = 0.2  # between two rounds of status requests
 _REQUEST_S = 1.0  # one status request (a member that accepts and hangs is asked again later)

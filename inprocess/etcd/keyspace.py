@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from inprocess.etcd import txn as t
-from inprocess.etcd.endpoints import Endpoints
-from inprocess.etcd.watch import KeyWait
+from restartable.inprocess.etcd import txn as t
+from restartable.inprocess.etcd.endpoints import Endpoints
+from restartable.inprocess.etcd.watch import KeyWait
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client

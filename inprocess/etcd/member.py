@@ -22,8 +22,8 @@ import subprocess
 from pathlib import Path
 from types import FrameType
 
-from inprocess.errors import ConfigError
-from inprocess.etcd.allocation import INSTALL_HINT
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.allocation import INSTALL_HINT
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,6 @@ def node_name() -> str:
     if not name:
         raise ConfigError(
             "SLURMD_NODENAME is not set: run the etcd member as an srun task of the job "
-            "(srun --ntasks-per-node=1 python -m inprocess.etcd member ...)"
+            "(srun --ntasks-per-node=1 python -m restartable.inprocess.etcd member ...)"
         )
     return name

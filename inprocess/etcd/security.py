@@ -20,7 +20,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from inprocess.errors import ConfigError
+from restartable.inprocess.errors import ConfigError
 
 ENV_CA = "INPROCESS_ETCD_CA"
 ENV_CERT = "INPROCESS_ETCD_CERT"

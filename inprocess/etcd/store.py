@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from checkpoint.store_delete import is_delete
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import ConfigError
-from inprocess.etcd import txn as t
-from inprocess.etcd.atomic import AtomicWrites
-from inprocess.etcd.endpoints import Endpoints
-from inprocess.etcd.keyspace import JobKeys
-from inprocess.etcd.url import EtcdAddress, check_prefix, parse_url
-from inprocess.protocol.store import Store, StoreBase
+from restartable.checkpoint.store_delete import is_delete
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd import txn as t
+from restartable.inprocess.etcd.atomic import AtomicWrites
+from restartable.inprocess.etcd.endpoints import Endpoints
+from restartable.inprocess.etcd.keyspace import JobKeys
+from restartable.inprocess.etcd.url import EtcdAddress, check_prefix, parse_url
+from restartable.inprocess.protocol.store import Store, StoreBase
 
 DEFAULT_TIMEOUT_S = 300.0  # c10d's default store timeout
 # One request's bound before the next endpoint is tried. A follower that lost its leader holds a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from inprocess.errors import ConfigError
+from restartable.inprocess.errors import ConfigError
 
 SCHEME = "etcd://"
 TLS_SCHEME = "etcds://"  # the same over TLS (https to every endpoint)

@@ -9,9 +9,9 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from inprocess.etcd import txn as t
-from inprocess.etcd.endpoints import Endpoints, Transient, classify
-from inprocess.etcd.errors import EtcdTimeoutError
+from restartable.inprocess.etcd import txn as t
+from restartable.inprocess.etcd.endpoints import Endpoints, Transient, classify
+from restartable.inprocess.etcd.errors import EtcdTimeoutError
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """Fault injection for tests, examples and drills: make a chosen rank fail in a chosen way, once,
 and record every fault that fired (so a test can count them and a report can time them).
 
-    from inprocess import faults
+    from restartable.inprocess import faults
     faults.inject("exception", rank=1, step=5, current_step=step, record_dir=tmp)  # in train()
     nan = faults.fire_planned(plan, step=step, record_dir=run_dir)      # plan: parse_plan(...)
     faults.fired(tmp)                                                   # -> [FiredFault, ...]
 """
 
-from inprocess.faults.firing import burn, fire, fire_planned, inject, slowdown, trigger
-from inprocess.faults.kinds import (
+from restartable.inprocess.faults.firing import burn, fire, fire_planned, inject, slowdown, trigger
+from restartable.inprocess.faults.kinds import (
     ALIASES,
     HANG_S,
     KINDS,
@@ -18,7 +18,7 @@ from inprocess.faults.kinds import (
     kind_of,
     kinds_help,
 )
-from inprocess.faults.plan import (
+from restartable.inprocess.faults.plan import (
     ITEM_SYNTAX,
     SYNTAX,
     PlannedFault,
@@ -28,7 +28,7 @@ from inprocess.faults.plan import (
     plan_help,
     shrink_warning,
 )
-from inprocess.faults.record import FiredFault, fired
+from restartable.inprocess.faults.record import FiredFault, fired
 
 __all__ = [
     "ALIASES",

@@ -17,14 +17,14 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from checkpoint.sealing import parse_count
-from inprocess import journal
-from inprocess.config import SIMULATED_FAULT_TYPES, RestartConfig
-from inprocess.protocol import keys
+from restartable.checkpoint.sealing import parse_count
+from restartable.inprocess import journal
+from restartable.inprocess.config import SIMULATED_FAULT_TYPES, RestartConfig
+from restartable.inprocess.protocol import keys
 
 if TYPE_CHECKING:
-    from inprocess.protocol.environment import LaunchEnv
-    from inprocess.protocol.store import Store
+    from restartable.inprocess.protocol.environment import LaunchEnv
+    from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 

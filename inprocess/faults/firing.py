@@ -7,13 +7,13 @@ import os
 import time
 from collections.abc import Sequence
 
-from inprocess import journal
-from inprocess.clock import SYSTEM, Clock
-from inprocess.context import context
-from inprocess.errors import ConfigError
-from inprocess.faults.kinds import SLOW_FACTOR, act, kind_of
-from inprocess.faults.plan import PlannedFault
-from inprocess.faults.record import FiredFault, fired, record_once
+from restartable.inprocess import journal
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.context import context
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.faults.kinds import SLOW_FACTOR, act, kind_of
+from restartable.inprocess.faults.plan import PlannedFault
+from restartable.inprocess.faults.record import FiredFault, fired, record_once
 
 log = logging.getLogger(__name__)
 

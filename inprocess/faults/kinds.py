@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import ConfigError
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import ConfigError
 
 HANG_S = 24 * 3600.0  # long enough to be a hang for any job; the timeouts end it
 SLOW_FACTOR = 3.0  # a `slow` rank's compute takes this many times as long (a throttled GPU)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from inprocess.errors import ConfigError
-from inprocess.faults.kinds import KINDS, kind_of, kinds_help
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.faults.kinds import KINDS, kind_of, kinds_help
 
 ITEM_SYNTAX = "KIND@rankR:stepS"
 SYNTAX = f"{ITEM_SYNTAX}[,{ITEM_SYNTAX}...]"

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from checkpoint.private_files import open_private, private_dir
+from restartable.checkpoint.private_files import open_private, private_dir
 
 RECORD_FILE = "fired.jsonl"
 CLAIM_DIR = "fired"

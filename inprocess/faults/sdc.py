@@ -24,7 +24,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from inprocess.faults.record import fired
+from restartable.inprocess.faults.record import fired
 
 if TYPE_CHECKING:
     import torch

@@ -2,8 +2,8 @@
 rank process per request, so a respawned or restarted rank skips the interpreter's start and the
 imports (``inprocess.launch.pool`` is the launcher's side; docs/launching.md#warm-pool).
 
-Run as ``python -m inprocess.forkserver --socket PATH --launcher-pid PID --preload M,...``
-by ``WarmPool.start()`` only. What may be preloaded: modules whose import starts no thread,
+Run as ``python -m restartable.inprocess.forkserver --socket PATH --launcher-pid PID --preload
+M,...`` by ``WarmPool.start()`` only. What may be preloaded: modules whose import starts no thread,
 creates no CUDA context and opens no socket or file it keeps (torch, numpy, the framework, the
 model's code). A fork copies only the calling thread: a thread started at import would be
 missing in every rank, a CUDA context or a socket would be shared with each of them.
@@ -37,9 +37,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from checkpoint import sealing
-from inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
-from inprocess.script_mode.entry import run_script
+from restartable.checkpoint import sealing
+from restartable.inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
+from restartable.inprocess.script_mode.entry import run_script
 
 _REAP_S = 0.02  # how often the server looks for ranks that ended
 
@@ -48,7 +48,7 @@ def main(argv: Sequence[str]) -> int:
     """Preload, listen, import what a first DDP imports, say ready on stdout, then serve until
     the launcher is gone."""
     args = _parse(argv)
-    from inprocess.protocol.environment import bind_to_launcher
+    from restartable.inprocess.protocol.environment import bind_to_launcher
 
     bind_to_launcher(args.launcher_pid)
     for name in filter(None, args.preload.split(",")):
@@ -56,7 +56,7 @@ def main(argv: Sequence[str]) -> int:
             importlib.import_module(name)
         except Exception as exc:  # a rank that needs it imports it again and fails there
             print(f"warm pool: cannot preload {name}: {exc!r}", file=sys.stderr, flush=True)
-    from inprocess.restart.warmup import FirstUseImports
+    from restartable.inprocess.restart.warmup import FirstUseImports
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(args.socket)
@@ -153,7 +153,9 @@ def _exit_code(code: object) -> int:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inprocess.forkserver", allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="python -m restartable.inprocess.forkserver", allow_abbrev=False
+    )
     p.add_argument("--socket", required=True)
     p.add_argument("--launcher-pid", type=int, required=True)
     p.add_argument("--preload", default="")

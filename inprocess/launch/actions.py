@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
+from restartable.inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ and waits until all ``nnodes`` did, so no round starts on some nodes only."""
 
 from __future__ import annotations
 
-from inprocess.clock import Clock
-from inprocess.launch.control_store import ControlStore
-from inprocess.launch.node_lost import NodeLostError
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.launch.control_store import ControlStore
+from restartable.inprocess.launch.node_lost import NodeLostError
 
 _POLL_S = 0.05  # how often a launcher looks at the count
 

@@ -27,9 +27,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from checkpoint.private_files import replace_private
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol.environment import job_attempt
+from restartable.checkpoint.private_files import replace_private
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol.environment import job_attempt
 
 EXIT_DONE = 0
 EXIT_VALIDATION_FAILED = 17  # rerun: the same wrong result on other hardware (not requeued)

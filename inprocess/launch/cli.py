@@ -1,7 +1,7 @@
-"""``python -m inprocess.launch``: start the ranks of one node, host the job's store, and recover
+"""``python -m restartable.launch``: start the ranks of one node, host the job's store, and recover
 from lost processes, cheapest level first.
 
-    python -m inprocess.launch --nproc-per-node 4 --max-respawns 2 --max-restarts 3 \
+    python -m restartable.launch --nproc-per-node 4 --max-respawns 2 --max-restarts 3 \
         --autoresume-file ckpt/autoresume.json train.py --steps 100
 
 Each rank gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -42,25 +42,27 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from checkpoint import sealing
-from inprocess import journal
-from inprocess.errors import ConfigError
-from inprocess.etcd.errors import EtcdStoreError
-from inprocess.launch import autoresume, doors
-from inprocess.launch.actions import Action
-from inprocess.launch.flags import parse_args as parse_args  # where tests and task.py look
-from inprocess.launch.launcher_journal import LauncherJournal
-from inprocess.launch.launcher_round import run_round
-from inprocess.launch.node_lost import NodeLostError
-from inprocess.launch.outcome import JobOutcome
-from inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
-from inprocess.launch.rank_env import torchrun_defaults
-from inprocess.launch.rounds import JobControl
-from inprocess.launch.supervisor import NodeSupervisor, RoundEnd
-from inprocess.protocol import environment
-from inprocess.usage import EXIT_USAGE
+from restartable.checkpoint import sealing
+from restartable.inprocess import journal
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.errors import EtcdStoreError
+from restartable.inprocess.launch import autoresume, doors
+from restartable.inprocess.launch.actions import Action
 
-log = logging.getLogger("inprocess.launch")
+# where tests and task.py look
+from restartable.inprocess.launch.flags import parse_args as parse_args
+from restartable.inprocess.launch.launcher_journal import LauncherJournal
+from restartable.inprocess.launch.launcher_round import run_round
+from restartable.inprocess.launch.node_lost import NodeLostError
+from restartable.inprocess.launch.outcome import JobOutcome
+from restartable.inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
+from restartable.inprocess.launch.rank_env import torchrun_defaults
+from restartable.inprocess.launch.rounds import JobControl
+from restartable.inprocess.launch.supervisor import NodeSupervisor, RoundEnd
+from restartable.inprocess.protocol import environment
+from restartable.inprocess.usage import EXIT_USAGE
+
+log = logging.getLogger("restartable.inprocess.launch")
 
 
 def _omp_notice(nproc_per_node: int) -> None:
@@ -280,7 +282,7 @@ def _log_to_stdout(node_rank: int) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"[launcher node {node_rank}] %(message)s"))
     # The launcher's modules (inprocess.launch.*, its fault drill included) log through it.
-    logger = logging.getLogger("inprocess.launch")
+    logger = logging.getLogger("restartable.inprocess.launch")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False

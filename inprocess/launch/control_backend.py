@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from checkpoint.sealing import Sealer
-from inprocess.launch.control_store import ControlStore
-from inprocess.launch.liveness import Liveness
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.launch.control_store import ControlStore
+from restartable.inprocess.launch.liveness import Liveness
+from restartable.inprocess.protocol.store import Store
 
 
 class RoundBackend(Protocol):
@@ -69,10 +69,10 @@ def choose_backend(
     """The backend of this job, by name: ``etcd`` with a ``store_url``, else ``tcp``."""
     name = "tcp" if store_url is None else "etcd"
     if name == "tcp":
-        from inprocess.launch.control_tcp import TcpRounds
+        from restartable.inprocess.launch.control_tcp import TcpRounds
 
         return TcpRounds(node_rank=node_rank, addr=addr, port=port, node_timeout=node_timeout)
-    from inprocess.launch.control_etcd import EtcdRounds  # imports the etcd client
+    from restartable.inprocess.launch.control_etcd import EtcdRounds  # imports the etcd client
 
     assert store_url is not None
     return EtcdRounds(

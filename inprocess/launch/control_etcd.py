@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.sealing import Sealer
-from inprocess.etcd.connect import job_prefix, open_store
-from inprocess.etcd.url import parse_url
-from inprocess.launch.control_store import ControlStore
-from inprocess.launch.liveness import Liveness
-from inprocess.protocol.sealed_store import seal
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.etcd.connect import job_prefix, open_store
+from restartable.inprocess.etcd.url import parse_url
+from restartable.inprocess.launch.control_store import ControlStore
+from restartable.inprocess.launch.liveness import Liveness
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ them at once (node 0: the last reference to the TCPStore server goes, and the se
 
 from __future__ import annotations
 
-from inprocess.launch.node_lost import NodeLostError
-from inprocess.protocol.store import Store
+from restartable.inprocess.launch.node_lost import NodeLostError
+from restartable.inprocess.protocol.store import Store
 
 
 class ControlStore:

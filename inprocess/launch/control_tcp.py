@@ -10,13 +10,13 @@ import datetime
 
 import torch.distributed as dist
 
-from checkpoint.sealing import Sealer
-from inprocess.launch.control_store import ControlStore
-from inprocess.launch.liveness import Liveness
-from inprocess.launch.node_lost import store_lost
-from inprocess.protocol.sealed_store import seal
-from inprocess.protocol.store import Store, as_store
-from inprocess.store_server import listening_server
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.launch.control_store import ControlStore
+from restartable.inprocess.launch.liveness import Liveness
+from restartable.inprocess.launch.node_lost import store_lost
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store, as_store
+from restartable.inprocess.store_server import listening_server
 
 _PORT_WAIT_S = 30.0  # how long a launcher waits for node 0's round port once all arrived
 

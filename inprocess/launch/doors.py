@@ -4,7 +4,7 @@ scheduler to requeue a job that would fail the same way again).
 
 ``admit`` parses the flags (``inprocess.launch.flags``) and ``check``s what only the machine can
 tell (the script file, node 0's host name, the store's endpoints). Torch-free: ``python -m
-inprocess.launch`` answers before it imports torch (2-6 s).
+restartable.launch`` answers before it imports torch (2-6 s).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.launch import autoresume
-from inprocess.launch.flags import parse_args
-from inprocess.protocol.reach import unreachable
-from inprocess.usage import EXIT_USAGE
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.launch import autoresume
+from restartable.inprocess.launch.flags import parse_args
+from restartable.inprocess.protocol.reach import unreachable
+from restartable.inprocess.usage import EXIT_USAGE
 
 # How long the store's endpoints get to answer at the door. A live etcd member answers its
 # status request in milliseconds, leader or not; three endpoints that each time out take
@@ -40,7 +40,7 @@ def admit(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def refuse(args: argparse.Namespace, problem: str) -> int:
     """The job cannot start: one line, status 2, and no autoresume flag (a stale one would
     requeue a job that fails the same way)."""
-    print(f"python -m inprocess.launch: error: {problem}", file=sys.stderr, flush=True)
+    print(f"python -m restartable.launch: error: {problem}", file=sys.stderr, flush=True)
     autoresume.settle(
         args.autoresume_file,
         status=EXIT_USAGE,
@@ -86,10 +86,10 @@ def _master(args: argparse.Namespace) -> str | None:
 def _store(args: argparse.Namespace, clock: Clock) -> str | None:
     """The etcd cluster of ``--store``: some endpoint must accept a connection and answer the
     v3 status request (the store's own check), within ``_PROBE_S``."""
-    from inprocess.errors import ConfigError
-    from inprocess.etcd.endpoints import Endpoints
-    from inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
-    from inprocess.etcd.url import parse_url
+    from restartable.inprocess.errors import ConfigError
+    from restartable.inprocess.etcd.endpoints import Endpoints
+    from restartable.inprocess.etcd.errors import EtcdStoreError, EtcdTimeoutError
+    from restartable.inprocess.etcd.url import parse_url
 
     url = args.store
     address = parse_url(url)  # checked by parse_args

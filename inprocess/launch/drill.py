@@ -12,13 +12,13 @@ import random
 import threading
 from typing import TYPE_CHECKING
 
-from inprocess.faults.drill import FAULT_TYPES, signal_of
-from inprocess.protocol import job_keys
+from restartable.inprocess.faults.drill import FAULT_TYPES, signal_of
+from restartable.inprocess.protocol import job_keys
 
 if TYPE_CHECKING:
-    from inprocess.launch.supervisor import NodeSupervisor
+    from restartable.inprocess.launch.supervisor import NodeSupervisor
 
-# A child of "inprocess.launch": its lines reach the launcher's stdout (cli._log_to_stdout).
+# A child of "restartable.launch": its lines reach the launcher's stdout (cli._log_to_stdout).
 log = logging.getLogger(__name__)
 
 _START_WAIT_S = 600.0  # the longest wait for the job to start before the drill gives up

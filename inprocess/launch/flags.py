@@ -14,11 +14,11 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from inprocess.faults.drill import FAULT_TYPES
-from inprocess.launch import torchrun_flags
-from inprocess.launch.pool import DEFAULT_PRELOAD
-from inprocess.protocol import environment
-from inprocess.usage import UsageParser
+from restartable.inprocess.faults.drill import FAULT_TYPES
+from restartable.inprocess.launch import torchrun_flags
+from restartable.inprocess.launch.pool import DEFAULT_PRELOAD
+from restartable.inprocess.protocol import environment
+from restartable.inprocess.usage import UsageParser
 
 _DEFAULT_PORT = 29500  # torchrun's default, for multi-node jobs that name no port
 
@@ -35,7 +35,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _parser() -> argparse.ArgumentParser:
     """Every flag of the launcher (``parse_args`` checks their values)."""
     p = UsageParser(
-        prog="python -m inprocess.launch",
+        prog="python -m restartable.launch",
         description="Start the ranks of one node; host the coordination store on node 0; "
         "respawn lost processes, restart the job in place, ask the scheduler for a requeue.",
     )
@@ -199,8 +199,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Validate --store and settle the job id (every launcher of the job must find the same)."""
-    from inprocess.errors import ConfigError
-    from inprocess.etcd.url import check_job_id, parse_url
+    from restartable.inprocess.errors import ConfigError
+    from restartable.inprocess.etcd.url import check_job_id, parse_url
 
     try:
         address = parse_url(args.store)

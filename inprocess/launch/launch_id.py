@@ -8,10 +8,10 @@ import json
 import time
 import uuid
 
-from checkpoint.sealing import Sealer
-from inprocess.clock import Clock
-from inprocess.launch.node_lost import NodeLostError, store_lost
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.launch.node_lost import NodeLostError, store_lost
+from restartable.inprocess.protocol.store import Store
 
 TOKEN_KEY = "launch/token"  # with etcd: {"id": launch id, "t": time.time() when drawn}
 _POLL_S = 0.05  # how often a launcher looks for node 0's token

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.private_files import private_dir
-from inprocess import journal
-from inprocess.protocol import job_keys
-from inprocess.protocol.store import Store
+from restartable.checkpoint.private_files import private_dir
+from restartable.inprocess import journal
+from restartable.inprocess.protocol import job_keys
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,21 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from inprocess.launch.actions import Action, restart_or_end
-from inprocess.launch.drill import FaultDrill
-from inprocess.launch.launcher_journal import LauncherJournal
-from inprocess.launch.node_lost import NodeLostError
-from inprocess.launch.pool import WarmPool
-from inprocess.launch.rank_env import rank_env
-from inprocess.launch.rounds import JobControl
-from inprocess.launch.supervisor import NodeSupervisor, RoundEnd, SupervisorConfig, kill_children
-from inprocess.protocol import job_keys
-from inprocess.protocol.store import Store
+from restartable.inprocess.launch.actions import Action, restart_or_end
+from restartable.inprocess.launch.drill import FaultDrill
+from restartable.inprocess.launch.launcher_journal import LauncherJournal
+from restartable.inprocess.launch.node_lost import NodeLostError
+from restartable.inprocess.launch.pool import WarmPool
+from restartable.inprocess.launch.rank_env import rank_env
+from restartable.inprocess.launch.rounds import JobControl
+from restartable.inprocess.launch.supervisor import (
+    NodeSupervisor,
+    RoundEnd,
+    SupervisorConfig,
+    kill_children,
+)
+from restartable.inprocess.protocol import job_keys
+from restartable.inprocess.protocol.store import Store
 
 
 class LauncherRound:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from inprocess.clock import Clock
-from inprocess.launch.control_store import ControlStore
-from inprocess.launch.launch_id import TOKEN_KEY
-from inprocess.launch.node_lost import store_lost
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.launch.control_store import ControlStore
+from restartable.inprocess.launch.launch_id import TOKEN_KEY
+from restartable.inprocess.launch.node_lost import store_lost
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ job with a requeue on it."""
 
 from __future__ import annotations
 
-from checkpoint.sealing import ForgedValueError
+from restartable.checkpoint.sealing import ForgedValueError
 
 
 class NodeLostError(Exception):

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from checkpoint.private_files import replace_private
+from restartable.checkpoint.private_files import replace_private
 
 _SUFFIX = ".end-"
 

@@ -25,13 +25,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.forkserver.wire import MAX_REQUEST, READY_LINE
 
 log = logging.getLogger(__name__)
 
 # What the pool imports by default: the interpreter's heaviest part of a rank's start.
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "inprocess.restart.loop")
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "restartable.inprocess.restart.loop")
 _ANSWER_TIMEOUT_S = 5.0  # a fork is milliseconds; a server that does not answer is broken
 
 
@@ -111,7 +111,7 @@ class WarmPool:
             [
                 sys.executable,
                 "-m",
-                "inprocess.forkserver",
+                "restartable.inprocess.forkserver",
                 f"--socket={self._socket}",
                 f"--launcher-pid={os.getpid()}",
                 f"--preload={','.join(self._preload)}",

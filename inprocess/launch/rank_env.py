@@ -8,8 +8,8 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from inprocess import journal
-from inprocess.protocol import environment
+from restartable.inprocess import journal
+from restartable.inprocess.protocol import environment
 
 
 def rank_env(

@@ -9,11 +9,11 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from inprocess import journal
-from inprocess.clock import Clock
-from inprocess.protocol import job_keys
-from inprocess.protocol.ranks import respawn_identity
-from inprocess.protocol.store import Store
+from restartable.inprocess import journal
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.protocol import job_keys
+from restartable.inprocess.protocol.ranks import respawn_identity
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -46,17 +46,17 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.sealing import SECRET_ENV, Sealer
-from inprocess.clock import SYSTEM, Clock
-from inprocess.launch.actions import Action
-from inprocess.launch.arrival import Arrival
-from inprocess.launch.control_backend import choose_backend
-from inprocess.launch.control_store import ControlStore
-from inprocess.launch.launch_id import launch_sealer, settle_launch_id
-from inprocess.launch.liveness import Liveness
-from inprocess.launch.node_lost import NodeLostError, store_lost
-from inprocess.protocol.sealed_store import seal
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import SECRET_ENV, Sealer
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.launch.actions import Action
+from restartable.inprocess.launch.arrival import Arrival
+from restartable.inprocess.launch.control_backend import choose_backend
+from restartable.inprocess.launch.control_store import ControlStore
+from restartable.inprocess.launch.launch_id import launch_sealer, settle_launch_id
+from restartable.inprocess.launch.liveness import Liveness
+from restartable.inprocess.launch.node_lost import NodeLostError, store_lost
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 

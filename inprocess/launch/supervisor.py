@@ -19,15 +19,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Protocol
 
-from checkpoint.sealing import ForgedValueError
-from inprocess import journal
-from inprocess.clock import SYSTEM, Clock
-from inprocess.launch.autoresume import VERDICT_STATUSES
-from inprocess.launch.pool import PooledProcess, WarmPool
-from inprocess.launch.respawn import Death, Slot, schedule_respawn
-from inprocess.protocol import job_keys
-from inprocess.protocol.ranks import respawn_identity
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import ForgedValueError
+from restartable.inprocess import journal
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.launch.autoresume import VERDICT_STATUSES
+from restartable.inprocess.launch.pool import PooledProcess, WarmPool
+from restartable.inprocess.launch.respawn import Death, Slot, schedule_respawn
+from restartable.inprocess.protocol import job_keys
+from restartable.inprocess.protocol.ranks import respawn_identity
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class NodeSupervisor:
                 return warm
         return subprocess.Popen(
             # The entry takes the job's secret out of the environment before the script runs.
-            [sys.executable, "-m", "inprocess.rank_entry", *self.cfg.script],
+            [sys.executable, "-m", "restartable.inprocess.rank_entry", *self.cfg.script],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

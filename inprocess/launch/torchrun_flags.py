@@ -17,8 +17,8 @@ _TORCHRUN_ONLY = {
     "--rdzv-conf": "the launcher has no rendezvous configuration: --node-timeout bounds the "
     "wait for the other nodes",
     "--standalone": "drop it: one node with its own store is the default",
-    "--module": "give the path of the script instead (python -m inprocess.launch ... train.py)",
-    "-m": "give the path of the script instead (python -m inprocess.launch ... train.py)",
+    "--module": "give the path of the script instead (python -m restartable.launch ... train.py)",
+    "-m": "give the path of the script instead (python -m restartable.launch ... train.py)",
     "--no-python": "the launcher runs Python scripts only: give the path of one",
     "--run-path": "give the path of the script as the first argument after the flags",
     "--start-method": "drop it: every rank is a new process (or forked from the warm pool)",

@@ -13,10 +13,10 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import StoreTimeoutError
-from inprocess.protocol.keys import ROOT, key
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import StoreTimeoutError
+from restartable.inprocess.protocol.keys import ROOT, key
+from restartable.inprocess.protocol.store import Store
 
 # How long one blocking wait lasts before a waiter re-checks for a rank that died meanwhile
 # (only in rare races; c10d logs a warning for every timed-out wait, so not shorter).

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol import job_keys
-from inprocess.protocol.policy import Decision, DecisionInputs
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol import job_keys
+from restartable.inprocess.protocol.policy import Decision, DecisionInputs
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 # The run journal's channel (``inprocess.journal`` writes what reaches it): the protocol sits

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from inprocess.errors import ConfigError
+from restartable.inprocess.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class LaunchEnv:
     # This launch's id (``launch_id()``): the journal groups records by it, and the store a
     # rank 0 starts is stamped with it, so that a rank never joins an earlier job's store.
     launch: str | None = None
-    # Every rank runs under ``python -m inprocess.srun_task`` (INPROCESS_TASK=1, which it sets).
+    # Every rank runs under ``python -m restartable.inprocess.srun_task`` (INPROCESS_TASK=1, which
+    # it sets).
     under_task: bool = False
 
     @property
@@ -72,7 +73,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                     ) from None
         if default is None:
             raise ConfigError(
-                f"{names[0]} is not set: start the job with python -m inprocess.launch, torchrun "
+                f"{names[0]} is not set: start the job with python -m restartable.launch, torchrun "
                 "or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
             )
         return default
@@ -169,7 +170,7 @@ def _store_url(value: str) -> str | None:
     value = value.strip()
     if not value:
         return None
-    from inprocess.etcd.url import parse_url
+    from restartable.inprocess.etcd.url import parse_url
 
     try:
         parse_url(value)
@@ -187,8 +188,8 @@ def store_setting(config_store: str | None, env: LaunchEnv) -> str | None:
     url = config_store or env.store_url
     if url is None:
         return None
-    from inprocess.etcd.connect import job_prefix
-    from inprocess.etcd.url import check_job_id
+    from restartable.inprocess.etcd.connect import job_prefix
+    from restartable.inprocess.etcd.url import check_job_id
 
     if env.job_id is not None:
         where = "the job id (INPROCESS_JOB_ID, SLURM_JOB_ID or TORCHELASTIC_RUN_ID)"

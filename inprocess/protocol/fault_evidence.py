@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inprocess.errors import FaultRecord
+from restartable.inprocess.errors import FaultRecord
 
 # Kinds that count as "this rank faulted" for max_rank_faults and the repeated-fault stop. A
 # dead or hard-timed-out rank is retired at once, so it never needs counting.

@@ -15,10 +15,10 @@ import json
 import logging
 from dataclasses import asdict
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import FaultRecord
-from inprocess.protocol.keys import GONE_KEY, OUTCOME_FAULT, key, peek
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol.keys import GONE_KEY, OUTCOME_FAULT, key, peek
+from restartable.inprocess.protocol.store import Store
 
 # The run journal's channel (``inprocess.journal`` writes what reaches it), used the way
 # checkpoint/ and rerun/ use it: the protocol sits below the journal and does not import it.

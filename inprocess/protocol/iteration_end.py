@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import secrets
 
-from checkpoint.sealing import ForgedValueError
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol.barriers import is_timeout, wait_value
-from inprocess.protocol.keys import OUTCOME_DONE, OUTCOME_FAULT, end_key, key, peek
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import ForgedValueError
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol.barriers import is_timeout, wait_value
+from restartable.inprocess.protocol.keys import OUTCOME_DONE, OUTCOME_FAULT, end_key, key, peek
+from restartable.inprocess.protocol.store import Store
 
 
 def outcome(store: Store, iteration: int) -> str | None:

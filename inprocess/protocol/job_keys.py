@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from checkpoint.sealing import ForgedValueError, parse_count
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import RestartAbortedError, StoreTimeoutError
-from inprocess.protocol import iteration_end, keys
-from inprocess.protocol.policy import Decision
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import ForgedValueError, parse_count
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import RestartAbortedError, StoreTimeoutError
+from restartable.inprocess.protocol import iteration_end, keys
+from restartable.inprocess.protocol.policy import Decision
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 # The run journal's channel (``inprocess.journal`` writes what reaches it): the protocol sits

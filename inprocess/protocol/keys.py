@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from inprocess.protocol.ranks import decode_ranks, encode_ranks
-from inprocess.protocol.store import Store
+from restartable.inprocess.protocol.ranks import decode_ranks, encode_ranks
+from restartable.inprocess.protocol.store import Store
 
 ROOT = "restartable/"
 GONE_KEY = ROOT + "gone"

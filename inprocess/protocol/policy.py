@@ -12,16 +12,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from inprocess.config import RestartConfig
-from inprocess.errors import FaultRecord
-from inprocess.protocol.fault_evidence import (
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol.fault_evidence import (
     OWN_FAULT_KINDS,
     Collateral,
     classify,
     signature,
     text_origin,
 )
-from inprocess.protocol.ranks import (
+from restartable.inprocess.protocol.ranks import (
     Assignment,
     NotEnoughRanksError,
     decode_ranks,

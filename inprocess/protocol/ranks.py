@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from inprocess.errors import InprocessError
+from restartable.inprocess.errors import InprocessError
 
 GRANULARITIES = ("rank", "node")
 

@@ -34,14 +34,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import FaultRecord
-from inprocess.protocol import capacity, job_keys
-from inprocess.protocol.barriers import wait_released
-from inprocess.protocol.fault_records import REPORT_COMPLETED, count_once, read_faults
-from inprocess.protocol.keys import gone_ranks, key, participants_item
-from inprocess.protocol.policy import DecisionInputs
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol import capacity, job_keys
+from restartable.inprocess.protocol.barriers import wait_released
+from restartable.inprocess.protocol.fault_records import REPORT_COMPLETED, count_once, read_faults
+from restartable.inprocess.protocol.keys import gone_ranks, key, participants_item
+from restartable.inprocess.protocol.policy import DecisionInputs
+from restartable.inprocess.protocol.store import Store
 
 
 def restart_barrier(

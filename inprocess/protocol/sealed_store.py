@@ -19,8 +19,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from checkpoint.sealing import ForgedValueError, Sealer
-from inprocess.protocol.store import Store, StoreBase, as_store
+from restartable.checkpoint.sealing import ForgedValueError, Sealer
+from restartable.inprocess.protocol.store import Store, StoreBase, as_store
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -22,8 +22,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol.store import Store, StoreBase
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol.store import Store, StoreBase
 
 _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = range(7)
 _DELETE_KEY, _APPEND, _MULTI_GET, _MULTI_SET, _CANCEL_WAIT, _PING = 8, 9, 10, 11, 12, 13

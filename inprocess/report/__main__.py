@@ -1,7 +1,7 @@
-"""``python -m inprocess.report``: see ``inprocess.report.cli``."""
+"""``python -m restartable.inprocess.report``: see ``inprocess.report.cli``."""
 
 import sys
 
-from inprocess.report.cli import main
+from restartable.inprocess.report.cli import main
 
 sys.exit(main())

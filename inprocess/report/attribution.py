@@ -36,9 +36,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from inprocess.errors import is_numerical
-from inprocess.protocol.fault_evidence import HARDWARE, STORAGE, STORE
-from inprocess.report.evidence import Fault, Window, faults_of
+from restartable.inprocess.errors import is_numerical
+from restartable.inprocess.protocol.fault_evidence import HARDWARE, STORAGE, STORE
+from restartable.inprocess.report.evidence import Fault, Window, faults_of
 
 __all__ = ["Fault", "Finding", "analyse", "attribute", "classify", "faults_of"]
 

@@ -1,4 +1,5 @@
-"""``python -m inprocess.report JOURNAL_DIR [--json OUT] [--png OUT]`` and ``--attribute DIR...``.
+"""``python -m restartable.inprocess.report JOURNAL_DIR [--json OUT] [--png OUT]`` and ``--attribute
+DIR...``.
 
 The downtime report of every launch recorded in a journal directory (terms defined in
 ``inprocess.report.downtime``; with several launches, e.g. a requeued job's attempts, also the
@@ -15,9 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inprocess import journal
-from inprocess.report import attribution, downtime, job_view, terms
-from inprocess.usage import UsageParser
+from restartable.inprocess import journal
+from restartable.inprocess.report import attribution, downtime, job_view, terms
+from restartable.inprocess.usage import UsageParser
 
 EXIT_NO_PLOT = 3  # --png without matplotlib: the text and the JSON were written, the PNG not
 
@@ -167,7 +168,7 @@ def plot(reps: list[terms.LaunchReport], records: list[dict[str, Any]], out: Pat
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = UsageParser(
-        prog="python -m inprocess.report",
+        prog="python -m restartable.inprocess.report",
         description="Downtime report and fault attribution from restartable's run journal.",
     )
     p.add_argument("dirs", nargs="+", type=Path, help="journal director(y/ies)")
@@ -199,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out["job"] = view.as_dict()
                 print(job_view.format_view(view))
     except ValueError as e:
-        print(f"inprocess.report: error: {e}", file=sys.stderr)
+        print(f"restartable.inprocess.report: error: {e}", file=sys.stderr)
         return 2
     if args.json:  # before the picture: a missing plotting library costs the PNG alone
         args.json.write_text(json.dumps(out, indent=2))
@@ -208,6 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot(reps, journal.read(args.dirs[0]), args.png)
         except PlotUnavailable as e:
             written = f"; {args.json} was written" if args.json else ""
-            print(f"inprocess.report: --png: {e}{written}", file=sys.stderr)
+            print(f"restartable.inprocess.report: --png: {e}{written}", file=sys.stderr)
             return EXIT_NO_PLOT
     return 0

@@ -61,11 +61,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from inprocess.report.fault_windows import windows as fault_windows
-from inprocess.report.records import by_event
-from inprocess.report.records import rounds as round_records
-from inprocess.report.respawn_windows import respawn_windows
-from inprocess.report.terms import LaunchReport
+from restartable.inprocess.report.fault_windows import windows as fault_windows
+from restartable.inprocess.report.records import by_event
+from restartable.inprocess.report.records import rounds as round_records
+from restartable.inprocess.report.respawn_windows import respawn_windows
+from restartable.inprocess.report.terms import LaunchReport
 
 
 def launches(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

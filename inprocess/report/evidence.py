@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from inprocess.report.records import process_of
+from restartable.inprocess.report.records import process_of
 
 _RESTART_CAUSE = re.compile(r"^(?P<kind>[a-z_]+) on rank (?P<rank>\d+)")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from inprocess.report.terms import IN_JOB, IN_PROCESS, Window
-from inprocess.restart.restored import phrase
+from restartable.inprocess.report.terms import IN_JOB, IN_PROCESS, Window
+from restartable.inprocess.restart.restored import phrase
 
 
 @dataclass

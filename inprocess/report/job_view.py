@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from inprocess.report.terms import LaunchReport
+from restartable.inprocess.report.terms import LaunchReport
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from inprocess.report.records import round_starts
-from inprocess.report.terms import RespawnWindow
+from restartable.inprocess.report.records import round_starts
+from restartable.inprocess.report.terms import RespawnWindow
 
 # Injected faults (inprocess.faults, inprocess.faults.drill) after which the process is gone: the
 # first sign of a respawn's death. A process may die between its own record and the signal,

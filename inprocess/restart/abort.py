@@ -13,10 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inprocess import _torch_private
-from inprocess.clock import SYSTEM, Clock
-from inprocess.restart import mesh_refs
-from inprocess.restart.torch_defaults import release_module_defaults
+from restartable.inprocess import _torch_private
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.restart import mesh_refs
+from restartable.inprocess.restart.torch_defaults import release_module_defaults
 
 log = logging.getLogger(__name__)
 

@@ -17,17 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inprocess.context import RestartContext, RestartRecord, activated
-from inprocess.errors import RestartInterrupt
-from inprocess.protocol import fault_records, iteration_end, keys
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.sealed_store import unsealed
-from inprocess.restart import iteration_start
-from inprocess.restart.interrupter import Interrupter
-from inprocess.restart.monitor import Monitor, MonitorLimits
-from inprocess.restart.process_group import own_group_misuse
-from inprocess.restart.raised import raise_site, raised_in_collective, report_raised
-from inprocess.restart.services import RankServices
+from restartable.inprocess.context import RestartContext, RestartRecord, activated
+from restartable.inprocess.errors import RestartInterrupt
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.sealed_store import unsealed
+from restartable.inprocess.restart import iteration_start
+from restartable.inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.restart.monitor import Monitor, MonitorLimits
+from restartable.inprocess.restart.process_group import own_group_misuse
+from restartable.inprocess.restart.raised import raise_site, raised_in_collective, report_raised
+from restartable.inprocess.restart.services import RankServices
 
 log = logging.getLogger(__name__)
 

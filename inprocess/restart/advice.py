@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import Any
 
-from inprocess import journal
+from restartable.inprocess import journal
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.config import RestartConfig
-from inprocess.errors import FaultRecord, RestartAbortedError
-from inprocess.protocol import restart_meeting
-from inprocess.protocol.policy import Decision, DecisionInputs
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import FaultRecord, RestartAbortedError
+from restartable.inprocess.protocol import restart_meeting
+from restartable.inprocess.protocol.policy import Decision, DecisionInputs
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.store import Store
 
 
 class RestartAgreement:

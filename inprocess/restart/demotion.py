@@ -18,12 +18,12 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from checkpoint.sealing import job_sealer
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import FaultRecord
-from inprocess.protocol import fault_records, keys
-from inprocess.protocol.sealed_store import seal
-from inprocess.protocol.store import Store
+from restartable.checkpoint.sealing import job_sealer
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol import fault_records, keys
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from inprocess.protocol import fault_records
-from inprocess.protocol.store import Store
-from inprocess.restart.progress import ProgressTracker
+from restartable.inprocess.protocol import fault_records
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.progress import ProgressTracker
 
 if TYPE_CHECKING:
     import torch

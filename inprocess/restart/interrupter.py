@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from inprocess.errors import RestartInterrupt
-from inprocess.restart.thread_stack import in_import
+from restartable.inprocess.errors import RestartInterrupt
+from restartable.inprocess.restart.thread_stack import in_import
 
 # Signal sent to the main thread with each interrupt: a blocking syscall (time.sleep, I/O) is
 # retried after a signal unless the handler raises (PEP 475), so ours raises the restart.

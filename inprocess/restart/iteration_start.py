@@ -13,12 +13,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-from inprocess.errors import RestartInterrupt
-from inprocess.protocol import barriers, fault_records, keys
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.store import Store
-from inprocess.restart.process_group import init_iteration_group
-from inprocess.restart.services import RankServices
+from restartable.inprocess.errors import RestartInterrupt
+from restartable.inprocess.protocol import barriers, fault_records, keys
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.process_group import init_iteration_group
+from restartable.inprocess.restart.services import RankServices
 
 
 def join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from inprocess.config import RestartConfig
-from inprocess.protocol import job_keys
-from inprocess.protocol.store import Store
-from inprocess.restart.agreement import RestartAgreement
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.protocol import job_keys
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.agreement import RestartAgreement
 
 if TYPE_CHECKING:  # imported at run time by startup.new_watchdog only (see there)
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
 
 log = logging.getLogger(__name__)
 

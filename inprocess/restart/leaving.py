@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inprocess.protocol import keys
-from inprocess.protocol.store import Store
-from inprocess.store_server import mark_left
+from restartable.inprocess.protocol import keys
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.store_server import mark_left
 
 log = logging.getLogger(__name__)
 

@@ -10,26 +10,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from checkpoint.sealing import job_sealer
-from inprocess import journal
-from inprocess.clock import Clock
-from inprocess.config import RestartConfig
-from inprocess.faults import drill
-from inprocess.protocol import barriers, job_keys
-from inprocess.protocol.environment import LaunchEnv
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.store import Store
-from inprocess.restart import joining, startup
-from inprocess.restart.abort import GroupReaper, abort_process_groups
-from inprocess.restart.health import HealthChecker
-from inprocess.restart.leaving import close_quietly, leave_store
-from inprocess.restart.restored import TierBoard
-from inprocess.restart.services import RankServices
-from inprocess.restart.story import RestartStory
-from inprocess.restart.warmup import FirstUseImports
+from restartable.checkpoint.sealing import job_sealer
+from restartable.inprocess import journal
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.faults import drill
+from restartable.inprocess.protocol import barriers, job_keys
+from restartable.inprocess.protocol.environment import LaunchEnv
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart import joining, startup
+from restartable.inprocess.restart.abort import GroupReaper, abort_process_groups
+from restartable.inprocess.restart.health import HealthChecker
+from restartable.inprocess.restart.leaving import close_quietly, leave_store
+from restartable.inprocess.restart.restored import TierBoard
+from restartable.inprocess.restart.services import RankServices
+from restartable.inprocess.restart.story import RestartStory
+from restartable.inprocess.restart.warmup import FirstUseImports
 
 if TYPE_CHECKING:  # imported at run time by startup.new_watchdog only (see there)
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
 
 
 class RankLifetime:

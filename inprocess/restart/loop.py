@@ -14,24 +14,24 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TypeVar, overload
 
-from checkpoint.sealing import ForgedValueError
-from inprocess import journal
-from inprocess.clock import SYSTEM, Clock
-from inprocess.config import RestartConfig
-from inprocess.context import RestartRecord
-from inprocess.errors import ConfigError, RestartAbortedError, StoreTimeoutError
-from inprocess.protocol import job_keys, restart_meeting
-from inprocess.protocol.environment import bind_to_launcher, read_env
-from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
-from inprocess.restart import joining, torchrun_env
-from inprocess.restart.active import Outcome, run_active
-from inprocess.restart.advice import KillAdvice
-from inprocess.restart.agreement import RestartAgreement
-from inprocess.restart.health import check_and_report
-from inprocess.restart.lifetime import RankLifetime
-from inprocess.restart.pending import PendingRestart
-from inprocess.restart.process_group import check_no_default_group
-from inprocess.restart.reserve import wait_as_reserve
+from restartable.checkpoint.sealing import ForgedValueError
+from restartable.inprocess import journal
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.context import RestartRecord
+from restartable.inprocess.errors import ConfigError, RestartAbortedError, StoreTimeoutError
+from restartable.inprocess.protocol import job_keys, restart_meeting
+from restartable.inprocess.protocol.environment import bind_to_launcher, read_env
+from restartable.inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
+from restartable.inprocess.restart import joining, torchrun_env
+from restartable.inprocess.restart.active import Outcome, run_active
+from restartable.inprocess.restart.advice import KillAdvice
+from restartable.inprocess.restart.agreement import RestartAgreement
+from restartable.inprocess.restart.health import check_and_report
+from restartable.inprocess.restart.lifetime import RankLifetime
+from restartable.inprocess.restart.pending import PendingRestart
+from restartable.inprocess.restart.process_group import check_no_default_group
+from restartable.inprocess.restart.reserve import wait_as_reserve
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from inprocess import _torch_private
-from inprocess._cpython_private import lru_cache_type
+from restartable.inprocess import _torch_private
+from restartable.inprocess._cpython_private import lru_cache_type
 
 log = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from inprocess import journal
-from inprocess.clock import SYSTEM, Clock
-from inprocess.config import RestartConfig
-from inprocess.errors import FaultRecord
-from inprocess.protocol import fault_records, iteration_end, keys
-from inprocess.protocol.store import Store
-from inprocess.restart.interrupter import Interrupter
-from inprocess.restart.progress import ProgressTracker
-from inprocess.restart.thread_stack import waiting_on_peers, where
-from inprocess.timeouts.sections import Overrun, SectionClock
+from restartable.inprocess import journal
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.restart.progress import ProgressTracker
+from restartable.inprocess.restart.thread_stack import waiting_on_peers, where
+from restartable.inprocess.timeouts.sections import Overrun, SectionClock
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inprocess.context import RestartRecord
-from inprocess.protocol.policy import Decision
-from inprocess.protocol.ranks import Assignment
-from inprocess.restart.active import Outcome
+from restartable.inprocess.context import RestartRecord
+from restartable.inprocess.protocol.policy import Decision
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.restart.active import Outcome
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,19 @@ import sys
 import torch
 import torch.distributed as dist
 
-from inprocess import _torch_private
-from inprocess.config import RestartConfig
-from inprocess.errors import ConfigError
-from inprocess.protocol import keys
+from restartable.inprocess import _torch_private
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.protocol import keys
 
 # What a script's own init_process_group call is told (before train() and inside it).
 OWN_GROUP_FIX = (
     "@restartable creates each iteration's default process group itself (on the ranks that "
     "train, in a fresh store namespace): delete the init_process_group call (and "
     "destroy_process_group) from the script, or pass init_process_group=False and create "
-    "groups yourself over ctx.store; or keep them and drop @restartable: inprocess.launch "
-    "restarts an unmodified torchrun script in place (docs/script_mode.md)"
+    "groups yourself over ctx.store; or keep them and drop @restartable: "
+    "restartable.inprocess.launch restarts an unmodified torchrun script in place "
+    "(docs/script_mode.md)"
 )
 
 

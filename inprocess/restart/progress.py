@@ -7,7 +7,7 @@ import ctypes
 import threading
 from collections.abc import Iterator
 
-from inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.clock import SYSTEM, Clock
 
 # int (*)(void *): the signature Py_AddPendingCall expects; it must return 0 (anything else is
 # an error). The callback is libc's ``sigfillset(sigset_t *)``: C code that returns 0 and fills

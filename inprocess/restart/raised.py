@@ -14,11 +14,11 @@ import logging
 
 import torch.distributed as dist
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import FaultRecord
-from inprocess.protocol import iteration_end, keys
-from inprocess.protocol.store import Store
-from inprocess.restart.thread_stack import waits_on_peers
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol import iteration_end, keys
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.thread_stack import waits_on_peers
 
 log = logging.getLogger(__name__)
 

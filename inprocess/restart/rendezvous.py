@@ -25,9 +25,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from inprocess.protocol.keys import ROOT
-from inprocess.protocol.sealed_store import unsealed
-from inprocess.store_server import listening_server
+from restartable.inprocess.protocol.keys import ROOT
+from restartable.inprocess.protocol.sealed_store import unsealed
+from restartable.inprocess.store_server import listening_server
 
 log = logging.getLogger(__name__)
 

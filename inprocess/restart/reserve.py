@@ -12,11 +12,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from inprocess.errors import RestartInterrupt
-from inprocess.protocol import fault_records, iteration_end, keys
-from inprocess.restart.active import Outcome, disarm
-from inprocess.restart.services import RankServices
-from inprocess.restart.warmup import FirstUseImports
+from restartable.inprocess.errors import RestartInterrupt
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.restart.active import Outcome, disarm
+from restartable.inprocess.restart.services import RankServices
+from restartable.inprocess.restart.warmup import FirstUseImports
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection, Mapping
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol import keys
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol import keys
+from restartable.inprocess.protocol.store import Store
 
 # How tiers are named to a user ("local_dir" and "peer" are the local tier's sources).
 TIER_NAMES = {

@@ -11,13 +11,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inprocess.clock import Clock
-from inprocess.config import RestartConfig
-from inprocess.protocol.store import Store
-from inprocess.restart.interrupter import Interrupter
-from inprocess.restart.progress import ProgressTracker
-from inprocess.restart.rendezvous import Rendezvous
-from inprocess.timeouts.sections import SectionClock
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.restart.progress import ProgressTracker
+from restartable.inprocess.restart.rendezvous import Rendezvous
+from restartable.inprocess.timeouts.sections import SectionClock
 
 
 @dataclass(frozen=True)

@@ -13,27 +13,27 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from checkpoint.sealing import Sealer
-from inprocess.clock import SYSTEM, Clock
-from inprocess.config import RestartConfig
-from inprocess.errors import ConfigError
-from inprocess.etcd.connect import open_store
-from inprocess.etcd.url import parse_url
-from inprocess.protocol.environment import LaunchEnv, store_setting
-from inprocess.protocol.reach import unreachable
-from inprocess.protocol.sealed_store import seal
-from inprocess.protocol.store import Store
-from inprocess.restart.abort import GroupReaper
-from inprocess.restart.health import HealthChecker
-from inprocess.restart.interrupter import Interrupter
-from inprocess.restart.progress import ProgressTracker
-from inprocess.restart.rendezvous import Rendezvous, advertised_host
-from inprocess.restart.services import ClientPool, RankServices
-from inprocess.store_server import client, connect
-from inprocess.timeouts.sections import section_clock
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.connect import open_store
+from restartable.inprocess.etcd.url import parse_url
+from restartable.inprocess.protocol.environment import LaunchEnv, store_setting
+from restartable.inprocess.protocol.reach import unreachable
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.abort import GroupReaper
+from restartable.inprocess.restart.health import HealthChecker
+from restartable.inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.restart.progress import ProgressTracker
+from restartable.inprocess.restart.rendezvous import Rendezvous, advertised_host
+from restartable.inprocess.restart.services import ClientPool, RankServices
+from restartable.inprocess.store_server import client, connect
+from restartable.inprocess.timeouts.sections import section_clock
 
 if TYPE_CHECKING:  # imported at run time in new_watchdog only (see there)
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def store_url(cfg: RestartConfig, env: LaunchEnv) -> str | None:
         cfg.check_store_timeouts(url, source="INPROCESS_STORE")
     if cfg.store is not None and env.launcher_pid is not None and not env.store_url:
         log.warning(
-            "store=%r is set but inprocess.launch was started without --store: the "
+            "store=%r is set but restartable.inprocess.launch was started without --store: the "
             "launcher cannot see this job's keys (respawn and in-job restart will not work); "
             "give the launcher --store %s",
             cfg.store,
@@ -159,9 +159,10 @@ def new_watchdog(
     cfg: RestartConfig, env: LaunchEnv, *, me: int, url: str | None, sealer: Sealer | None
 ) -> Watchdog:
     """This rank's watchdog (``inprocess.watchdog.Watchdog``), not started yet."""
-    # Imported here: `python -m inprocess.watchdog` imports this package first, and runpy
+    # Imported here: `python -m restartable.inprocess.watchdog` imports this package first, and
+    # runpy
     # warns when the module it is about to run was already imported by the package.
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
 
     return Watchdog(
         store_host=env.master_addr,

@@ -19,10 +19,10 @@ import sys
 import threading
 from typing import Any
 
-from inprocess import journal
-from inprocess.clock import SYSTEM, Clock
-from inprocess.context import RestartRecord
-from inprocess.restart.restored import TierBoard, phrase, tier_name
+from restartable.inprocess import journal
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.context import RestartRecord
+from restartable.inprocess.restart.restored import TierBoard, phrase, tier_name
 
 log = logging.getLogger(__name__)
 

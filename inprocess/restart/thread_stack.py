@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 
-from inprocess._cpython_private import current_frame
+from restartable.inprocess._cpython_private import current_frame
 
 # Code in which a main thread that makes no progress is waiting for its peers, not hung itself:
 # collectives, and autograd (where DDP waits for its gradient all-reduce).

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping, Sequence
 
-from inprocess.protocol.ranks import node_index
+from restartable.inprocess.protocol.ranks import node_index
 
 LAUNCH_LOCAL_RANK = "INPROCESS_LAUNCH_LOCAL_RANK"
 LAUNCH_GROUP_RANK = "INPROCESS_LAUNCH_GROUP_RANK"  # checkpoint.local reads it (node_key)

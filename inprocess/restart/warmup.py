@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 
-from inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.clock import SYSTEM, Clock
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from inprocess.config import RestartConfig
-from inprocess.errors import ConfigError
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import ConfigError
 
 CONFIG_ENV = "INPROCESS_RESTART_CONFIG"
 _EXAMPLE = '\'{"active_world_size": 2, "soft_timeout": 30}\''
@@ -45,5 +45,5 @@ def script_config(environ: Mapping[str, str]) -> RestartConfig:
         return RestartConfig(**fields)
     except TypeError as exc:
         raise ConfigError(
-            f"{CONFIG_ENV}: {exc}: the keys are the fields of inprocess.RestartConfig"
+            f"{CONFIG_ENV}: {exc}: the keys are the fields of restartable.inprocess.RestartConfig"
         ) from None

@@ -1,4 +1,5 @@
-"""Whether a script drives the restart loop itself (``@restartable``, ``inprocess`` imported).
+"""Whether a script drives the restart loop itself (it names ``restartable``: the decorator or
+the package every import of ours goes through).
 
 Torch-free and cheap: read once per rank process, before the script runs. Such a script runs as
 it is (its own loop; never wrapped twice); any other script that ``inprocess.launch`` started
@@ -17,12 +18,14 @@ from pathlib import Path
 OPT_OUT_ENV = "INPROCESS_RESTART_IN_PLACE"
 LAUNCHER_ENV = "INPROCESS_LAUNCH_ROUND"  # set by inprocess.launch.rank_env only
 
-# The decorator's name anywhere, or an import of the package (the Lightning plugin, context()).
-_USES = re.compile(rb"\brestartable\b|^\s*(?:from|import)\s+inprocess\b", re.MULTILINE)
+# The decorator's name, or the import root every import of ours goes through (the Lightning
+# plugin, context()): ``restartable.inprocess`` and the like. A user's own ``inprocess.py`` or
+# ``checkpoint.py`` imported by an unmodified script says nothing about us.
+_USES = re.compile(rb"\brestartable\b")
 
 
 def uses_restartable(path: str) -> bool:
-    """True when the script at ``path`` names ``restartable`` or imports ``inprocess``.
+    """True when the script at ``path`` names ``restartable``.
 
     An unreadable path is False: running it reports the error as ``python script.py`` would.
     """

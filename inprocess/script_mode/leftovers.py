@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from inprocess import _cpython_private
+from restartable.inprocess import _cpython_private
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from inprocess.errors import ConfigError
-from inprocess.script_mode.config_env import CONFIG_ENV
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.script_mode.config_env import CONFIG_ENV
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ import runpy
 import sys
 from collections.abc import Mapping
 
-from inprocess.context import context
-from inprocess.restart import torchrun_env
-from inprocess.restart.loop import restartable
-from inprocess.script_mode.config_env import script_config
-from inprocess.script_mode.leftovers import Leftovers
-from inprocess.script_mode.own_group import iteration_group_answers
+from restartable.inprocess.context import context
+from restartable.inprocess.restart import torchrun_env
+from restartable.inprocess.restart.loop import restartable
+from restartable.inprocess.script_mode.config_env import script_config
+from restartable.inprocess.script_mode.leftovers import Leftovers
+from restartable.inprocess.script_mode.own_group import iteration_group_answers
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
-"""``python -m inprocess.srun_task SCRIPT [ARGS]``: see ``inprocess.srun_task.task``."""
+"""``python -m restartable.inprocess.srun_task SCRIPT [ARGS]``: see ``inprocess.srun_task.task``."""
 
 import sys
 
-from inprocess.srun_task.task import main
+from restartable.inprocess.srun_task.task import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ import argparse
 import contextlib
 import json
 
-from inprocess.clock import Clock
+from restartable.inprocess.clock import Clock
 
 _POLL_S = 0.5  # how often the stand-in beats and looks for the end status
 _CONNECT_S = 30.0  # bounds each etcd request (the client fails over between the members)
@@ -24,11 +24,11 @@ def launcher_job_status(a: argparse.Namespace, timeout: float, clock: Clock) -> 
     """The job's end status as the surviving launchers publish it (``JobControl.publish_end``),
     waiting at most ``timeout`` seconds; None when it never came. ``a``: the killed launcher's
     parsed flags (its ``--store``, ``--job-id``, ``--node-rank``)."""
-    from checkpoint.sealing import Sealer
-    from inprocess.etcd.connect import open_store
-    from inprocess.launch.cli import launch_secret
-    from inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
-    from inprocess.protocol.sealed_store import seal
+    from restartable.checkpoint.sealing import Sealer
+    from restartable.inprocess.etcd.connect import open_store
+    from restartable.inprocess.launch.cli import launch_secret
+    from restartable.inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
+    from restartable.inprocess.protocol.sealed_store import seal
 
     root = Sealer(launch_secret(a))
     raw = open_store(a.store, job_id=a.job_id, timeout=_CONNECT_S)

@@ -1,4 +1,4 @@
-"""A killed launcher's stand-in (``inprocess.srun_task`` after its ``-m inprocess.launch`` child
+"""A killed launcher's stand-in (``inprocess.srun_task`` after its ``-m restartable.launch`` child
 died by a signal): the job's end status, from evidence only, bounded.
 
 Evidence, cheapest first, each look every ``_POLL_S``:
@@ -24,13 +24,13 @@ import logging
 import os
 from collections.abc import Sequence
 
-from inprocess.clock import Clock
-from inprocess.launch.flags import parse_args as launch_args
-from inprocess.launch.outcome import JobOutcome
-from inprocess.protocol import environment
-from inprocess.protocol.store import Store
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.launch.flags import parse_args as launch_args
+from restartable.inprocess.launch.outcome import JobOutcome
+from restartable.inprocess.protocol import environment
+from restartable.inprocess.protocol.store import Store
 
-log = logging.getLogger("inprocess.srun_task")
+log = logging.getLogger("restartable.inprocess.srun_task")
 
 _POLL_S = 0.5  # how often the stand-in looks at the evidence
 _CONNECT_S = 3.0  # one try to reach node 0's control store
@@ -91,7 +91,7 @@ def _on_etcd(
     recorded = outcome.read()
     if recorded is not None:
         return recorded[0]
-    from inprocess.srun_task.etcd_outcome import launcher_job_status as on_etcd
+    from restartable.inprocess.srun_task.etcd_outcome import launcher_job_status as on_etcd
 
     return on_etcd(a, timeout, clock)
 
@@ -102,11 +102,11 @@ def _connect(a: argparse.Namespace, outcome: JobOutcome) -> Store:
     # Before torch's import (it reads it once): a refused connection is this module's to tell,
     # not a C++ stack dump on the job's console. This process starts nothing after it.
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    from checkpoint.sealing import Sealer
-    from inprocess.launch.cli import launch_secret
-    from inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
-    from inprocess.protocol.sealed_store import seal
-    from inprocess.store_server import client
+    from restartable.checkpoint.sealing import Sealer
+    from restartable.inprocess.launch.cli import launch_secret
+    from restartable.inprocess.launch.launch_id import TOKEN_KEY, launch_sealer
+    from restartable.inprocess.protocol.sealed_store import seal
+    from restartable.inprocess.store_server import client
 
     root = Sealer(launch_secret(a))
     raw = client(a.master_addr, a.master_port, timeout=_CONNECT_S)

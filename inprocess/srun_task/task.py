@@ -1,8 +1,8 @@
-"""``python -m inprocess.srun_task SCRIPT [ARGS]``: one srun task that runs one rank as its
-child and exits with the job's outcome, not only its rank's.
+"""``python -m restartable.inprocess.srun_task SCRIPT [ARGS]``: one srun task that runs one rank as
+its child and exits with the job's outcome, not only its rank's.
 
-    srun --kill-on-bad-exit=0 python -m inprocess.srun_task train.py --steps 1000
-    srun --kill-on-bad-exit=0 python -m inprocess.srun_task -m inprocess.launch ...
+    srun --kill-on-bad-exit=0 python -m restartable.inprocess.srun_task train.py --steps 1000
+    srun --kill-on-bad-exit=0 python -m restartable.inprocess.srun_task -m restartable.launch ...
 
 Under ``srun --kill-on-bad-exit=0`` a rank that was killed (a fault the job survived: a warm
 reserve took its place and the job finished) would otherwise make srun exit 137 and Slurm record
@@ -16,7 +16,7 @@ after its rank was killed, to read the job's outcome):
   server waits for it: ``store_server --wait-for-tasks``), and exits 0 when the job finished,
   otherwise 128 + the signal (like a shell).
 
-With ``-m inprocess.launch`` the child is a node's launcher (one task per node, several nodes):
+With ``-m restartable.launch`` the child is a node's launcher (one task per node, several nodes):
 when it is killed (its ranks die with it), the task stands in for it (``stand_in``) until a
 surviving launcher recorded the job's end status (the end record next to the
 ``--autoresume-file`` flag, else ``launch/end`` in node 0's control store, where it beats and
@@ -47,14 +47,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.protocol.environment import ENV_TASK, LaunchEnv
-from inprocess.protocol.store import Store
-from inprocess.srun_task.stand_in import launcher_job_status
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol.environment import ENV_TASK, LaunchEnv
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.srun_task.stand_in import launcher_job_status
 
-log = logging.getLogger("inprocess.srun_task")
+log = logging.getLogger("restartable.inprocess.srun_task")
 # ``-m`` modules that are a node's launcher: its full name and the short one users type.
-LAUNCHER_MODULES = ("inprocess.launch", "restartable.inprocess.launch")
+LAUNCHER_MODULES = ("restartable.launch", "restartable.inprocess.launch")
 
 _PR_SET_CHILD_SUBREAPER = 36
 _OUTCOME_POLL_S = 0.5  # how often a dead rank's task looks at the job's state
@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             break
         i += 2 if argv[i] in _VALUED else 1
     p = argparse.ArgumentParser(
-        prog="python -m inprocess.srun_task",
+        prog="python -m restartable.inprocess.srun_task",
         allow_abbrev=False,
         description="Run one rank as a child; exit with the job's outcome (module docstring).",
     )
@@ -106,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the rank; return the task's exit status (module docstring)."""
     args = parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[inprocess.srun_task %(process)d] %(message)s"))
+    handler.setFormatter(
+        logging.Formatter("[restartable.inprocess.srun_task %(process)d] %(message)s")
+    )
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
@@ -161,11 +163,11 @@ def _after_kill(signum: int, args: argparse.Namespace, clock: Clock) -> int:
 def _job_done(timeout: float, clock: Clock) -> bool | None:
     """Connect to the job's store; block until the job is done (True) or stopped (False);
     then mark this task's rank as left. None when it never became a ``@restartable`` job."""
-    from checkpoint.sealing import job_sealer
-    from inprocess.protocol import job_keys
-    from inprocess.protocol.environment import read_env
-    from inprocess.protocol.sealed_store import seal
-    from inprocess.store_server import mark_left
+    from restartable.checkpoint.sealing import job_sealer
+    from restartable.inprocess.protocol import job_keys
+    from restartable.inprocess.protocol.environment import read_env
+    from restartable.inprocess.protocol.sealed_store import seal
+    from restartable.inprocess.store_server import mark_left
 
     env = read_env()
     # Sealed like the ranks' own values (the rank made the job's secret; we share its env).
@@ -184,11 +186,11 @@ def _job_done(timeout: float, clock: Clock) -> bool | None:
 
 def _job_store(env: LaunchEnv) -> Store:
     """A client of the rank's job store, as the rank found it (etcd or the hosted TCPStore)."""
-    from inprocess.protocol.store import as_store
-    from inprocess.store_server import client
+    from restartable.inprocess.protocol.store import as_store
+    from restartable.inprocess.store_server import client
 
     if env.store_url is not None:
-        from inprocess.etcd.connect import open_store
+        from restartable.inprocess.etcd.connect import open_store
 
         return open_store(env.store_url, job_id=env.job_id, timeout=30.0)
     return as_store(client(env.master_addr, env.master_port, timeout=30.0))

@@ -12,11 +12,16 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.config import RestartConfig
-from inprocess.errors import SectionError
-from inprocess.timeouts.estimator import KEYS, OUT_OF_SECTION, SECTIONS, TimeoutEstimator
-from inprocess.timeouts.state_file import read_state, write_state
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import SectionError
+from restartable.inprocess.timeouts.estimator import (
+    KEYS,
+    OUT_OF_SECTION,
+    SECTIONS,
+    TimeoutEstimator,
+)
+from restartable.inprocess.timeouts.state_file import read_state, write_state
 
 log = logging.getLogger(__name__)
 

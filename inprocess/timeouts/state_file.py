@@ -20,9 +20,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from checkpoint.private_files import replace_private, untrusted
-from inprocess.clock import SYSTEM, Clock
-from inprocess.timeouts.estimator import KEYS
+from restartable.checkpoint.private_files import replace_private, untrusted
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.timeouts.estimator import KEYS
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
-"""``python -m inprocess.watchdog``: the watchdog process (started by ``watchdog_owner``)."""
+"""``python -m restartable.inprocess.watchdog``: the watchdog process (started by
+``watchdog_owner``)."""
 
 import sys
 
-from inprocess.watchdog.process import main
+from restartable.inprocess.watchdog.process import main
 
 sys.exit(main(sys.argv[1:]))

@@ -22,7 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from checkpoint.private_files import private_dir
+from restartable.checkpoint.private_files import private_dir
 
 
 def _path(pid: int) -> Path:

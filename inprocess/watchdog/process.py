@@ -1,7 +1,8 @@
 """The watchdog process: wait for beats, the rank's death, or the hard timeout; report.
 
-Run as ``python -m inprocess.watchdog ...`` by ``inprocess.watchdog_owner.Watchdog.start()``
-only. This module does the process's I/O; the decision is ``inprocess.watchdog.watch.Watch``.
+Run as ``python -m restartable.inprocess.watchdog ...`` by
+``inprocess.watchdog_owner.Watchdog.start()`` only. This module does the process's I/O; the decision
+is ``inprocess.watchdog.watch.Watch``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from inprocess.clock import SYSTEM
-from inprocess.protocol.store import Store
-from inprocess.watchdog.pipe import READY_MESSAGE
-from inprocess.watchdog.watch import StoreReport, Watch
-from inprocess.watchdog.watched_rank import WatchedRank
+from restartable.inprocess.clock import SYSTEM
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.watchdog.pipe import READY_MESSAGE
+from restartable.inprocess.watchdog.watch import StoreReport, Watch
+from restartable.inprocess.watchdog.watched_rank import WatchedRank
 
 if TYPE_CHECKING:  # imported where used: the client is only needed without --store-url
-    from inprocess.protocol.tcpstore_client import TCPStoreClient
+    from restartable.inprocess.protocol.tcpstore_client import TCPStoreClient
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,8 @@ def _connect(args: argparse.Namespace) -> Store | None:
     """A client of the job's store (etcd with ``--store-url``, else the TCPStore) whose values
     are sealed with the job's secret (from the rank, in this process's environment), or None
     when the store cannot be reached (reports are then logged)."""
-    from checkpoint.sealing import job_sealer
-    from inprocess.protocol.sealed_store import seal
+    from restartable.checkpoint.sealing import job_sealer
+    from restartable.inprocess.protocol.sealed_store import seal
 
     try:
         sealer = job_sealer(create=False)
@@ -110,7 +111,7 @@ def _connect_raw(args: argparse.Namespace) -> Store | TCPStoreClient | None:
     """The raw client (``seal`` wraps it), or None when the store cannot be reached."""
     if args.store_url is not None:
         try:
-            from inprocess.etcd.connect import open_store
+            from restartable.inprocess.etcd.connect import open_store
 
             return open_store(args.store_url, job_id=args.job_id, timeout=_STORE_TIMEOUT_S)
         except Exception:
@@ -119,7 +120,7 @@ def _connect_raw(args: argparse.Namespace) -> Store | TCPStoreClient | None:
     host, port = args.store_host, args.store_port
     try:
         # Not torch's client: importing torch cost this process ~220 MB and a second (issue 35).
-        from inprocess.protocol.tcpstore_client import TCPStoreClient
+        from restartable.inprocess.protocol.tcpstore_client import TCPStoreClient
 
         return TCPStoreClient(host, port, timeout=_STORE_TIMEOUT_S)
     except Exception:
@@ -128,7 +129,7 @@ def _connect_raw(args: argparse.Namespace) -> Store | TCPStoreClient | None:
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inprocess.watchdog", allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m restartable.inprocess.watchdog", allow_abbrev=False)
     p.add_argument("--store-host", required=True)
     p.add_argument("--store-port", type=int, required=True)
     p.add_argument("--initial-rank", type=int, required=True)

@@ -10,13 +10,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.errors import FaultRecord
-from inprocess.protocol.store import Store
-from inprocess.watchdog.pipe import CLOSE_MESSAGE, parse_beat
-from inprocess.watchdog.watched_rank import Rank, terminate
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.watchdog.pipe import CLOSE_MESSAGE, parse_beat
+from restartable.inprocess.watchdog.watched_rank import Rank, terminate
 
-log = logging.getLogger("inprocess.watchdog.process")  # the process's one log channel
+log = logging.getLogger("restartable.inprocess.watchdog.process")  # the process's one log channel
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def report_to(store: Store | None, verdict: Verdict, *, clock: Clock = SYSTEM) -
     if store is None:
         return
     try:
-        from inprocess.protocol.fault_records import record_fault, record_reserve_gone
+        from restartable.inprocess.protocol.fault_records import record_fault, record_reserve_gone
 
         if verdict.reserve:
             record_reserve_gone(store, verdict.iteration, verdict.initial_rank)

@@ -13,10 +13,10 @@ import signal
 from collections.abc import Sequence
 from typing import Protocol
 
-from inprocess.clock import SYSTEM, Clock
-from inprocess.watchdog import kill_notice
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.watchdog import kill_notice
 
-log = logging.getLogger("inprocess.watchdog.process")  # the process's one log channel
+log = logging.getLogger("restartable.inprocess.watchdog.process")  # the process's one log channel
 
 KILL_WAIT_S = 30.0  # how long a SIGKILLed rank may take to disappear before we give up waiting
 _DEAD_POLL_S = 0.01  # only where pidfd_open is missing (not Linux >= 5.3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from checkpoint import CheckpointManager
+from restartable.checkpoint import CheckpointManager
 from tests.dist.workers_exit import PEER_WAIT_S, SAVE_TIMEOUT_S
 from tests.multiproc import run_ranks, startup_s
 

@@ -92,7 +92,7 @@ def _orphaned_fork_servers() -> list[str]:
             cmd = (proc / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "inprocess.forkserver" not in cmd:
+        if "restartable.inprocess.forkserver" not in cmd:
             continue
         pid = next(int(a.split("=", 1)[1]) for a in cmd if a.startswith("--launcher-pid="))
         if not Path(f"/proc/{pid}").exists():

@@ -46,7 +46,7 @@ def _launch(
             [
                 sys.executable,
                 "-m",
-                "inprocess.launch",
+                "restartable.launch",
                 "--nproc-per-node",
                 "2",
                 "--master-port",

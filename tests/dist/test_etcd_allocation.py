@@ -1,6 +1,6 @@
-"""``python -m inprocess.etcd member|wait`` without Slurm: three real members, each on its own
-loopback address as on three nodes (SLURMD_NODENAME names the node, as srun sets it), started,
-waited for, kept through a job-wide SIGTERM (a preemption notice), stopped and cleaned."""
+"""``python -m restartable.inprocess.etcd member|wait`` without Slurm: three real members, each on
+its own loopback address as on three nodes (SLURMD_NODENAME names the node, as srun sets it),
+started, waited for, kept through a job-wide SIGTERM (a preemption notice), stopped and cleaned."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Members:
     def _spawn(self, node: str) -> subprocess.Popen[str]:
         argv = ["member", "--data-root", str(self.root), "--token", "t-1", *self.where()]
         return subprocess.Popen(
-            [sys.executable, "-m", "inprocess.etcd", *argv],
+            [sys.executable, "-m", "restartable.inprocess.etcd", *argv],
             env={**os.environ, "SLURMD_NODENAME": node, "PYTHONPATH": str(REPO)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -64,7 +64,7 @@ class Members:
 def _etcd_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "inprocess.etcd", *argv],
+        [sys.executable, "-m", "restartable.inprocess.etcd", *argv],
         env=env,
         capture_output=True,
         text=True,
@@ -82,7 +82,7 @@ def members(tmp_path: Path) -> Iterator[Members]:
 
 
 def test_members_start_survive_a_job_wide_sigterm_and_stop_clean(members: Members) -> None:
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     up = members.wait()
     url = "etcd://" + ",".join(f"{n}:{members.port}" for n in NODES)

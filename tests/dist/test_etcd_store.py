@@ -78,7 +78,7 @@ def test_restartable_job_on_etcd_survives_exception_kill_and_leader_loss(
     assert iterations == {0, 1, 2}, [o.result["seen"] for o in alive]
     # Without a launcher, the last rank to leave (the killed one counts as gone) deleted every
     # key of the job.
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     with EtcdStore(cluster.url, prefix="job", timeout=10) as after:
         assert after.delete_all() == 0
@@ -88,12 +88,12 @@ def test_restartable_job_on_etcd_survives_exception_kill_and_leader_loss(
 def test_launcher_with_store_flag_survives_exception_and_kill(cluster: EtcdCluster) -> None:
     # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its id):
     # "iteration 0 is done" would end every rank at once if the launcher did not clear it.
-    from inprocess.etcd import EtcdStore
-    from inprocess.protocol import keys
+    from restartable.inprocess.etcd import EtcdStore
+    from restartable.inprocess.protocol import keys
 
     with EtcdStore(cluster.url, prefix="launch-x", timeout=10) as stale:
         stale.set(keys.end_key(0), keys.OUTCOME_DONE)
-    argv = ["-m", "inprocess.launch", "--nproc-per-node", "3", "--store", cluster.url]
+    argv = ["-m", "restartable.launch", "--nproc-per-node", "3", "--store", cluster.url]
     argv += ["--job-id", "launch-x", "tests/dist/workers_etcd.py", "launch"]
     job = run_job(argv, deadline=90)
     assert job.returncode == 0, job.output
@@ -152,7 +152,7 @@ def test_two_launchers_on_etcd_lose_node_0_and_node_1_trains_on(
     assert set(done) == {2, 3}, (done, out.output)  # node 1's ranks, which were reserves
     assert all(r["total"] == clean_loss(12, 2) and r["world_size"] == 2 for r in done.values())
     assert "control store is gone" not in out.output, out.output
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     with EtcdStore(cluster.url, prefix="two-nodes", timeout=10) as after:
         assert after.delete_all() == 0  # node 1's launcher deleted every key of the job
@@ -163,7 +163,7 @@ def test_in_job_restart_on_etcd_uses_a_fresh_namespace_per_round(cluster: EtcdCl
     # tests/dist/test_launcher_recovery.py's in-job restart case, with the store on etcd: round
     # 1's ranks work under "<job>/round1", so no key of round 0 (whose in-process path stopped)
     # is read again; the job resumes from the checkpoint and ends with the clean loss.
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
     from tests.dist.test_launcher_recovery import launch, results, steps
     from tests.dist.workers_launcher_recovery import clean_loss
 

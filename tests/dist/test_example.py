@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from inprocess import faults, journal
-from inprocess.preemption import PREEMPTED_EXIT_CODE
-from inprocess.report import attribution
+from restartable.inprocess import faults, journal
+from restartable.inprocess.preemption import PREEMPTED_EXIT_CODE
+from restartable.inprocess.report import attribution
 from tests.etcd_cluster import EtcdCluster
 from tests.etcd_cluster import skip_reason as etcd_skip_reason
 from tests.multiproc import REPO_ROOT, run_job, slow
@@ -43,7 +43,7 @@ def _launch(
 ) -> Any:
     argv = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         str(nproc),
         *launcher,
@@ -148,8 +148,8 @@ def test_the_faulty_run_on_the_etcd_store_matches_the_clean_loss(
 ) -> None:
     # Issue 18: faults with every key of the job on a 3-member etcd cluster (the launcher's
     # control keys included): one restart per fault and the clean run's final loss.
-    from inprocess.etcd import EtcdStore
-    from inprocess.protocol import keys
+    from restartable.inprocess.etcd import EtcdStore
+    from restartable.inprocess.protocol import keys
 
     with EtcdCluster(members=3) as cluster:
         # A stale key of an earlier run with the same job id (a requeued Slurm job keeps its
@@ -191,7 +191,7 @@ def test_the_quick_start_demo_on_etcd_and_on_the_tcpstore_end_with_the_same_loss
                 launcher = ("--store", cluster.url)
             argv = [
                 "-m",
-                "inprocess.launch",
+                "restartable.launch",
                 "--nproc-per-node",
                 "4",
                 *launcher,
@@ -300,7 +300,7 @@ MISUSE_WARNINGS = (
 def test_the_quick_start_twice_in_a_row_from_a_fresh_directory(tmp_path: Path) -> None:
     quick_start = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         "4",
         str(REPO_ROOT / "examples" / "train.py"),
@@ -384,7 +384,7 @@ def test_bad_input_is_one_line_once_and_exit_2(
 ) -> None:
     argv = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         "2",
         "examples/train.py",

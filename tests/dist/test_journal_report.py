@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inprocess import journal, report
+from restartable.inprocess import journal, report
 from tests.multiproc import run_ranks
 
 
@@ -43,7 +43,7 @@ def test_report_of_a_job_that_is_not_the_example(tmp_path: Path) -> None:
 
     out = tmp_path / "report.json"
     cli = subprocess.run(
-        [sys.executable, "-m", "inprocess.report", str(jdir), "--json", str(out)],
+        [sys.executable, "-m", "restartable.inprocess.report", str(jdir), "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=60,

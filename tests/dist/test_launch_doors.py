@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from inprocess import RestartConfig
-from inprocess.errors import ConfigError
-from inprocess.launch.cli import parse_args
-from inprocess.protocol.environment import read_env
-from inprocess.restart.startup import store_url
+from restartable.inprocess import RestartConfig
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.launch.cli import parse_args
+from restartable.inprocess.protocol.environment import read_env
+from restartable.inprocess.restart.startup import store_url
 from tests.multiproc import free_port, run_job, startup_s
 
-LAUNCH = ["-m", "inprocess.launch"]
+LAUNCH = ["-m", "restartable.launch"]
 SCRIPT = "examples/minimal.py"
 # RFC 6761: names under .invalid never resolve, whatever the resolver.
 NOWHERE = "etcd://h1.invalid:2379,h2.invalid:2379,h3.invalid:2379"
@@ -69,7 +69,7 @@ def test_a_bad_launch_is_one_line_and_status_2_within_seconds(
     flags: list[str], says: str, bound: float
 ) -> None:
     line = _refused([*LAUNCH, "--nproc-per-node", "2", *flags], bound)
-    assert line.startswith("python -m inprocess.launch: error: "), line
+    assert line.startswith("python -m restartable.launch: error: "), line
     assert says in line, line
 
 
@@ -162,5 +162,7 @@ def test_the_examples_flags_are_not_abbreviated(tmp_path: Path, bound: float) ->
 
 
 def test_the_reports_flags_are_not_abbreviated(tmp_path: Path, bound: float) -> None:
-    line = _refused(["-m", "inprocess.report", "--attr", str(tmp_path)], bound)
-    assert line.startswith("python -m inprocess.report: error: unrecognized arguments: --attr")
+    line = _refused(["-m", "restartable.inprocess.report", "--attr", str(tmp_path)], bound)
+    assert line.startswith(
+        "python -m restartable.inprocess.report: error: unrecognized arguments: --attr"
+    )

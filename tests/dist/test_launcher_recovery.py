@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from inprocess import journal
-from inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
-from inprocess.report import attribution
+from restartable.inprocess import journal
+from restartable.inprocess.launch.autoresume import EXIT_APPLICATION, EXIT_REQUEUE
+from restartable.inprocess.report import attribution
 from tests.dist.workers_launcher_recovery import clean_loss
 from tests.multiproc import REPO_ROOT, JobOutput, run_job, slow
 
@@ -51,7 +51,7 @@ def launch(
     }
     argv = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         str(n),
         "--monitor-interval",
@@ -74,10 +74,17 @@ def results(d: Path) -> dict[int, dict[str, Any]]:
 
 
 def downtime_report(d: Path) -> tuple[str, dict[str, Any]]:
-    """``python -m inprocess.report d/journal --json``: its text and its one launch."""
+    """``python -m restartable.inprocess.report d/journal --json``: its text and its one launch."""
     out = d / "report.json"
     cli = subprocess.run(
-        [sys.executable, "-m", "inprocess.report", str(d / "journal"), "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "restartable.inprocess.report",
+            str(d / "journal"),
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -140,7 +147,7 @@ def _watchdogs_of(pids: set[int]) -> list[str]:
             cmd = (proc / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "inprocess.watchdog" in cmd and any(f"--pid={p}" in cmd for p in pids):
+        if "restartable.inprocess.watchdog" in cmd and any(f"--pid={p}" in cmd for p in pids):
             found.append(" ".join(cmd))
     return found
 

@@ -32,7 +32,7 @@ def test_sigkills_resume_from_the_local_tier_then_the_persistent_one_to_the_clea
     opts = {"dir": str(d), "epochs": 12, "kills": kills, "clean_port": free_port()}
     argv = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         "2",
         "--monitor-interval",
@@ -99,7 +99,7 @@ def test_fit_restarts_in_place_and_a_reserve_takes_the_lost_ranks_place(tmp_path
     }
     argv = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         "3",
         "--max-restarts",

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from inprocess import faults as fi
+from restartable.inprocess import faults as fi
 from tests.multiproc import RankOutput, describe, run_job, run_ranks
 
 TARGET = "tests.dist.workers_lost_ranks:train_with_faults"
@@ -178,7 +178,7 @@ def test_reserves_exhausted_stop_with_one_clear_error_and_launcher_fails() -> No
     job = run_job(
         [
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             "3",
             "tests/dist/workers_lost_ranks.py",

@@ -28,7 +28,7 @@ def _launch(job: Path, journal: Path) -> JobOutput:
     return run_job(
         [
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             "2",
             "--master-port",

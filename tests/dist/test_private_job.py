@@ -28,7 +28,7 @@ def test_every_file_a_job_writes_is_0600(tmp_path: Path) -> None:
     job_run = run_job(
         [
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             "2",
             "--master-port",

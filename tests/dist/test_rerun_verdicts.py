@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rerun import iterations_to_skip
+from restartable.rerun import iterations_to_skip
 from tests.multiproc import RankOutput, run_ranks
 
 TARGET = "tests.dist.workers_rerun:train"

@@ -189,7 +189,12 @@ def test_without_a_hosted_store_rank0_starts_a_store_server_process() -> None:
         assert servers[0] == servers[1], servers
         server = servers[0]
         port = str(outs[0].result["master_port"])
-        assert server["argv"][1:5] == ["-m", "inprocess.store_server", "--port", port], server
+        assert server["argv"][1:5] == [
+            "-m",
+            "restartable.inprocess.store_server",
+            "--port",
+            port,
+        ], server
         assert server["listens_on_master_port"], server  # the ranks' store is this process
         # Its own process and session, not any rank's: a signal to a rank spares the store.
         assert server["pid"] not in {o.pid for o in outs} and server["sid"] == server["pid"]

@@ -1,4 +1,4 @@
-"""``python -m inprocess.launch``: exit status, rank prefixes, signal forwarding, a restart."""
+"""``python -m restartable.launch``: exit status, rank prefixes, signal forwarding, a restart."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from inprocess.launch.cli import job_status
+from restartable.inprocess.launch.cli import job_status
 from tests.multiproc import run_job
 
 SCRIPT = "tests/dist/workers_inprocess.py"
 
 
 def _launch(mode: str, n: int = 2) -> list[str]:
-    return ["-m", "inprocess.launch", "--nproc-per-node", str(n), SCRIPT, mode]
+    return ["-m", "restartable.launch", "--nproc-per-node", str(n), SCRIPT, mode]
 
 
 def test_failed_rank_sets_exit_status_and_siblings_keep_running() -> None:

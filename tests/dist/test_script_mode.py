@@ -42,7 +42,7 @@ def _run(
     job = run_job(
         [
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             str(nproc),
             "--max-respawns",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from inprocess import journal
+from restartable.inprocess import journal
 from tests.multiproc import run_job, slow
 
 STEPS = 50  # K = 5: rank 1 is checked at steps 10, 25, 40 (rotating over 3 ranks)
@@ -21,7 +21,7 @@ STEPS = 50  # K = 5: rank 1 is checked at steps 10, 25, 40 (rotating over 3 rank
 def _launch(run_dir: Path, faults: str, *extra: str, nproc: int = 4, deadline: float = 200) -> Any:
     argv = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         str(nproc),
         "examples/train.py",
@@ -141,7 +141,7 @@ def test_no_false_positive_in_repeated_clean_runs(tmp_path: Path) -> None:
         job = run_job(
             [
                 "-m",
-                "inprocess.launch",
+                "restartable.launch",
                 "--nproc-per-node",
                 "3",
                 "examples/train.py",

@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-from inprocess.errors import ConfigError
-from inprocess.protocol.environment import read_env
-from inprocess.protocol.keys import GONE_KEY
-from inprocess.store_server import client, connect, mark_left
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.protocol.environment import read_env
+from restartable.inprocess.protocol.keys import GONE_KEY
+from restartable.inprocess.store_server import client, connect, mark_left
 from tests.multiproc import free_port
 
 _EXIT_S = 30.0  # the server polls every second; a loaded machine needs headroom
@@ -26,7 +26,7 @@ def _server(port: int, *extra: str) -> subprocess.Popen[bytes]:
         [
             sys.executable,
             "-m",
-            "inprocess.store_server",
+            "restartable.inprocess.store_server",
             "--port",
             str(port),
             "--world-size",

@@ -11,7 +11,7 @@ SCRIPT = "tests/dist/workers_torchrun.py"
 
 
 def _launch(*args: str) -> list[str]:
-    return ["-m", "inprocess.launch", "--nproc-per-node", "3", SCRIPT, *args]
+    return ["-m", "restartable.launch", "--nproc-per-node", "3", SCRIPT, *args]
 
 
 def test_ranks_in_the_environment_follow_a_restart_and_local_rank_0_still_saves(
@@ -58,7 +58,7 @@ def test_restarts_of_the_readme_style_script_take_no_group_timeout(tmp_path: Pat
     # cycles (the local tier's walk of the state, DDP itself) until the cyclic GC ran; here the
     # GC is off, so every restart would wait for the 5 s group timeout.
     job = run_job(
-        ["-m", "inprocess.launch", "--nproc-per-node", "2", SCRIPT, "readme", str(tmp_path)],
+        ["-m", "restartable.launch", "--nproc-per-node", "2", SCRIPT, "readme", str(tmp_path)],
         deadline=120,
     )
     assert job.returncode == 0, job.output
@@ -74,7 +74,7 @@ def test_the_minimal_example_survives_a_fault_and_runs_twice(tmp_path: Path) -> 
     # command again, as a user repeats it, in the same directory.
     command = [
         "-m",
-        "inprocess.launch",
+        "restartable.launch",
         "--nproc-per-node",
         "3",
         str(REPO_ROOT / "examples" / "minimal.py"),

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inprocess import journal, report
+from restartable.inprocess import journal, report
 from tests.multiproc import run_job
 
 SCRIPT = "tests/dist/workers_words.py"
 
 
 def _launch(*args: str) -> list[str]:
-    return ["-m", "inprocess.launch", "--nproc-per-node", "3", SCRIPT, *args]
+    return ["-m", "restartable.launch", "--nproc-per-node", "3", SCRIPT, *args]
 
 
 def test_an_error_of_the_ranks_own_code_inside_torch_distributed_is_its_error_with_traceback() -> (
@@ -36,7 +36,7 @@ def test_after_a_kill_the_restart_line_names_each_ranks_tier(tmp_path: Path) -> 
     job = run_job(
         [
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             "3",
             "examples/ddp_tutorial.py",
@@ -70,7 +70,7 @@ def test_a_memory_only_checkpoint_with_a_reserve_warns_once_at_start(tmp_path: P
     job = run_job(
         [
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nproc-per-node",
             "3",
             "examples/minimal.py",

@@ -46,7 +46,7 @@ def _launch(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path]:
             [
                 sys.executable,
                 "-m",
-                "inprocess.launch",
+                "restartable.launch",
                 "--nproc-per-node",
                 "2",
                 "--master-port",

@@ -20,7 +20,7 @@ def test_a_reserve_has_imported_what_ddp_needs_before_it_takes_a_killed_ranks_pl
 ) -> None:
     marker = str(tmp_path / "warm")
     args = ["--nproc-per-node", "3", SCRIPT, "--train-s", "4", "--warm-marker", marker]
-    job = run_job(["-m", "inprocess.launch", *args], deadline=150)
+    job = run_job(["-m", "restartable.launch", *args], deadline=150)
     assert job.returncode == 0, job.output
     seen = {
         (int(it), int(r)): (warm == "True", float(s))

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from inprocess import context, restartable
+from restartable.inprocess import context, restartable
 
 SOFT_TIMEOUT_S = 5.0  # the test bounds how long a hang may last with this
 

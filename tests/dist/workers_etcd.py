@@ -35,7 +35,7 @@ def gloo_all_reduce() -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = EtcdStore(
@@ -103,7 +103,7 @@ def restartable_job(
     import torch
     import torch.distributed as dist
 
-    from inprocess import context, restartable
+    from restartable.inprocess import context, restartable
 
     state: dict[str, Any] = {"step": 0, "w": torch.zeros(DIM)}
     seen: list[dict[str, Any]] = []
@@ -172,7 +172,7 @@ def bench_restarts(*, trials: int, gap: int, timed_steps: int, use_etcd: bool) -
     import torch
     import torch.distributed as dist
 
-    from inprocess import context, restartable
+    from restartable.inprocess import context, restartable
 
     state: dict[str, Any] = {"step": 0}
     faults: dict[int, float] = {}  # iteration -> wall time just before the raise
@@ -217,7 +217,7 @@ def _script(mode: str) -> int:
     if mode != "launch":
         print(f"unknown mode {mode}", file=sys.stderr)
         return 2
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
 
     result = restartable_job(steps=10, exception_at=2, kill_at=5, leader_at=None)
     if result["loss"] is not None:

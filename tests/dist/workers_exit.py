@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 def _manager(root: str) -> Any:
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # The store lives in the test process (host_store): a rank's exit does not take it along.

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inprocess import context, restartable
-from inprocess import faults as fi
+from restartable.inprocess import context, restartable
+from restartable.inprocess import faults as fi
 
 FAST = {
     # CPU tensors: gloo, also on a host with a GPU (where the default backend is nccl).
@@ -127,7 +127,7 @@ def _store_servers() -> list[dict[str, Any]]:
             if int(ppid) != os.getpid() or state == "Z":
                 continue
             argv = (stat.parent / "cmdline").read_bytes().decode().split("\0")[:-1]
-            if "inprocess.store_server" not in argv:
+            if "restartable.inprocess.store_server" not in argv:
                 continue
             fds = [os.readlink(fd) for fd in (stat.parent / "fd").iterdir()]
         except OSError:  # exited meanwhile
@@ -238,7 +238,7 @@ def always_fails(
 ) -> dict[str, Any]:
     """Rank ``fail_rank`` (None: every rank) raises in every iteration; returns the stop
     error's text."""
-    from inprocess import RestartAbortedError
+    from restartable.inprocess import RestartAbortedError
 
     seen: list[int] = []
 
@@ -262,9 +262,9 @@ def always_fails(
 
 def atomic_section(*, fail_rank: int) -> dict[str, Any]:
     """A peer's fault arrives while this rank is inside ``ctx.atomic()``: the block completes."""
-    from checkpoint.sealing import job_sealer
-    from inprocess.protocol import iteration_end, keys
-    from inprocess.protocol.sealed_store import seal
+    from restartable.checkpoint.sealing import job_sealer
+    from restartable.inprocess.protocol import iteration_end, keys
+    from restartable.inprocess.protocol.sealed_store import seal
 
     done: list[int] = []
     seen: list[int] = []
@@ -360,7 +360,7 @@ if __name__ == "__main__":
 def restart_during_persistent_save(*, root: str, delay: float) -> dict[str, Any]:
     """A manager that outlives train(); every rank raises right after the background save of
     step 2 started, so the restart lands while the writers coordinate the save."""
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     iterations: list[dict[str, Any]] = []
     mgr = CheckpointManager(root, persistent_every=1, keep=3, local_every=1, timeout=60.0)

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointManager
-from inprocess import context, restartable
-from inprocess import faults as fi
+from restartable.checkpoint import CheckpointManager
+from restartable.inprocess import context, restartable
+from restartable.inprocess import faults as fi
 
 STEPS = 40
 FAULT_STEP = 15

@@ -2,7 +2,7 @@
 that checkpoints to a JSON file, resumes from it on every call of ``train()`` (in-process
 restart, respawn, in-job restart alike), and loses processes on cue.
 
-    python -m inprocess.launch ... tests/dist/workers_launcher_recovery.py '<json options>'
+    python -m restartable.launch ... tests/dist/workers_launcher_recovery.py '<json options>'
     python tests/dist/workers_launcher_recovery.py two_nodes '<json options>'   # test driver
 
 Files in ``dir``: ``ckpt.json`` (the newest checkpoint, written by ctx.rank 0 with a rename),
@@ -35,10 +35,10 @@ def clean_loss(steps: int, world: int) -> float:
 
 def _waiting_joiners(active: tuple[int, ...]) -> int:
     """Respawned processes registered, alive and not active: the refilled part of the pool."""
-    from checkpoint.sealing import job_sealer
-    from inprocess.protocol import job_keys
-    from inprocess.protocol.sealed_store import seal
-    from inprocess.store_server import client
+    from restartable.checkpoint.sealing import job_sealer
+    from restartable.inprocess.protocol import job_keys
+    from restartable.inprocess.protocol.sealed_store import seal
+    from restartable.inprocess.store_server import client
 
     # The job's values are sealed (docs/security.md): read them as its processes do.
     raw = client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=10.0)
@@ -62,8 +62,8 @@ def main(opts: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from inprocess import restartable
-    from inprocess.context import context
+    from restartable.inprocess import restartable
+    from restartable.inprocess.context import context
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     d = Path(opts["dir"])
@@ -189,7 +189,7 @@ def two_nodes(opts: dict[str, Any]) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "inprocess.launch",
+            "restartable.launch",
             "--nnodes",
             "2",
             "--node-rank",

@@ -1,7 +1,7 @@
 """Rank code for the Lightning tests: a real ``Trainer(accelerator="cpu", devices=2,
 strategy="ddp")`` fitting a small regression model.
 
-    python -m inprocess.launch --nproc-per-node 2 --max-restarts 2 \
+    python -m restartable.launch --nproc-per-node 2 --max-restarts 2 \
         tests/dist/workers_lightning.py '<json options>'          # fit() under ft.restartable
     run_ranks(target="tests.dist.workers_lightning:straggler")   # plain DDP, one slowed rank
     run_ranks(target="tests.dist.workers_lightning:renumbered")  # @restartable with a reserve
@@ -108,9 +108,9 @@ def fit_main(opts: dict[str, Any]) -> None:
     ([{rank, step, wipe}]: SIGKILL that rank at that step, once per job; with ``wipe`` it first
     waits until the newest persistent save is committed, then deletes the node-local
     checkpoint directory, so that the restart must come back from the persistent tier)."""
-    from checkpoint import CheckpointManager
-    from checkpoint.lightning import TieredCheckpoint
-    from inprocess.lightning import FaultToleranceCallback
+    from restartable.checkpoint import CheckpointManager
+    from restartable.checkpoint.lightning import TieredCheckpoint
+    from restartable.inprocess.lightning import FaultToleranceCallback
 
     d = Path(opts["dir"])
     rank = int(os.environ["RANK"])
@@ -179,7 +179,7 @@ def clean_fit(epochs: int, port: int, root: Path) -> dict[str, Any]:
 
 def straggler(slow_rank: int, steps: int, interval: float) -> dict[str, Any]:
     """Plain Lightning DDP (Lightning creates the group); ``slow_rank`` computes ~3x longer."""
-    from straggler.lightning import StragglerDetectionCallback
+    from restartable.straggler.lightning import StragglerDetectionCallback
 
     d = Path(os.environ["TEST_RESULT_DIR"])
     rank = int(os.environ["RANK"])
@@ -206,8 +206,12 @@ def renumbered() -> dict[str, Any] | None:
     SIGKILLed in iteration 0. What Lightning makes of the reserve's rank is the evidence that an
     in-process restart of fit() is unsafe once ranks are renumbered; the FT callback's guard
     must refuse it."""
-    from inprocess import context, restartable
-    from inprocess.lightning import _UNDER, FaultToleranceCallback, LightningRestartError
+    from restartable.inprocess import context, restartable
+    from restartable.inprocess.lightning import (
+        _UNDER,
+        FaultToleranceCallback,
+        LightningRestartError,
+    )
 
     @restartable(active_world_size=2, min_active_world_size=2, **FAST)
     def train() -> dict[str, Any]:

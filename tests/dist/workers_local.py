@@ -43,7 +43,7 @@ def _init(iteration: int) -> None:
 def _state(rank: int, world: int, step: int, big: int = 0) -> dict[str, Any]:
     """Deterministic state at `step`: a data-parallel replicated model part and per-rank parts
     (plus, with `big`, a per-rank tensor of that many float32s)."""
-    from checkpoint.local import ReplicatedState
+    from restartable.checkpoint.local import ReplicatedState
 
     g = torch.Generator().manual_seed(1000 * step)
     shared = {f"layer{i}.weight": torch.randn(64, 16 + i, generator=g) for i in range(6)}
@@ -93,8 +93,8 @@ def _save_steps(tier: Any, rank: int, world: int, steps: list[int], state: dict[
 
 
 def _tier(local_dir: str | None, algo: str, factor: int = 2, keep: int = 2) -> Any:
-    from checkpoint.group import BackgroundGroup
-    from checkpoint.local import LocalTier
+    from restartable.checkpoint.group import BackgroundGroup
+    from restartable.checkpoint.local import LocalTier
 
     group = BackgroundGroup(timeout=30.0)
     tier = LocalTier(
@@ -109,7 +109,7 @@ def memory_after_restart(base: str) -> dict[str, Any]:
     The directories are emptied and checkpoint.local.directory.read is replaced by a function
     that fails, so a restore that touched a file would show up as a wrong tier or an exception.
     """
-    from checkpoint.local import directory
+    from restartable.checkpoint.local import directory
 
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
     _init(0)
@@ -168,7 +168,7 @@ def restore_fresh(
     tensors. small_parts: tiny parts and in-place tensors, so the test's small tensors take the
     paths that large ones take in production. Reports the growth of the peak RSS during load.
     """
-    from checkpoint.local import parts
+    from restartable.checkpoint.local import parts
     from tests import peak_memory
 
     if small_parts:
@@ -195,7 +195,7 @@ def restore_fresh(
 def _flip_last_byte(node_dir: Path, step: int, owner: int) -> None:
     """Corrupt the copy of (step, owner) in a node directory inside its last tensor: only the
     checksum can notice."""
-    from checkpoint.local import directory
+    from restartable.checkpoint.local import directory
 
     (meta,) = [m for m in directory.scan(node_dir) if (m.step, m.owner) == (step, owner)]
     with open(meta.path, "r+b") as f:
@@ -243,7 +243,7 @@ def corrupt_replica_in_place(base: str) -> dict[str, Any]:
     """A replica corrupted in its holder's memory (memory copies are sent unverified) arrives in
     place, into the receiver's state tensors; the receiver's checksum rejects it and the next
     source (step 1) must overwrite every tensor the bad copy wrote."""
-    from checkpoint.local import parts
+    from restartable.checkpoint.local import parts
 
     parts.DIRECT_MIN = 256  # the test's small tensors land in place, as large ones do
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
@@ -256,7 +256,7 @@ def corrupt_replica_in_place(base: str) -> dict[str, Any]:
         shard.buf[shard.nbytes - 1] ^= 0xFF  # inside the last tensor
     dist.barrier()
     if rank in (2, 3):  # node 1 lost its memory: fresh tiers (on the same dedicated group)
-        from checkpoint.local import LocalTier
+        from restartable.checkpoint.local import LocalTier
 
         tier.close()
         tier = LocalTier(local_dir=None, replication_factor=2, algo="atomic", keep=2, group=group)
@@ -272,7 +272,7 @@ def corrupt_replica_in_place(base: str) -> dict[str, Any]:
 def with_manager(base: str, algo: str) -> dict[str, Any]:
     """The local tier through CheckpointManager: memory after a restart, then directory / peer
     for a new manager (a new process's view), with node 1's directory lost."""
-    from checkpoint.manager import CheckpointManager
+    from restartable.checkpoint.manager import CheckpointManager
 
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])
 
@@ -315,9 +315,9 @@ def with_manager(base: str, algo: str) -> dict[str, Any]:
 def restartable_reserve(base: str, config: dict[str, Any]) -> dict[str, Any]:
     """Under @restartable: rank 1 is SIGKILLed after step 3; a reserve from another node plays
     rank 1 and gets rank 1's shard from a peer replica, the survivors from their memory."""
-    from checkpoint.manager import CheckpointManager
-    from inprocess import restartable
-    from inprocess.context import context
+    from restartable.checkpoint.manager import CheckpointManager
+    from restartable.inprocess import restartable
+    from restartable.inprocess.context import context
 
     me = _rank()
     mgr = CheckpointManager(
@@ -368,7 +368,7 @@ def restart_interrupts_wait(base: str) -> dict[str, Any]:
     must be abandoned at once, not waited for (2 x timeout), and saving must go on."""
     import time
 
-    from checkpoint.manager import CheckpointManager
+    from restartable.checkpoint.manager import CheckpointManager
     from tests.dist.workers_persistent import wait_interrupted
 
     rank, world = _rank(), int(os.environ["WORLD_SIZE"])

@@ -52,9 +52,9 @@ def train_with_faults(
     import torch
     import torch.distributed as dist
 
-    from inprocess import faults as fi
-    from inprocess import restartable
-    from inprocess.context import context
+    from restartable.inprocess import faults as fi
+    from restartable.inprocess import restartable
+    from restartable.inprocess.context import context
 
     # The restart records (INFO, with per-phase timings) end up in the rank's output.
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
@@ -91,7 +91,8 @@ def train_with_faults(
     return {"initial_rank": me, "pid": os.getpid(), "result": result}
 
 
-if __name__ == "__main__":  # as a script under `python -m inprocess.launch`: argv[1] = kwargs JSON
+# as a script under `python -m restartable.launch`: argv[1] = kwargs JSON
+if __name__ == "__main__":
     import sys
 
     train_with_faults(**json.loads(sys.argv[1]))

@@ -57,7 +57,7 @@ def roundtrip(root: str) -> dict[str, Any]:
     """Save model + optimizer + scalar + Stateful + a sharded DTensor; load; compare."""
     import torch.distributed.checkpoint as dcp
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     _, world = _init()
     model, opt = _model_state(0)
@@ -106,7 +106,7 @@ def roundtrip(root: str) -> dict[str, Any]:
 
 
 def reshard_save(root: str) -> dict[str, Any]:
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     _, world = _init()
     with CheckpointManager(root, persistent_every=1) as mgr:
@@ -119,7 +119,7 @@ def reshard_save(root: str) -> dict[str, Any]:
 def reshard_load(root: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     _, world = _init()
     target = {"w": _sharded(world, fill=0.0), "bias": torch.zeros(3)}
@@ -144,8 +144,8 @@ def reshard_load(root: str) -> dict[str, Any]:
 
 def crash_during_save(root: str, point: str, crash_rank: int) -> dict[str, Any]:
     """Commit step 1, then SIGKILL ``crash_rank`` at ``point`` while saving step 2."""
-    from checkpoint import CheckpointError, CheckpointManager
-    from checkpoint.config import ENV_CRASH_AT, ENV_CRASH_RANK
+    from restartable.checkpoint import CheckpointError, CheckpointManager
+    from restartable.checkpoint.config import ENV_CRASH_AT, ENV_CRASH_RANK
 
     rank, _ = _init()
     with CheckpointManager(root, persistent_every=1, timeout=10.0) as mgr:
@@ -168,7 +168,7 @@ def crash_during_save(root: str, point: str, crash_rank: int) -> dict[str, Any]:
 
 def load_after_crash(root: str) -> dict[str, Any]:
     """Load the newest checkpoint, then save step 3 (whose retention cleans stale partials)."""
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     rank, _ = _init()
     x = torch.zeros(1000)
@@ -183,7 +183,7 @@ def load_after_crash(root: str) -> dict[str, Any]:
 
 
 def failure_on_one_rank(root: str, bad_rank: int) -> dict[str, Any]:
-    from checkpoint import CheckpointError, CheckpointManager, CheckpointRankError
+    from restartable.checkpoint import CheckpointError, CheckpointManager, CheckpointRankError
 
     rank, _ = _init()
     state: dict[str, Any] = {"x": torch.ones(10)}
@@ -210,7 +210,7 @@ def many_restarts(root: str, restarts: int) -> dict[str, Any]:
     """Destroy and re-create the default group ``restarts`` times; one manager saves throughout."""
     import threading
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -271,7 +271,7 @@ def restart_with_blocked_save(root: str, interrupt_wait: bool = False) -> dict[s
     behind it)."""
     import time
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -309,7 +309,7 @@ def corrupt_fallback(root: str) -> dict[str, Any]:
     import logging
     from pathlib import Path
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     rank, _ = _init()
     warnings: list[str] = []
@@ -319,7 +319,7 @@ def corrupt_fallback(root: str) -> dict[str, Any]:
             if record.levelno == logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logging.getLogger("checkpoint").addHandler(Grab())
+    logging.getLogger("restartable.checkpoint").addHandler(Grab())
     with CheckpointManager(root, persistent_every=1) as mgr:
         for step in (1, 2):
             mgr.save(step, {"x": torch.full((1000,), float(step)), f"r{rank}": torch.ones(10)})
@@ -345,7 +345,7 @@ def corrupt_fallback(root: str) -> dict[str, Any]:
 def per_rank_restore(*, root: str, wrap: bool) -> dict[str, Any]:
     """docs/checkpoint.md's per-rank example: each rank saves its own RNG state and loader
     position to the persistent tier, a new manager restores them; what each rank got back."""
-    from checkpoint import CheckpointManager, PerRank
+    from restartable.checkpoint import CheckpointManager, PerRank
 
     rank, _ = _init()
     torch.manual_seed(100 + rank)

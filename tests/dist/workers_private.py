@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointManager
-from inprocess import context, restartable
-from inprocess import faults as fi
+from restartable.checkpoint import CheckpointManager
+from restartable.inprocess import context, restartable
+from restartable.inprocess import faults as fi
 
 STEPS = 6
 FAULT_STEP = 3

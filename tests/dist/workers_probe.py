@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointManager
-from inprocess import context, restartable
+from restartable.checkpoint import CheckpointManager
+from restartable.inprocess import context, restartable
 
 
 def main(jobdir: str, steps: int) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointManager, PerRank
+from restartable.checkpoint import CheckpointManager, PerRank
 
 
 def save_twice(*, root: str, per_rank: bool) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def save_twice(*, root: str, per_rank: bool) -> dict[str, Any]:
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    logging.getLogger("checkpoint").addHandler(Keep(level=logging.WARNING))
+    logging.getLogger("restartable.checkpoint").addHandler(Keep(level=logging.WARNING))
     dist.init_process_group("gloo", init_method="env://")
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)  # the same weights on every rank

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rerun import RerunDataIterator, RerunErrorInjector, RerunExit, RerunStateMachine
+from restartable.rerun import RerunDataIterator, RerunErrorInjector, RerunExit, RerunStateMachine
 
 
 def _batches(

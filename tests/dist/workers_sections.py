@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from inprocess import context, restartable
-from inprocess import faults as fi
+from restartable.inprocess import context, restartable
+from restartable.inprocess import faults as fi
 
 # soft_timeout stays at 2 s: a hang caught well before it was caught by the section timeout.
 OPTIONS = {

@@ -156,13 +156,13 @@ def train_sharded(
 
     Returns what each iteration restored with the digest of the state it restored, the digest
     saved at `fault_step`, the warnings logged and the final digest."""
-    from checkpoint import CheckpointManager
-    from inprocess import context, restartable
-    from rerun import RerunDataIterator, RerunStateMachine
+    from restartable.checkpoint import CheckpointManager
+    from restartable.inprocess import context, restartable
+    from restartable.rerun import RerunDataIterator, RerunStateMachine
 
     warnings = _Warnings()
-    logging.getLogger("inprocess").addHandler(warnings)
-    logging.getLogger("checkpoint").addHandler(warnings)
+    logging.getLogger("restartable.inprocess").addHandler(warnings)
+    logging.getLogger("restartable.checkpoint").addHandler(warnings)
     node = Path(base) / "local" / f"node{os.environ.get('GROUP_RANK', '0')}"
     node.mkdir(parents=True, exist_ok=True)
     mgr = CheckpointManager(

@@ -54,9 +54,9 @@ def ddp_job(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from inprocess import context, restartable
-    from inprocess import faults as fi
-    from straggler import Detector
+    from restartable.inprocess import context, restartable
+    from restartable.inprocess import faults as fi
+    from restartable.straggler import Detector
 
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -130,8 +130,8 @@ def store_job(
 
     from torch.distributed import TCPStore
 
-    from inprocess import faults as fi
-    from straggler import Detector
+    from restartable.inprocess import faults as fi
+    from restartable.straggler import Detector
 
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,7 +1,7 @@
-"""A torchrun-style script under ``python -m inprocess.launch``
+"""A torchrun-style script under ``python -m restartable.launch``
 (tests/dist/test_torchrun_script.py).
 
-    python -m inprocess.launch --nproc-per-node 3 tests/dist/workers_torchrun.py MODE
+    python -m restartable.launch --nproc-per-node 3 tests/dist/workers_torchrun.py MODE
 
 Modes: ``env`` (rank 0's process is SIGKILLed in iteration 0; every iteration prints the
 torchrun variables and writes the `if LOCAL_RANK == 0` snapshot), ``own_init`` (the script
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from inprocess import context, restartable
+from restartable.inprocess import context, restartable
 
 FAST = {
     "backend": "gloo",
@@ -85,7 +85,7 @@ def readme_mode(ckpt: str) -> None:
     took."""
     import gc
 
-    from checkpoint import CheckpointManager
+    from restartable.checkpoint import CheckpointManager
 
     mgr = CheckpointManager(ckpt, local_every=1, persistent_every=1000)
 

@@ -1,6 +1,6 @@
 """A DDP script whose rank 0 is SIGKILLed while a reserve waits (tests/dist/test_warm_reserve.py).
 
-    python -m inprocess.launch --nproc-per-node 3 tests/dist/workers_warm.py
+    python -m restartable.launch --nproc-per-node 3 tests/dist/workers_warm.py
 
 Every iteration prints, per rank, whether ``torch._dynamo`` (what the first ``DDP(...)``
 imports) was imported before its ``DDP(...)`` and how long that took. Rank 0 trains for
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from inprocess import context, restartable
+from restartable.inprocess import context, restartable
 
 p = argparse.ArgumentParser()
 p.add_argument("--train-s", type=float, default=6.0)

@@ -1,6 +1,6 @@
 """Scripts whose runs must be told in true words (tests/dist/test_true_words.py).
 
-    python -m inprocess.launch --nproc-per-node 3 tests/dist/workers_words.py MODE [DIR]
+    python -m restartable.launch --nproc-per-node 3 tests/dist/workers_words.py MODE [DIR]
 
 Modes: ``dtensor`` (iteration 0: every rank calls an operator DTensor cannot shard, which
 raises inside torch.distributed's code, the rank's own bug; ``user_code`` names the user's
@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from inprocess import context, restartable
+from restartable.inprocess import context, restartable
 
 FAST = {
     "backend": "gloo",

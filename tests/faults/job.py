@@ -1,4 +1,4 @@
-"""The training job every fault-matrix row runs (``python -m inprocess.launch ... job.py``).
+"""The training job every fault-matrix row runs (``python -m restartable.launch ... job.py``).
 
 A small model (DDP, or FSDP2 with ``"parallel": "fsdp"``), 2 active ranks and 1 warm reserve, a
 checkpoint every step in the local tier (host memory + node-local directory) and every 4 steps
@@ -39,13 +39,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import CheckpointManager
-from inprocess import context, restartable
-from inprocess.faults import PlannedFault, trigger
-from inprocess.faults.sdc import GradientBitFlip, corrupting
-from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
-from inprocess.store_server import client
-from rerun.scrub import Scrubber
+from restartable.checkpoint import CheckpointManager
+from restartable.inprocess import context, restartable
+from restartable.inprocess.faults import PlannedFault, trigger
+from restartable.inprocess.faults.sdc import GradientBitFlip, corrupting
+from restartable.inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from restartable.inprocess.store_server import client
+from restartable.rerun.scrub import Scrubber
 
 STEPS = 12
 SCRUB_STEP_S = 0.2  # sdc rows: a step lasts longer than the reserve's check of one
@@ -107,7 +107,7 @@ class Job:
         return self.fire(self.row["kind"], rank=rank, iteration=iteration, step=step)
 
     def _storage_fault(self, kind: str, *, rank: int, iteration: int, step: int | None) -> bool:
-        from inprocess.faults.record import FiredFault, record_once
+        from restartable.inprocess.faults.record import FiredFault, record_once
 
         record = FiredFault(kind, kind, rank, self.initial_rank, iteration, step, time.time(), 0)
         if not record_once(self.run_dir / "faults", record):
@@ -127,7 +127,7 @@ class Job:
 
             from torch.distributed import TCPStore
 
-            from inprocess.protocol import keys
+            from restartable.inprocess.protocol import keys
 
             stranger = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                 timeout=datetime.timedelta(seconds=10))  # fmt: skip
@@ -144,7 +144,7 @@ class Job:
 
 def _newest_committed(root: Path, *, at_least: int, timeout: float = 20.0) -> str:
     """The newest committed checkpoint's directory, once its step is >= ``at_least``."""
-    from checkpoint.persistent import CheckpointDirs
+    from restartable.checkpoint.persistent import CheckpointDirs
 
     end = time.monotonic() + timeout
     while True:

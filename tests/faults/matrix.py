@@ -1,7 +1,7 @@
 """The fault matrix: which rows exist, how one is played, and what its outcome must be.
 
 A row is a fault kind fired at a phase on a rank in an iteration of ``tests/faults/job.py``
-(2 active ranks + 1 warm reserve under ``python -m inprocess.launch``), with the model replicated
+(2 active ranks + 1 warm reserve under ``python -m restartable.launch``), with the model replicated
 by DDP or (``extra={"parallel": "fsdp"}``) sharded by FSDP2. Phases, as the job
 fires them (the faulting rank fires; its peers go on to wherever the protocol takes them):
 
@@ -191,7 +191,7 @@ def play(row: Row, tmp: Path) -> Outcome:
     journal_full = "journal_tmpfs_kb" in spec
     if journal_full:
         env["RESTARTABLE_JOURNAL_DIR"] = str(_full_tmpfs(run_dir / "journal", spec))
-    argv = ["-m", "inprocess.launch", "--nproc-per-node", "3", JOB, "--run-dir", str(run_dir)]
+    argv = ["-m", "restartable.launch", "--nproc-per-node", "3", JOB, "--run-dir", str(run_dir)]
     signal_when = None
     if row.kind == "store_loss":
         import signal
@@ -330,8 +330,8 @@ def _finished(end: dict[str, Any]) -> bool:
 
 def verify_newest(run_dir: Path) -> list[str]:
     """The newest committed persistent checkpoint must verify (every file's checksum)."""
-    from checkpoint.persistent import CheckpointDirs
-    from checkpoint.persistent.load import verify
+    from restartable.checkpoint.persistent import CheckpointDirs
+    from restartable.checkpoint.persistent.load import verify
 
     dirs = CheckpointDirs(str(run_dir / "ckpt"))
     committed = dirs.list_committed()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import CheckpointManager
+from restartable.checkpoint import CheckpointManager
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from inprocess.restart.health import HealthChecker
-from straggler import Detector
+from restartable.inprocess.restart.health import HealthChecker
+from restartable.straggler import Detector
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,7 +18,7 @@ pytestmark = [
 
 def test_health_check_of_a_healthy_gpu_runs_cuda_and_nvml(caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("pynvml", reason="nvidia-ml-py is a dependency of the project")
-    caplog.set_level(logging.DEBUG, logger="inprocess.restart.health")
+    caplog.set_level(logging.DEBUG, logger="restartable.inprocess.restart.health")
     with HealthChecker() as checker:
         assert checker.check() is None
         assert checker.check() is None  # NVML stays initialised between checks

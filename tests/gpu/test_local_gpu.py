@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint.local import LocalTier
+from restartable.checkpoint.local import LocalTier
 from tests.no_group import NoGroup
 
 pytestmark = [

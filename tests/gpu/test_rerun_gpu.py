@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from rerun import Diagnostic, RerunDataIterator, RerunErrorInjector, RerunStateMachine
+from restartable.rerun import Diagnostic, RerunDataIterator, RerunErrorInjector, RerunStateMachine
 
 pytestmark = [
     pytest.mark.gpu,

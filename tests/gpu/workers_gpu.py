@@ -40,11 +40,12 @@ def nccl_fault_then_all_reduce(*, fault: str) -> dict[str, Any]:
     exception; "hang": a sleep with the GIL released, past soft_timeout). Iteration 1 must run
     in the same process on a new communicator. Records, per call of the NCCL abort, how many
     NCCL groups it found (the abort of ``inprocess.restart.abort`` calls ncclCommAbort on each)."""
-    from inprocess import context, restartable
-    from inprocess.restart import abort as abort_module
+    from restartable.inprocess import context, restartable
+    from restartable.inprocess.restart import abort as abort_module
 
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
-    logging.getLogger("inprocess.restart.abort").setLevel(logging.DEBUG)  # "NCCL abort failed: ..."
+    # "NCCL abort failed: ..."
+    logging.getLogger("restartable.inprocess.restart.abort").setLevel(logging.DEBUG)
     aborted: list[int] = []
     abort_nccl = abort_module._abort_nccl
 
@@ -96,8 +97,8 @@ def gloo_cuda_training(*, root: str, fault: bool) -> dict[str, Any]:
     parameters (as lists) and where each iteration started from."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from checkpoint import CheckpointManager
-    from inprocess import context, restartable
+    from restartable.checkpoint import CheckpointManager
+    from restartable.inprocess import context, restartable
 
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s: %(message)s")
     mgr = CheckpointManager(
@@ -175,8 +176,8 @@ def fsdp_nccl_training(*, root: str, fault: bool, tier: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from checkpoint import CheckpointManager
-    from inprocess import context, restartable
+    from restartable.checkpoint import CheckpointManager
+    from restartable.inprocess import context, restartable
 
     if tier not in SHARDED_TIERS:
         raise ValueError(f"tier={tier!r}: use one of {SHARDED_TIERS}")

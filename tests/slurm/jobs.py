@@ -75,7 +75,11 @@ class Job:
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> int:
         """Signal the training process of initial ``rank`` (not its srun task); its pid."""
         for pid, argv in self.processes():
-            if "train.py" in argv and "inprocess.srun_task" not in argv and "bash" not in argv:
+            if (
+                "train.py" in argv
+                and "restartable.inprocess.srun_task" not in argv
+                and "bash" not in argv
+            ):
                 env = _environ(pid)
                 if env.get("RANK") == str(rank) and "INPROCESS_LAUNCHER_PID" not in env:
                     os.kill(pid, sig)
@@ -85,7 +89,7 @@ class Job:
     def kill_launcher(self, node: int) -> int:
         """SIGKILL ``inprocess.launch`` of ``node`` (its ranks die with it: a lost node)."""
         for pid, argv in self.processes():
-            launcher = argv.split()[1:3] == ["-m", "inprocess.launch"]
+            launcher = argv.split()[1:3] == ["-m", "restartable.launch"]
             if launcher and _environ(pid).get("SLURM_NODEID") == str(node):
                 os.kill(pid, signal.SIGKILL)
                 return pid

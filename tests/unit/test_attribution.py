@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from inprocess.report import attribution
+from restartable.inprocess.report import attribution
 
 
 def _fault(launch: str, host: str, rank: int, step: int, **kw: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import (
+from restartable.checkpoint import (
     CheckpointConfigError,
     CheckpointError,
     CheckpointManager,

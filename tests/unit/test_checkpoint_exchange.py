@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from checkpoint.errors import CheckpointAbandoned, CheckpointError
-from checkpoint.exchange import Attempts, StoreExchange
+from restartable.checkpoint.errors import CheckpointAbandoned, CheckpointError
+from restartable.checkpoint.exchange import Attempts, StoreExchange
 
 
 def _exchange(store: Any, rank: int, *, world: int = 3, timeout: float = 10.0) -> StoreExchange:

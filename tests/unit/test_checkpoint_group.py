@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint import BackgroundGroup, CheckpointConfigError
+from restartable.checkpoint import BackgroundGroup, CheckpointConfigError
 
 
 def test_none_without_torch_distributed() -> None:

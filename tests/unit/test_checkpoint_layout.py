@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint.persistent.layout import (
+from restartable.checkpoint.persistent.layout import (
     COMMIT_MARKER,
     IN_PROGRESS_MARKER,
     CheckpointDirs,

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint import CheckpointManager
-from checkpoint.persistent.save import SaveStats
+from restartable.checkpoint import CheckpointManager
+from restartable.checkpoint.persistent.save import SaveStats
 
 
 def test_a_restore_newer_than_the_missing_persistent_step_saves_it_next(tmp_path: Path) -> None:
@@ -56,6 +56,6 @@ def test_a_cancelled_save_that_committed_says_so_after_the_cancel(
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         done.set_result(SaveStats(step=200))
         mgr._persistent._abandoned = done
-        with caplog.at_level(logging.INFO, logger="checkpoint.persistent.save"):
+        with caplog.at_level(logging.INFO, logger="restartable.checkpoint.persistent.save"):
             mgr._persistent.drain_abandoned()
     assert "the cancelled save of step 200 had committed" in caplog.text

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointManager
+from restartable.checkpoint import CheckpointManager
 
 
 @pytest.fixture

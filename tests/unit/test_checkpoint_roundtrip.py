@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint import (
+from restartable.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointManager,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from checkpoint.local import integrity
+from restartable.checkpoint.local import integrity
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from checkpoint import sealing
-from checkpoint.sealing import ForgedValueError, Sealer, parse_count
-from inprocess.launch.actions import Action
-from inprocess.launch.node_lost import NodeLostError
-from inprocess.launch.rounds import JobControl
-from inprocess.protocol import iteration_end, job_keys, keys
-from inprocess.protocol.sealed_store import SealedStore
+from restartable.checkpoint import sealing
+from restartable.checkpoint.sealing import ForgedValueError, Sealer, parse_count
+from restartable.inprocess.launch.actions import Action
+from restartable.inprocess.launch.node_lost import NodeLostError
+from restartable.inprocess.launch.rounds import JobControl
+from restartable.inprocess.protocol import iteration_end, job_keys, keys
+from restartable.inprocess.protocol.sealed_store import SealedStore
 
 ROOT = Sealer(b"s" * 32)  # one secret shared by two launches (RESTARTABLE_SECRET_FILE)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from inprocess import _cpython_private
+from restartable.inprocess import _cpython_private
 
 
 def test_current_frame_is_what_another_thread_runs_now() -> None:

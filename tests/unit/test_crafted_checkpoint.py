@@ -19,9 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
-from checkpoint import CheckpointManager
-from checkpoint.errors import CheckpointCorruptError
-from checkpoint.persistent.safe_reader import UnsafeCheckpointError, load_metadata
+from restartable.checkpoint import CheckpointManager
+from restartable.checkpoint.errors import CheckpointCorruptError
+from restartable.checkpoint.persistent.safe_reader import UnsafeCheckpointError, load_metadata
 from tests.payload import Payload
 
 

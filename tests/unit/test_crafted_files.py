@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.errors import CheckpointError
-from checkpoint.lightning import _load_lightning_part
-from checkpoint.local import packing, unpacking, walk
-from rerun import persist
-from rerun.errors import RerunConfigError
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.lightning import _load_lightning_part
+from restartable.checkpoint.local import packing, unpacking, walk
+from restartable.rerun import persist
+from restartable.rerun.errors import RerunConfigError
 
 
 class _Payload:
@@ -64,7 +64,7 @@ def test_an_object_the_loader_would_refuse_is_refused_at_save_time(tmp_path: Pat
 
 
 def test_a_crafted_rerun_state_is_refused(tmp_path: Path) -> None:
-    from rerun import RerunStateMachine
+    from restartable.rerun import RerunStateMachine
 
     sd = RerunStateMachine(mode="validate_results").state_dict()
     sd["rng"] = _torch_saved(_Payload(tmp_path / "rng"))

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from inprocess.report import cli
+from restartable.inprocess.report import cli
 
 DEMO = Path(__file__).parent / "data" / "demo_journal.jsonl"
 _WRONG: list[Any] = ["x", None, [], 1e308, "<removed>"]
@@ -54,6 +54,8 @@ def test_every_wrongly_typed_field_ends_the_report_with_one_line(
             err = capsys.readouterr().err
             assert status in (0, 2), (key, value, err)
             if status == 2:
-                assert err.startswith("inprocess.report: error: ") and err.count("\n") == 1, err
+                assert (
+                    err.startswith("restartable.inprocess.report: error: ") and err.count("\n") == 1
+                ), err
                 refused += "rank" in err or ".jsonl:" in err
     assert refused > 0  # the check is exercised: some crafted fields were named

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from rerun import RerunStateMachine
-from rerun.errors import RerunConfigError
-from rerun.rng import capture
+from restartable.rerun import RerunStateMachine
+from restartable.rerun.errors import RerunConfigError
+from restartable.rerun.rng import capture
 
 _WRONG: list[Any] = ["x", None, [], -1, 1e308, True, b"\x00junk", "[1,", '{"a": "b"}', '"s"']
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.errors import CheckpointError
-from checkpoint.local import packing, unpacking
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.local import packing, unpacking
 
 
 def _shard(rows: list[Any], objects: dict[str, Any] | None = None) -> torch.Tensor:

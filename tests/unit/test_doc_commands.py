@@ -18,7 +18,7 @@ from tests.doc_commands import NEEDS, REPO_ROOT, Command
 
 COMMANDS = doc_commands.all_commands()
 FENCED = [c for c in COMMANDS if c.fenced]
-# Words of a synopsis (`python -m inprocess.launch --nproc-per-node N train.py`): the user's own
+# Words of a synopsis (`python -m restartable.launch --nproc-per-node N train.py`): the user's own
 # script and the placeholders for values; flags after the user's script are that script's.
 USER_SCRIPTS = ("train.py", "script.py", "SCRIPT")
 
@@ -139,7 +139,9 @@ def test_each_fenced_command_runs_here_or_says_what_it_needs() -> None:
     assert unknown == [], f"a marker names none of {NEEDS}"
     # The quick start, the template and a docs command run as pasted; a Slurm one is marked.
     runs = {c.text for c in FENCED if c.needs is None}
-    assert "python -m inprocess.launch --nproc-per-node 3 examples/minimal.py --fail-at 30" in runs
+    assert (
+        "python -m restartable.launch --nproc-per-node 3 examples/minimal.py --fail-at 30" in runs
+    )
     assert any("--run-dir runs/timeouts" in t for t in runs), runs
     assert all(c.needs for c in FENCED if c.text.startswith("sbatch")), FENCED
 

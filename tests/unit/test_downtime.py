@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from inprocess import report
-from inprocess.report import downtime, terms
+from restartable.inprocess import report
+from restartable.inprocess.report import downtime, terms
 
 
 def _steps(t0: float, first: int, n: int, dt: float, it: int) -> list[dict[str, Any]]:

@@ -11,12 +11,12 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from inprocess.config import RestartConfig
-from inprocess.errors import ConfigError
-from inprocess.faults import drill
-from inprocess.launch.cli import parse_args
-from inprocess.launch.rank_env import rank_env
-from inprocess.protocol.environment import LaunchEnv, read_env
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.faults import drill
+from restartable.inprocess.launch.cli import parse_args
+from restartable.inprocess.launch.rank_env import rank_env
+from restartable.inprocess.protocol.environment import LaunchEnv, read_env
 
 
 @pytest.mark.parametrize(
@@ -138,7 +138,7 @@ def test_a_drill_that_loses_its_rank_with_no_reserve_nor_respawn_warns_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     cfg = RestartConfig(**_NEVER, simulated_fault_rank=1, simulated_fault_type="rank_killed")
-    with caplog.at_level(logging.WARNING, logger="inprocess.faults.drill"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.faults.drill"):
         armed = drill.start_in_rank(cfg, _env(1), dist.HashStore())
     assert armed is not None
     armed.close()
@@ -150,7 +150,7 @@ def test_a_drill_that_loses_its_rank_with_no_reserve_nor_respawn_warns_once(
         (RestartConfig(**_NEVER, simulated_fault_rank=1, active_world_size=3), _env(1)),
         (cfg, dataclasses.replace(_env(1), max_respawns=1)),
     ):
-        with caplog.at_level(logging.WARNING, logger="inprocess.faults.drill"):
+        with caplog.at_level(logging.WARNING, logger="restartable.inprocess.faults.drill"):
             d = drill.start_in_rank(cfg2, env, dist.HashStore())
         assert d is not None
         d.close()

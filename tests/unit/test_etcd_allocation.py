@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.errors import ConfigError
-from inprocess.etcd.allocation import (
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.allocation import (
     AllocationCluster,
     default_members,
     sizing_warning,
     tolerated_losses,
 )
-from inprocess.etcd.url import parse_url
+from restartable.inprocess.etcd.url import parse_url
 
 
 @pytest.mark.parametrize(

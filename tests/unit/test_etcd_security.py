@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.errors import ConfigError
-from inprocess.etcd.security import credentials_from_env
-from inprocess.etcd.url import parse_url
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.security import credentials_from_env
+from restartable.inprocess.etcd.url import parse_url
 from tests.etcd_cluster import skip_reason
 from tests.multiproc import slow
 
@@ -81,8 +81,8 @@ def _env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
 def test_the_protocol_runs_over_tls_with_a_user(
     secure: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from inprocess.etcd import EtcdStore
-    from inprocess.protocol import fault_records, iteration_end, keys
+    from restartable.inprocess.etcd import EtcdStore
+    from restartable.inprocess.protocol import fault_records, iteration_end, keys
     from tests.etcd_secure import SecureEtcd
 
     assert isinstance(secure, SecureEtcd)
@@ -103,7 +103,7 @@ def test_the_protocol_runs_over_tls_with_a_user(
 @needs_etcd
 @slow("a 3 s wait for a token to expire; test_the_protocol_runs_over_tls_with_a_user covers TLS")
 def test_an_expired_token_is_replaced(secure: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
     from tests.etcd_secure import SecureEtcd
 
     assert isinstance(secure, SecureEtcd)
@@ -124,7 +124,7 @@ def test_an_expired_token_is_replaced(secure: object, monkeypatch: pytest.Monkey
 def test_a_wrong_password_or_no_user_is_refused(
     secure: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from inprocess.etcd import EtcdStore, EtcdStoreError
+    from restartable.inprocess.etcd import EtcdStore, EtcdStoreError
     from tests.etcd_secure import SecureEtcd
 
     assert isinstance(secure, SecureEtcd)
@@ -146,7 +146,7 @@ def test_a_wrong_password_or_no_user_is_refused(
 def test_a_plain_url_with_tls_files_names_the_scheme(
     secure: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from inprocess.etcd import EtcdStore
+    from restartable.inprocess.etcd import EtcdStore
     from tests.etcd_secure import SecureEtcd
 
     assert isinstance(secure, SecureEtcd)

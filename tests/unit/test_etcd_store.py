@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from inprocess.errors import ConfigError, StoreTimeoutError
-from inprocess.etcd import EtcdStore, EtcdStoreError
-from inprocess.etcd.errors import EtcdTimeoutError
-from inprocess.etcd.url import parse_url
+from restartable.inprocess.errors import ConfigError, StoreTimeoutError
+from restartable.inprocess.etcd import EtcdStore, EtcdStoreError
+from restartable.inprocess.etcd.errors import EtcdTimeoutError
+from restartable.inprocess.etcd.url import parse_url
 from tests.etcd_cluster import EtcdCluster, skip_reason
 from tests.multiproc import free_ports
 
@@ -248,7 +248,7 @@ def test_killing_the_leader_costs_a_short_stall_and_no_lost_or_doubled_update() 
 
 
 def test_job_prefix_comes_from_the_url_else_the_job_id_and_rounds_get_their_own() -> None:
-    from inprocess.etcd.connect import job_prefix
+    from restartable.inprocess.etcd.connect import job_prefix
 
     assert job_prefix("etcd://h:1/from-url", "job-9") == "from-url"
     assert job_prefix("etcd://h:1", "job-9") == "job-9"
@@ -318,10 +318,10 @@ def test_the_watchdog_process_reports_on_the_etcd_store(cluster: EtcdCluster) ->
     # namespace on etcd, where the ranks read it (the TCP host and port are not used).
     import argparse
 
-    from inprocess.clock import SYSTEM
-    from inprocess.protocol import keys
-    from inprocess.watchdog import process
-    from inprocess.watchdog.watch import StoreReport, Verdict
+    from restartable.inprocess.clock import SYSTEM
+    from restartable.inprocess.protocol import keys
+    from restartable.inprocess.watchdog import process
+    from restartable.inprocess.watchdog.watch import StoreReport, Verdict
 
     args = argparse.Namespace(
         store_url=cluster.url,
@@ -386,7 +386,7 @@ def test_wait_value_returns_the_value_a_watch_saw_or_times_out(s: EtcdStore) -> 
 def test_count_arrival_counts_each_member_once_in_one_transaction(
     s: EtcdStore, cluster: EtcdCluster
 ) -> None:
-    from inprocess.protocol import fault_records, keys, restart_meeting
+    from restartable.inprocess.protocol import fault_records, keys, restart_meeting
 
     other = EtcdStore(cluster.url, prefix=s.prefix, timeout=20.0)
     with ThreadPoolExecutor(8) as pool:  # 12 arrivals of 8 members, from two clients at once
@@ -413,7 +413,7 @@ def test_count_arrival_counts_each_member_once_in_one_transaction(
 
 @needs_etcd
 def test_multi_set_and_try_get_many_are_one_transaction_each(s: EtcdStore) -> None:
-    from inprocess.protocol import keys
+    from restartable.inprocess.protocol import keys
 
     calls: list[str] = []
     txn = s._keys.txn
@@ -436,7 +436,7 @@ def test_group_rendezvous_on_etcd_meets_on_the_hosts_tcpstore(
 ) -> None:
     """The group's rank 0 hosts the rendezvous; a peer finds it through etcd and keeps its
     client across iterations; the keys never touch etcd."""
-    from inprocess.restart.rendezvous import Rendezvous, advertised_host
+    from restartable.inprocess.restart.rendezvous import Rendezvous, advertised_host
 
     where = advertised_host(parse_url(cluster.url).endpoints)
     host = Rendezvous(s, me=3, hosted=True, advertise=where, timeout=5.0)
@@ -458,7 +458,7 @@ def test_group_rendezvous_on_etcd_meets_on_the_hosts_tcpstore(
 
 
 def test_advertised_host_is_the_interface_that_reaches_the_store() -> None:
-    from inprocess.restart.rendezvous import advertised_host
+    from restartable.inprocess.restart.rendezvous import advertised_host
 
     assert advertised_host((("127.0.0.1", 2379),)) == "127.0.0.1"
 
@@ -467,7 +467,7 @@ def test_advertised_host_is_the_interface_that_reaches_the_store() -> None:
 
 
 def _control(cluster: EtcdCluster, job_id: str, node: int, **kw: Any) -> Any:
-    from inprocess.launch.rounds import JobControl
+    from restartable.inprocess.launch.rounds import JobControl
 
     return JobControl(
         node_rank=node,
@@ -482,8 +482,8 @@ def _control(cluster: EtcdCluster, job_id: str, node: int, **kw: Any) -> Any:
 
 @needs_etcd
 def test_a_second_srun_step_never_deletes_the_first_steps_keys(cluster: EtcdCluster) -> None:
-    from inprocess.launch.launch_id import TOKEN_KEY
-    from inprocess.protocol.environment import slurm_job_step
+    from restartable.inprocess.launch.launch_id import TOKEN_KEY
+    from restartable.inprocess.protocol.environment import slurm_job_step
 
     job = f"4711{uuid.uuid4().hex[:6]}"
     steps = [slurm_job_step({"SLURM_JOB_ID": job, "SLURM_STEP_ID": str(i)}) for i in (0, 1)]
@@ -505,8 +505,8 @@ def test_the_last_launcher_out_never_judges_a_live_node_by_its_skewed_clock(
 ) -> None:
     # Issue 33: node 1's wall clock is 3 s behind node 0's; node 0 compared node 1's beat (its
     # wall time) with its own clock, found it "stale" and deleted the job's keys under it.
-    from inprocess.clock import Clock
-    from inprocess.launch.launch_id import TOKEN_KEY
+    from restartable.inprocess.clock import Clock
+    from restartable.inprocess.launch.launch_id import TOKEN_KEY
 
     job = f"skew-{uuid.uuid4().hex[:8]}"
     node0 = _control(cluster, job, 0, node_timeout=4.0, beat_stale=1.0)

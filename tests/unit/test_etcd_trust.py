@@ -37,7 +37,7 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _refused(monkeypatch: pytest.MonkeyPatch, url: str, env: dict[str, str]) -> str:
-    from inprocess.etcd import EtcdStore, EtcdStoreError
+    from restartable.inprocess.etcd import EtcdStore, EtcdStoreError
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)

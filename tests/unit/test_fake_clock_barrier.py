@@ -15,10 +15,16 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from inprocess.clock import Clock
-from inprocess.errors import FaultRecord, StoreTimeoutError
-from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
-from inprocess.protocol.store import Store, as_store
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.errors import FaultRecord, StoreTimeoutError
+from restartable.inprocess.protocol import (
+    barriers,
+    fault_records,
+    iteration_end,
+    keys,
+    restart_meeting,
+)
+from restartable.inprocess.protocol.store import Store, as_store
 from tests.fake_clock import FakeClock
 
 BARRIER_TIMEOUT = 300.0  # RestartConfig's barrier_timeout, as a user leaves it

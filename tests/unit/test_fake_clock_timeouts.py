@@ -10,11 +10,11 @@ import signal
 
 import pytest
 
-from inprocess.protocol import fault_records, iteration_end, keys
-from inprocess.restart.interrupter import Interrupter
-from inprocess.restart.monitor import Monitor, MonitorLimits
-from inprocess.restart.progress import ProgressTracker
-from inprocess.watchdog.watch import Verdict, Watch, report_to
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.restart.monitor import Monitor, MonitorLimits
+from restartable.inprocess.restart.progress import ProgressTracker
+from restartable.inprocess.watchdog.watch import Verdict, Watch, report_to
 from tests.fake_clock import FakeClock
 from tests.unit.test_inprocess_store import FakeStore
 

@@ -72,7 +72,9 @@ def test_every_call_hop_of_the_walk_is_a_call_the_imports_allow() -> None:
 def test_the_protocol_never_calls_back_up_into_the_restart_loop() -> None:
     up = {
         p.name: sorted(
-            i for i in _imports(f"protocol/{p.name}") if i.startswith("inprocess.restart")
+            i
+            for i in _imports(f"protocol/{p.name}")
+            if i.startswith("restartable.inprocess.restart")
         )
         for p in (PACKAGE / "protocol").glob("*.py")
     }

@@ -15,12 +15,12 @@ from typing import Any, cast
 
 import pytest
 
-from inprocess import faults
-from inprocess.context import RestartContext, activated
-from inprocess.errors import ConfigError
-from inprocess.faults import FiredFault, InjectedFault, PlannedFault, parse_plan
-from inprocess.faults.record import RECORD_FILE, append
-from inprocess.restart.progress import ProgressTracker
+from restartable.inprocess import faults
+from restartable.inprocess.context import RestartContext, activated
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.faults import FiredFault, InjectedFault, PlannedFault, parse_plan
+from restartable.inprocess.faults.record import RECORD_FILE, append
+from restartable.inprocess.restart.progress import ProgressTracker
 from tests.multiproc import REPO_ROOT
 
 FIRED_KINDS = ("exception", "kill", "hang", "hang_gil", "sigterm")
@@ -147,7 +147,7 @@ def test_kill_is_recorded_in_a_process_that_dies_of_sigkill(tmp_path: Path) -> N
     script = textwrap.dedent(
         """
         import sys
-        from inprocess.faults import PlannedFault, trigger
+        from restartable.inprocess.faults import PlannedFault, trigger
         fault = PlannedFault("kill", 2, 7)
         trigger(fault, record_dir=sys.argv[1], initial_rank=3, iteration=1, step=7)
         print("survived the kill")
@@ -235,7 +235,7 @@ def test_fire_planned_fires_a_fault_before_claiming_a_nan_at_the_same_step(tmp_p
 
 
 def test_a_plan_that_loses_a_rank_without_reserve_or_respawn_warns_in_one_line() -> None:
-    from inprocess.faults import parse_plan, shrink_warning
+    from restartable.inprocess.faults import parse_plan, shrink_warning
 
     plan = parse_plan("demo", steps=300)
     line = shrink_warning(plan, world_size=4, active=4, max_respawns=0)
@@ -249,7 +249,7 @@ def test_a_plan_that_loses_a_rank_without_reserve_or_respawn_warns_in_one_line()
 
 
 def test_a_plan_that_kills_every_process_without_respawn_is_named() -> None:
-    from inprocess.faults import no_rank_left, parse_plan
+    from restartable.inprocess.faults import no_rank_left, parse_plan
 
     def left(text: str, *, world: int, active: int, respawns: int = 0) -> str | None:
         plan = parse_plan(text, steps=30)

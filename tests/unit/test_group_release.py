@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.restart.abort import GroupReaper
-from inprocess.restart.active import _drop_frames
+from restartable.inprocess.restart.abort import GroupReaper
+from restartable.inprocess.restart.active import _drop_frames
 
 
 class _Group:
@@ -56,7 +56,7 @@ def test_a_reference_dropped_within_the_grace_is_no_misuse(
     reaper = GroupReaper(rank=0, grace_s=2.0)
     group = _Group()
     holder = [group]  # e.g. a background job that ends a moment later
-    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.restart.abort"):
         _release(reaper, group)
         del group
         threading.Timer(0.2, holder.clear).start()
@@ -68,7 +68,7 @@ def test_a_reference_that_stays_is_reported_once(caplog: pytest.LogCaptureFixtur
     reaper = GroupReaper(rank=3, grace_s=0.3)
     kept = [_Group(), _Group()]  # e.g. a DDP model kept by an object that outlives train()
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.restart.abort"):
         _release(reaper, kept[0])
         _release(reaper, kept[1])
         reaper.close(timeout=5.0)
@@ -86,7 +86,7 @@ def test_the_warning_names_what_holds_the_group(caplog: pytest.LogCaptureFixture
     reaper = GroupReaper(rank=1, grace_s=0.1)
     group = _Group()
     trainer = Trainer(group)  # outlives train()
-    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.restart.abort"):
         _release(reaper, group)
         del group
         reaper.close(timeout=5.0)
@@ -104,7 +104,7 @@ def test_the_warning_never_names_its_own_cell(caplog: pytest.LogCaptureFixture) 
     reaper = GroupReaper(rank=1, grace_s=0.1)
     group = _Group()
     trainer = Trainer(group)
-    with caplog.at_level(logging.WARNING, logger="inprocess.restart.abort"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.restart.abort"):
         _release(reaper, group)
         del group
         reaper.close(timeout=5.0)
@@ -144,13 +144,13 @@ def test_the_local_tiers_walk_of_the_state_keeps_no_cycle() -> None:
     # The cause of the 12.5 s restarts of the README-style script (DDP module in the state,
     # manager outside train()): the local tier's recursive walk was a closure cycle that kept
     # the state, and so the destroyed group, until the cyclic GC ran.
-    from checkpoint.local.walk import leaves
+    from restartable.checkpoint.local.walk import leaves
 
     assert _freed_without_gc(lambda state: leaves(state, []))
 
 
 def test_the_per_rank_keying_keeps_no_cycle() -> None:
-    from checkpoint.per_rank import PerRank, keyed_by_rank
+    from restartable.checkpoint.per_rank import PerRank, keyed_by_rank
 
     def use(state: dict[str, object]) -> None:
         state["own"] = PerRank(x=1)
@@ -168,7 +168,7 @@ def test_torchs_module_level_default_group_is_released(tmp_path: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from inprocess.restart.abort import abort_process_groups
+    from restartable.inprocess.restart.abort import abort_process_groups
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from inprocess.restart.health import HealthChecker
+from restartable.inprocess.restart.health import HealthChecker
 
 
 def test_cpu_host_is_healthy_and_skip_is_logged_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU host, also on a GPU one
-    caplog.set_level(logging.INFO, logger="inprocess.restart.health")
+    caplog.set_level(logging.INFO, logger="restartable.inprocess.restart.health")
     with HealthChecker() as checker:
         assert checker.check() is None
         assert checker.check() is None

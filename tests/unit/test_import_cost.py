@@ -7,10 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import checkpoint
+from restartable import checkpoint
 
 _PROBE = (
-    "import sys, inprocess, inprocess.restart.loop; "
+    "import sys, restartable.inprocess, restartable.inprocess.restart.loop; "
     "print('torch.distributed.checkpoint' in sys.modules)"
 )
 

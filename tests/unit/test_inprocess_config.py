@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import pytest
 
-from inprocess import RestartConfig, context, restartable
-from inprocess.errors import ConfigError, ContextError, InprocessError
-from inprocess.faults import inject
-from inprocess.restart.progress import ProgressTracker
+from restartable.inprocess import RestartConfig, context, restartable
+from restartable.inprocess.errors import ConfigError, ContextError, InprocessError
+from restartable.inprocess.faults import inject
+from restartable.inprocess.restart.progress import ProgressTracker
 from tests.fake_clock import FakeClock
 
 
@@ -242,7 +242,7 @@ def test_a_state_path_without_calculate_timeouts_warns_that_it_is_ignored() -> N
 def test_the_launcher_refuses_an_infinite_duration(
     flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from inprocess.launch.cli import parse_args
+    from restartable.inprocess.launch.cli import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--nproc-per-node", "1", flag, "inf", "train.py"])

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.errors import RestartInterrupt
-from inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.errors import RestartInterrupt
+from restartable.inprocess.restart.interrupter import Interrupter
 
 _SYNC_S = 10.0  # real-time bound of each wait on the other thread: reached only when broken
 

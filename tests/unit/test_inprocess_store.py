@@ -8,10 +8,16 @@ from collections.abc import Callable
 
 import pytest
 
-from inprocess.clock import SYSTEM
-from inprocess.errors import FaultRecord, StoreTimeoutError
-from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
-from inprocess.protocol.store import StoreBase
+from restartable.inprocess.clock import SYSTEM
+from restartable.inprocess.errors import FaultRecord, StoreTimeoutError
+from restartable.inprocess.protocol import (
+    barriers,
+    fault_records,
+    iteration_end,
+    keys,
+    restart_meeting,
+)
+from restartable.inprocess.protocol.store import StoreBase
 from tests.fake_clock import FakeClock
 
 
@@ -217,7 +223,7 @@ def test_wait_outcome_returns_none_after_its_timeout(store: FakeStore, clock: Fa
 def test_the_monitor_clients_are_reused_across_iterations() -> None:
     """A client whose wait ended is handed back and taken by the next iteration's monitor;
     one still in use is never given to anyone else."""
-    from inprocess.restart.services import ClientPool
+    from restartable.inprocess.restart.services import ClientPool
 
     opened: list[object] = []
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.clock import SYSTEM
-from inprocess.launch.outcome import JobOutcome
-from inprocess.srun_task.stand_in import launcher_job_status
+from restartable.inprocess.clock import SYSTEM
+from restartable.inprocess.launch.outcome import JobOutcome
+from restartable.inprocess.srun_task.stand_in import launcher_job_status
 from tests.fake_clock import FakeClock
 from tests.multiproc import free_ports
 

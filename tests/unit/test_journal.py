@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inprocess import journal
+from restartable.inprocess import journal
 
 
 def test_records_from_any_package_go_to_the_file_and_not_to_the_user_log(
@@ -64,15 +64,15 @@ def test_a_full_disk_stops_the_journal_once_and_never_the_fault_path(
 ) -> None:
     """ENOSPC under the journal (/dev/full) used to raise out of record_fault between the
     fault's append and the end of its iteration: the other ranks were never woken."""
-    from inprocess.errors import FaultRecord
-    from inprocess.protocol import fault_records, iteration_end, keys
+    from restartable.inprocess.errors import FaultRecord
+    from restartable.inprocess.protocol import fault_records, iteration_end, keys
     from tests.unit.test_inprocess_store import FakeClock, FakeStore
 
     handler = journal._Handler(open("/dev/full", "w"), {"rank": 0})  # noqa: SIM115
     journal._log.addHandler(handler)
     jr = journal.Journal(Path("/dev/full"), handler)
     try:
-        with caplog.at_level(logging.WARNING, logger="inprocess.journal"):
+        with caplog.at_level(logging.WARNING, logger="restartable.inprocess.journal"):
             store = FakeStore(FakeClock())
             rec = FaultRecord(iteration=0, initial_rank=1, kind="exception", detail="x", step=3)
             fault_records.record_fault(store, rec)

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from checkpoint.config import LocalConfig, PersistentConfig, tiers_record
-from inprocess.restart.advice import KillAdvice, advice
+from restartable.checkpoint.config import LocalConfig, PersistentConfig, tiers_record
+from restartable.inprocess.restart.advice import KillAdvice, advice
 
 PERSISTENT = PersistentConfig(root="/tmp/x", every=20)
 
@@ -29,7 +29,7 @@ def test_the_managers_record_is_heard_once_and_only_where_kills_are_replaced(
 ) -> None:
     channel = logging.getLogger("restartable.journal")
     fields = tiers_record(LocalConfig(every=1), PERSISTENT)
-    with caplog.at_level(logging.WARNING, logger="inprocess.restart.advice"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.restart.advice"):
         quiet = KillAdvice()
         quiet.start(reserves=0, max_respawns=0)  # nothing replaces a killed rank: no advice
         channel.debug("tiers", extra={"journal": fields})
@@ -38,6 +38,8 @@ def test_the_managers_record_is_heard_once_and_only_where_kills_are_replaced(
         channel.debug("tiers", extra={"journal": fields})
         channel.debug("tiers", extra={"journal": fields})  # a second manager: said already
         told.stop()
-    lines = [r.getMessage() for r in caplog.records if r.name == "inprocess.restart.advice"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "restartable.inprocess.restart.advice"
+    ]
     assert len(lines) == 1 and "(--max-respawns 2)" in lines[0], lines
     assert not channel.handlers

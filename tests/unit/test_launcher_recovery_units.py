@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from inprocess.errors import RestartAbortedError
-from inprocess.launch import autoresume
-from inprocess.launch.actions import restart_or_end
-from inprocess.launch.cli import parse_args
-from inprocess.launch.rank_env import rank_env
-from inprocess.protocol import job_keys, keys
-from inprocess.protocol.policy import Decision
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.store import as_store
+from restartable.inprocess.errors import RestartAbortedError
+from restartable.inprocess.launch import autoresume
+from restartable.inprocess.launch.actions import restart_or_end
+from restartable.inprocess.launch.cli import parse_args
+from restartable.inprocess.launch.rank_env import rank_env
+from restartable.inprocess.protocol import job_keys, keys
+from restartable.inprocess.protocol.policy import Decision
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.store import as_store
 
 
 def test_flag_written_for_requeue_while_retries_remain(tmp_path: Path) -> None:

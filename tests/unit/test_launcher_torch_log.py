@@ -23,7 +23,7 @@ for _ in range(50):
 time.sleep(0.5)
 print("level after import:", os.environ.get("TORCH_CPP_LOG_LEVEL"))
 """
-_QUIET = "from inprocess.launch.torch_log import import_torch_quietly as quiet; quiet()"
+_QUIET = "from restartable.inprocess.launch.torch_log import import_torch_quietly as quiet; quiet()"
 
 
 def _serve(prelude: str) -> str:

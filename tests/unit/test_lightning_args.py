@@ -11,12 +11,12 @@ import lightning.pytorch as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from checkpoint import CheckpointConfigError, CheckpointManager
-from checkpoint.lightning import TieredCheckpoint, read_pointer
-from inprocess.errors import ConfigError
-from inprocess.lightning import FaultToleranceCallback
-from straggler import ConfigError as StragglerConfigError
-from straggler.lightning import StragglerDetectionCallback
+from restartable.checkpoint import CheckpointConfigError, CheckpointManager
+from restartable.checkpoint.lightning import TieredCheckpoint, read_pointer
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.lightning import FaultToleranceCallback
+from restartable.straggler import ConfigError as StragglerConfigError
+from restartable.straggler.lightning import StragglerDetectionCallback
 from tests.dist.workers_lightning import Regression, data
 
 # ----- FaultToleranceCallback ------------------------------------------------------------------
@@ -69,7 +69,7 @@ def test_restartable_never_shrinks_a_trainers_world_by_default(
 ) -> None:
     # A Trainer's devices x num_nodes is fixed: without a reserve to fill a lost rank's place,
     # the in-process path must end (the launcher restarts every rank), not go on with fewer.
-    from inprocess.restart import loop
+    from restartable.inprocess.restart import loop
 
     seen: list[dict[str, object]] = []
     monkeypatch.setattr(loop, "restartable", lambda **kw: seen.append(kw) or (lambda fn: fn))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint.local import directory, integrity, packing, walk
+from restartable.checkpoint.local import directory, integrity, packing, walk
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,7 +94,7 @@ _WRITER = textwrap.dedent(
     """
     import os, sys, torch
     from pathlib import Path
-    from checkpoint.local import directory, integrity
+    from restartable.checkpoint.local import directory, integrity
     root, step, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     buf = torch.full((1000,), step, dtype=torch.uint8)
     files = directory.ShardFiles(root)

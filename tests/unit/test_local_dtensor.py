@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from checkpoint.errors import ShardingMismatchError
-from checkpoint.local import packing, unpacking, walk
+from restartable.checkpoint.errors import ShardingMismatchError
+from restartable.checkpoint.local import packing, unpacking, walk
 
 
 def _pack(state: dict[str, Any]) -> torch.Tensor:

@@ -11,9 +11,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from checkpoint.local import walk
-from checkpoint.local.leaf import Leaf, ReplicatedState
-from checkpoint.local.memo import Block, WalkMemo, expand
+from restartable.checkpoint.local import walk
+from restartable.checkpoint.local.leaf import Leaf, ReplicatedState
+from restartable.checkpoint.local.memo import Block, WalkMemo, expand
 
 
 def _state() -> dict[str, Any]:

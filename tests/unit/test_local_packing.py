@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.errors import CheckpointError, CheckpointMismatchError
-from checkpoint.local import packing, unpacking, walk
-from checkpoint.local.leaf import ReplicatedState
+from restartable.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from restartable.checkpoint.local import packing, unpacking, walk
+from restartable.checkpoint.local.leaf import ReplicatedState
 
 
 def _pack(state: dict[str, Any]) -> torch.Tensor:

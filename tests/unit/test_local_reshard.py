@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.local import directory, integrity, packing, walk
-from checkpoint.local.reshard import restore_resharded
-from checkpoint.local.restore import Shard, restore
+from restartable.checkpoint.local import directory, integrity, packing, walk
+from restartable.checkpoint.local.reshard import restore_resharded
+from restartable.checkpoint.local.restore import Shard, restore
 
 
 def _shard(state: dict[str, Any], *, step: int, owner: int, world: int, keep: set[str]) -> Shard:
@@ -104,7 +104,7 @@ def test_the_same_world_restore_does_not_say_none_without_a_persistent_step(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # The rank logs said "local tier: no step >= None that every one of 3 ranks can obtain".
-    with caplog.at_level(logging.INFO, logger="checkpoint.local.restore"):
+    with caplog.at_level(logging.INFO, logger="restartable.checkpoint.local.restore"):
         got = restore(_target(), pg=None, rank=0, world=1, held={}, local_dir=None,
                       min_step=None, replicated_owner=None)  # fmt: skip
     assert got is None and "no step that every one of 1 ranks" in caplog.text

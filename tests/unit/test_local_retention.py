@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.local import LocalTier, directory, packing, unpacking, walk
-from checkpoint.local import peers as peers_mod
-from checkpoint.local.holdings import Holdings
-from checkpoint.local.restore import Shard
+from restartable.checkpoint.local import LocalTier, directory, packing, unpacking, walk
+from restartable.checkpoint.local import peers as peers_mod
+from restartable.checkpoint.local.holdings import Holdings
+from restartable.checkpoint.local.restore import Shard
 from tests.no_group import NoGroup
 
 

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint.errors import (
+from restartable.checkpoint.errors import (
     CheckpointConfigError,
     CheckpointMismatchError,
     CheckpointStorageError,
 )
-from checkpoint.local import LocalTier, background, directory
-from checkpoint.local import tier as tier_module
+from restartable.checkpoint.local import LocalTier, background, directory
+from restartable.checkpoint.local import tier as tier_module
 from tests import peak_memory
 from tests.no_group import NoGroup
 
@@ -194,7 +194,7 @@ def test_corrupt_directory_copy_read_in_place_is_overwritten(
     """With a persistent checkpoint to fall back on (min_step set), a directory copy is read
     straight into the state's tensors; one that then fails its checksum must leave nothing of
     itself behind once the older step is restored."""
-    from checkpoint.local import parts
+    from restartable.checkpoint.local import parts
 
     monkeypatch.setattr(parts, "DIRECT_MIN", 256)  # "w" (1 KiB) is read in place
     with _tier(tmp_path) as tier:

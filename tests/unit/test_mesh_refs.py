@@ -28,7 +28,7 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from inprocess.restart import mesh_refs
+from restartable.inprocess.restart import mesh_refs
 
 
 def _train(parallel: str) -> dict[str, weakref.ref[Any]]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.persistent.object_bytes import ObjectArchives
+from restartable.checkpoint.persistent.object_bytes import ObjectArchives
 
 
 def _load(data: bytes) -> Any:

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint._torch_private import version_counter
-from checkpoint.local import LocalTier
+from restartable.checkpoint._torch_private import version_counter
+from restartable.checkpoint.local import LocalTier
 from tests.no_group import NoGroup
 
 
@@ -152,7 +152,7 @@ def test_a_write_before_the_optimizer_step_drops_the_snapshot_and_turns_overlap_
         tier.save(1, _state(model, opt, 1))
         _train_step(model, opt, 1)
         tier.save(2, _state(model, opt, 2))
-        with caplog.at_level(logging.WARNING, logger="checkpoint.local.overlap"):
+        with caplog.at_level(logging.WARNING, logger="restartable.checkpoint.local.overlap"):
             with torch.no_grad():
                 model[2].bias.add_(1.0)  # a raced write: not through before_write()
             _train_step(model, opt, 2)
@@ -246,7 +246,10 @@ def test_a_copy_longer_than_what_it_hides_behind_is_said_once_with_the_interval(
     model, opt = _model()
     _train_step(model, opt, 0)
     ops = FakeOps(copy_ms=31.0, hidden_ms=10.0)
-    with caplog.at_level(logging.WARNING, logger="checkpoint.local.overlap"), _tier(ops) as tier:
+    with (
+        caplog.at_level(logging.WARNING, logger="restartable.checkpoint.local.overlap"),
+        _tier(ops) as tier,
+    ):
         for step in range(1, 5):
             tier.save(step, _state(model, opt, step))
             _train_step(model, opt, step)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint import plain
-from checkpoint.persistent.plan_memo import PlanMemo, structure
+from restartable.checkpoint import plain
+from restartable.checkpoint.persistent.plan_memo import PlanMemo, structure
 
 
 def test_load_reuses_the_object_for_the_same_bytes_only() -> None:

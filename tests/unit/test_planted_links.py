@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import CheckpointManager
-from checkpoint.errors import CheckpointStorageError
-from checkpoint.private_files import NotPrivateError, open_private, replace_private
-from inprocess import journal
-from inprocess.faults import record
-from inprocess.timeouts.state_file import read_state
-from rerun.errors import RerunConfigError
-from rerun.tracker import ResultTracker
+from restartable.checkpoint import CheckpointManager
+from restartable.checkpoint.errors import CheckpointStorageError
+from restartable.checkpoint.private_files import NotPrivateError, open_private, replace_private
+from restartable.inprocess import journal
+from restartable.inprocess.faults import record
+from restartable.inprocess.timeouts.state_file import read_state
+from restartable.rerun.errors import RerunConfigError
+from restartable.rerun.tracker import ResultTracker
 from tests.stranger import as_stranger, stranger, stranger_dir
 
 SECRET = b"the user's own data\n"

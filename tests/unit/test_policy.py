@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inprocess.config import RestartConfig
-from inprocess.errors import FaultRecord
-from inprocess.protocol.fault_evidence import classify, signature
-from inprocess.protocol.policy import Decision, Observed, decide
-from inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol.fault_evidence import classify, signature
+from restartable.inprocess.protocol.policy import Decision, Observed, decide
+from restartable.inprocess.protocol.ranks import Assignment, initial_assignment, node_of_ranks
 
 
 def fault(rank: int, kind: str = "exception", *, it: int = 0, **kw: Any) -> FaultRecord:

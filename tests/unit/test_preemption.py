@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.preemption import PreemptionHandler
-from inprocess.watchdog import kill_notice
+from restartable.inprocess.preemption import PreemptionHandler
+from restartable.inprocess.watchdog import kill_notice
 from tests.multiproc import run_job
 
 
@@ -59,7 +59,7 @@ def test_bad_preempt_time_names_field() -> None:
 # test sends it once step 2 started), so the signal always lands inside a step.
 _PREEMPTED_RANK = """
 import signal, sys, time
-from inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
+from restartable.inprocess.preemption import PREEMPTED_EXIT_CODE, PreemptionHandler
 
 with PreemptionHandler(exit_signal=signal.SIGTERM, preempt_time=30.0) as preempt:
     for step in range(5):

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import CheckpointManager
-from checkpoint.errors import CheckpointStorageError
-from checkpoint.local import directory
-from inprocess import journal
-from inprocess.watchdog import kill_notice
+from restartable.checkpoint import CheckpointManager
+from restartable.checkpoint.errors import CheckpointStorageError
+from restartable.checkpoint.local import directory
+from restartable.inprocess import journal
+from restartable.inprocess.watchdog import kill_notice
 
 STRANGER = 54321  # a uid nobody on the test machine uses
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from inprocess.protocol.store import as_store
-from inprocess.restart.raised import raised_in_collective, report_raised
+from restartable.inprocess.protocol.store import as_store
+from restartable.inprocess.restart.raised import raised_in_collective, report_raised
 
 
 def _raised_in(path: str, exc: Exception) -> Exception:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from checkpoint import PerRank
-from checkpoint.rank_values import _fingerprint, plain_values
+from restartable.checkpoint import PerRank
+from restartable.checkpoint.rank_values import _fingerprint, plain_values
 
 
 def test_plain_values_are_the_states_tensors_and_scalars_outside_per_rank() -> None:

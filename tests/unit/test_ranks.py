@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inprocess.protocol.ranks import (
+from restartable.inprocess.protocol.ranks import (
     Assignment,
     NotEnoughRanksError,
     initial_assignment,

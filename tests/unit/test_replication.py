@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from checkpoint.local import placement as r
+from restartable.checkpoint.local import placement as r
 
 
 def _by_lws(world: int, lws: int) -> list[int]:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from inprocess import report
-from inprocess.report import cli, downtime, job_view, terms
+from restartable.inprocess import report
+from restartable.inprocess.report import cli, downtime, job_view, terms
 
 
 def _job(event: str, *, launch: str = "L", t0: float = 0.0) -> list[dict[str, Any]]:

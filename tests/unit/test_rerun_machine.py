@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rerun import (
+from restartable.rerun import (
     Diagnostic,
     InvalidTransition,
     RerunConfigError,

@@ -13,15 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from rerun import RerunDataIterator, RerunErrorInjector, compare_floats, iterations_to_skip, rng
-from rerun.checks import LargeValueTracker
-from rerun.errors import RerunConfigError, RerunExit
-from rerun.hardware import HardwareLedger
-from rerun.loss_checks import NAN_LOSS_MESSAGE, SPIKY_LOSS_MESSAGE, LossChecks
-from rerun.record import Rejected, StepRecord
-from rerun.state_machine import Diagnostic, State, Transition
-from rerun.stats import QuickStats
-from rerun.tracker import ResultTracker
+from restartable.rerun import (
+    RerunDataIterator,
+    RerunErrorInjector,
+    compare_floats,
+    iterations_to_skip,
+    rng,
+)
+from restartable.rerun.checks import LargeValueTracker
+from restartable.rerun.errors import RerunConfigError, RerunExit
+from restartable.rerun.hardware import HardwareLedger
+from restartable.rerun.loss_checks import NAN_LOSS_MESSAGE, SPIKY_LOSS_MESSAGE, LossChecks
+from restartable.rerun.record import Rejected, StepRecord
+from restartable.rerun.state_machine import Diagnostic, State, Transition
+from restartable.rerun.stats import QuickStats
+from restartable.rerun.tracker import ResultTracker
 
 
 def test_data_iterator_replays_the_step_then_reads_on() -> None:

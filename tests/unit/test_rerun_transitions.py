@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rerun.errors import InvalidTransition
-from rerun.state_machine import (
+from restartable.rerun.errors import InvalidTransition
+from restartable.rerun.state_machine import (
     Diagnostic,
     Event,
     Flag,

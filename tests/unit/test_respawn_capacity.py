@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import pytest
 
-from inprocess.clock import Clock
-from inprocess.config import RestartConfig
-from inprocess.errors import ConfigError, FaultRecord
-from inprocess.protocol import capacity, job_keys
-from inprocess.protocol.policy import DecisionInputs
-from inprocess.protocol.ranks import Assignment
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import ConfigError, FaultRecord
+from restartable.inprocess.protocol import capacity, job_keys
+from restartable.inprocess.protocol.policy import DecisionInputs
+from restartable.inprocess.protocol.ranks import Assignment
 from tests.fake_clock import FakeClock
 from tests.unit.test_inprocess_store import FakeStore
 
@@ -69,7 +69,7 @@ def test_a_short_decision_waits_for_the_respawn_on_its_way_and_logs_it(
     fake = FakeClock()
     store = _store(fake)
     clock = _clock_running(fake, 1.5, lambda: job_keys.register_joiner(store, 4))
-    with caplog.at_level(logging.INFO, logger="inprocess.protocol.capacity"):
+    with caplog.at_level(logging.INFO, logger="restartable.inprocess.protocol.capacity"):
         d = capacity.decide_waiting(store, _deciding(AFTER_FIRST, 1), timeout=10.0, clock=clock)
     assert d.stop is None and d.assignment is not None, d
     assert d.assignment.active == (3, 4, 2)  # the respawned process took rank 1's place

@@ -11,12 +11,23 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from inprocess.config import RestartConfig
-from inprocess.errors import FaultRecord, StoreTimeoutError
-from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
-from inprocess.protocol.policy import PUBLISHED_COLLATERAL, Decision, Observed, decide
-from inprocess.protocol.ranks import decode_ranks, encode_ranks, initial_assignment, node_of_ranks
-from inprocess.protocol.store import as_store
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.errors import FaultRecord, StoreTimeoutError
+from restartable.inprocess.protocol import (
+    barriers,
+    fault_records,
+    iteration_end,
+    keys,
+    restart_meeting,
+)
+from restartable.inprocess.protocol.policy import PUBLISHED_COLLATERAL, Decision, Observed, decide
+from restartable.inprocess.protocol.ranks import (
+    decode_ranks,
+    encode_ranks,
+    initial_assignment,
+    node_of_ranks,
+)
+from restartable.inprocess.protocol.store import as_store
 from tests.unit.test_inprocess_store import FakeClock, FakeStore
 
 

@@ -12,21 +12,23 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from inprocess.errors import ConfigError
-from inprocess.script_mode.config_env import CONFIG_ENV, script_config
-from inprocess.script_mode.detect import restart_in_place
-from inprocess.script_mode.leftovers import Leftovers
-from inprocess.script_mode.own_group import iteration_group_answers
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.script_mode.config_env import CONFIG_ENV, script_config
+from restartable.inprocess.script_mode.detect import restart_in_place
+from restartable.inprocess.script_mode.leftovers import Leftovers
+from restartable.inprocess.script_mode.own_group import iteration_group_answers
 
 
 @pytest.mark.parametrize(
     ("source", "wrapped"),
     [
         ("import torch\nfrom torch.distributed import init_process_group\n", True),
-        ("from inprocess import restartable\n", False),
-        ("import inprocess.lightning as il\n", False),
+        ("from restartable.inprocess import restartable\n", False),
+        ("import restartable.inprocess.lightning as il\n", False),
         ("@my.restartable\ndef train(): pass\n", False),
         ("# this script is not restartable_by_hand\n", True),
+        # the user's own modules that share our old top-level names (names: keep)
+        ("import checkpoint\nimport inprocess\nfrom rerun import x\n", True),
     ],
 )
 def test_only_scripts_that_do_not_drive_the_loop_are_wrapped(
@@ -47,7 +49,10 @@ def test_config_comes_from_the_environment_and_errors_name_the_variable() -> Non
     for bad, words in (
         ("{active_world_size: 2}", "is not JSON"),
         ("[2]", "is not a JSON object"),
-        ('{"active_wrld_size": 2}', "the keys are the fields of inprocess.RestartConfig"),
+        (
+            '{"active_wrld_size": 2}',
+            "the keys are the fields of restartable.inprocess.RestartConfig",
+        ),
         ('{"init_process_group": false}', "must stay true"),
     ):
         with pytest.raises(ConfigError, match=words) as err:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from inprocess import faults
-from inprocess.faults.sdc import GradientBitFlip, flip_bit_
-from rerun.scrub import Scrubber
-from rerun.scrub_finding import SilentDataCorruption
-from rerun.sdc_digest import Captured, digest, module_grads, params_of, recompute
+from restartable.inprocess import faults
+from restartable.inprocess.faults.sdc import GradientBitFlip, flip_bit_
+from restartable.rerun.scrub import Scrubber
+from restartable.rerun.scrub_finding import SilentDataCorruption
+from restartable.rerun.sdc_digest import Captured, digest, module_grads, params_of, recompute
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPTConfig, batch, build_model, corpus
@@ -131,7 +131,7 @@ def test_bad_settings_name_the_field() -> None:
 
 
 def test_attribution_names_the_sdc_finding() -> None:
-    from inprocess.report import attribution
+    from restartable.inprocess.report import attribution
 
     base = {"launch": "L", "iteration": 0, "host": "node7"}
     records = [
@@ -155,7 +155,7 @@ def test_attribution_names_the_sdc_finding() -> None:
             "event": "fault",
             "rank": 1,
             "kind": "exception",
-            "exc_type": "rerun.scrub_finding.SilentDataCorruption",
+            "exc_type": "restartable.rerun.scrub_finding.SilentDataCorruption",
             "where": "x.py:1",
             "step": 45,
         },

@@ -13,16 +13,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from checkpoint import plain
-from checkpoint.errors import CheckpointError
-from checkpoint.exchange import StoreExchange
-from checkpoint.sealing import ForgedValueError, Sealer, job_secret
-from inprocess.clock import Clock
-from inprocess.errors import FaultRecord
-from inprocess.launch.node_lost import NodeLostError
-from inprocess.launch.rounds import JobControl
-from inprocess.protocol import fault_records, iteration_end, keys
-from inprocess.protocol.sealed_store import SealedStore
+from restartable.checkpoint import plain
+from restartable.checkpoint.errors import CheckpointError
+from restartable.checkpoint.exchange import StoreExchange
+from restartable.checkpoint.sealing import ForgedValueError, Sealer, job_secret
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.launch.node_lost import NodeLostError
+from restartable.inprocess.launch.rounds import JobControl
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol.sealed_store import SealedStore
 
 SEALER = Sealer(b"k" * 32)
 

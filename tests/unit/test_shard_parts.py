@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from checkpoint.local.packing import Parsed, TensorEntry
-from checkpoint.local.parts import DIRECT_MIN, PART_MAX, part_bounds
+from restartable.checkpoint.local.packing import Parsed, TensorEntry
+from restartable.checkpoint.local.parts import DIRECT_MIN, PART_MAX, part_bounds
 
 MiB = 1 << 20
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.launch import autoresume
-from inprocess.protocol import environment
-from inprocess.srun_task.task import parse_args, task_status
+from restartable.inprocess.launch import autoresume
+from restartable.inprocess.protocol import environment
+from restartable.inprocess.srun_task.task import parse_args, task_status
 
 
 def test_under_slurm_the_attempt_is_slurms_even_when_a_flag_exists(tmp_path: Path) -> None:
@@ -63,9 +63,9 @@ def test_task_status(returncode: int, job_status: int | None, status: int) -> No
 
 
 def test_task_takes_a_module_and_its_arguments() -> None:
-    args = parse_args(["--orphan-grace", "5", "-m", "inprocess.launch", "--nnodes", "2", "t.py"])
+    args = parse_args(["--orphan-grace", "5", "-m", "restartable.launch", "--nnodes", "2", "t.py"])
     assert (args.module, args.script, args.args, args.orphan_grace) == (
-        "inprocess.launch", "inprocess.launch", ["--nnodes", "2", "t.py"], 5.0,
+        "restartable.launch", "restartable.launch", ["--nnodes", "2", "t.py"], 5.0,
     )  # fmt: skip
     args = parse_args(["train.py", "--steps", "3", "-m", "x"])  # a script's own "-m" is its own
     assert (args.module, args.script, args.args) == (None, "train.py", ["--steps", "3", "-m", "x"])

@@ -16,11 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.distributed as dist
 
-from checkpoint.sealing import Sealer
-from inprocess.protocol import barriers, fault_records, iteration_end, keys, restart_meeting
-from inprocess.protocol.sealed_store import SealedStore, seal, unsealed
-from inprocess.protocol.store import C10dStore, Store, as_store
-from inprocess.protocol.tcpstore_client import TCPStoreClient
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.protocol import (
+    barriers,
+    fault_records,
+    iteration_end,
+    keys,
+    restart_meeting,
+)
+from restartable.inprocess.protocol.sealed_store import SealedStore, seal, unsealed
+from restartable.inprocess.protocol.store import C10dStore, Store, as_store
+from restartable.inprocess.protocol.tcpstore_client import TCPStoreClient
 from tests.etcd_cluster import EtcdCluster, skip_reason
 
 # "tcp-client": the watchdog's own client (inprocess.protocol.tcpstore_client) of a TCPStore.
@@ -67,7 +73,7 @@ class Backend:
                 timeout=datetime.timedelta(seconds=TIMEOUT_S),
             )
         else:
-            from inprocess.etcd import EtcdStore
+            from restartable.inprocess.etcd import EtcdStore
 
             assert self.cluster is not None
             raw = EtcdStore(self.cluster.url, prefix=self.prefix, timeout=TIMEOUT_S)

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from checkpoint.sealing import SECRET_ENV, Sealer
-from inprocess import store_server
-from inprocess.clock import Clock
-from inprocess.protocol.sealed_store import seal
+from restartable.checkpoint.sealing import SECRET_ENV, Sealer
+from restartable.inprocess import store_server
+from restartable.inprocess.clock import Clock
+from restartable.inprocess.protocol.sealed_store import seal
 from tests.fake_clock import FakeClock
 from tests.multiproc import free_port
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoint.sealing import SECRET_ENV, Sealer
-from inprocess import RestartConfig, restartable
-from inprocess.errors import ConfigError
-from inprocess.etcd.url import parse_url
-from inprocess.launch.cli import parse_args
-from inprocess.launch.control_etcd import EtcdRounds
-from inprocess.launch.control_tcp import TcpRounds
-from inprocess.launch.rounds import JobControl
-from inprocess.protocol.environment import read_env, store_setting
+from restartable.checkpoint.sealing import SECRET_ENV, Sealer
+from restartable.inprocess import RestartConfig, restartable
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.etcd.url import parse_url
+from restartable.inprocess.launch.cli import parse_args
+from restartable.inprocess.launch.control_etcd import EtcdRounds
+from restartable.inprocess.launch.control_tcp import TcpRounds
+from restartable.inprocess.launch.rounds import JobControl
+from restartable.inprocess.protocol.environment import read_env, store_setting
 
 URL = "etcd://10.0.0.1:2379,10.0.0.2,[::1]:2380"
 BASE = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}
@@ -148,8 +148,8 @@ def test_each_round_of_the_launcher_gets_its_own_namespace() -> None:
 def test_a_job_id_never_lies_under_another_jobs_namespace(bad: str) -> None:
     """Job ids with '/' let job 'team' delete the keys of a running 'team/exp1', and a user's
     'x/round1' meet the launcher's round 1 of job 'x'."""
-    from inprocess.errors import ConfigError
-    from inprocess.etcd.url import check_job_id
+    from restartable.inprocess.errors import ConfigError
+    from restartable.inprocess.etcd.url import check_job_id
 
     with pytest.raises(ConfigError, match="no '/'"):
         check_job_id(bad, where="--job-id")

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from inprocess import journal
-from inprocess.context import RestartRecord
-from inprocess.restart.story import RestartStory, line
+from restartable.inprocess import journal
+from restartable.inprocess.context import RestartRecord
+from restartable.inprocess.restart.story import RestartStory, line
 
 REC = RestartRecord(
     iteration=2,
@@ -36,12 +36,14 @@ def test_a_restore_completes_the_line_and_steps_pay_nothing(
     # Found by a user: no console line announced a restart or where it resumed from.
     story = RestartStory()
     channel = logging.getLogger(journal.CHANNEL)
-    with caplog.at_level(logging.INFO, logger="inprocess.restart.story"):
+    with caplog.at_level(logging.INFO, logger="restartable.inprocess.restart.story"):
         story.restarted(REC, fault_time=0.0)
         channel.debug("save", extra={"journal": {"step": 31}})  # not a restore: ignored
         channel.debug("restore", extra={"journal": {"step": 30, "tier": "memory"}})
         story.end_iteration()  # already said: nothing more
-    lines = [r.getMessage() for r in caplog.records if r.name == "inprocess.restart.story"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "restartable.inprocess.restart.story"
+    ]
     assert len(lines) == 1 and "resumed step 30 from the memory tier" in lines[0]
     assert not channel.handlers  # no longer listening once said
     story.close()
@@ -53,12 +55,14 @@ def test_without_a_manager_the_line_comes_at_the_first_step(
     # Found by a user: a script with no CheckpointManager saw its restart's line only when the
     # iteration ended (at the end of training, for a run without another fault).
     story = RestartStory()
-    with caplog.at_level(logging.INFO, logger="inprocess.restart.story"):
+    with caplog.at_level(logging.INFO, logger="restartable.inprocess.restart.story"):
         story.restarted(REC, fault_time=0.0)
         journal.record("step", step=7)  # what ctx.ping(7) writes
         journal.record("step", step=8)
         story.end_iteration()
-    lines = [r.getMessage() for r in caplog.records if r.name == "inprocess.restart.story"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "restartable.inprocess.restart.story"
+    ]
     assert len(lines) == 1 and "no CheckpointManager restore; first step 7" in lines[0], lines
     assert not logging.getLogger(journal.CHANNEL).handlers
     story.close()
@@ -86,8 +90,8 @@ def test_the_line_names_the_tier_each_rank_restored_from(
     # kill); the line said only what rank 0 saw.
     import torch.distributed as dist
 
-    from inprocess.protocol.store import as_store
-    from inprocess.restart.restored import TierBoard
+    from restartable.inprocess.protocol.store import as_store
+    from restartable.inprocess.restart.restored import TierBoard
 
     store = as_store(dist.HashStore())
 
@@ -96,19 +100,21 @@ def test_the_line_names_the_tier_each_rank_restored_from(
 
     board(1).publish("memory", 30)  # the survivor, on its own thread in a real job
     story = RestartStory()
-    with caplog.at_level(logging.INFO, logger="inprocess.restart.story"):
+    with caplog.at_level(logging.INFO, logger="restartable.inprocess.restart.story"):
         story.restarted(REC, fault_time=0.0, lead=True, board=board(2))
         logging.getLogger(journal.CHANNEL).debug(
             "restore", extra={"journal": {"step": 30, "tier": "local_dir"}}
         )
         story.close()  # waits for the line
-    lines = [r.getMessage() for r in caplog.records if r.name == "inprocess.restart.story"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "restartable.inprocess.restart.story"
+    ]
     assert len(lines) == 1, lines
     assert "resumed step 30: memory on 1 rank, node-local on 1 rank (the reserve) " in lines[0]
 
 
 def test_the_tiers_phrase_groups_ranks_and_names_reserves() -> None:
-    from inprocess.restart.restored import phrase
+    from restartable.inprocess.restart.restored import phrase
 
     assert phrase({0: "memory", 1: "memory", 3: "peer"}, newcomers={3}) == (
         "memory on 2 ranks, a peer's copy on 1 rank (the reserve)"
@@ -124,8 +130,8 @@ def test_the_tier_board_waits_for_missing_ranks_on_its_clock_only() -> None:
 
     import torch.distributed as dist
 
-    from inprocess.protocol.store import as_store
-    from inprocess.restart.restored import TierBoard
+    from restartable.inprocess.protocol.store import as_store
+    from restartable.inprocess.restart.restored import TierBoard
     from tests.fake_clock import FakeClock
 
     store, fake = as_store(dist.HashStore()), FakeClock()

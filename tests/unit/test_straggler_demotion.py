@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from inprocess.config import RestartConfig
-from inprocess.context import RestartContext
-from inprocess.errors import FaultRecord
-from inprocess.protocol import fault_records, iteration_end, keys
-from inprocess.protocol.policy import Observed, decide
-from inprocess.protocol.ranks import Assignment
-from inprocess.protocol.store import as_store
-from inprocess.restart.demotion import STRAGGLER_KIND, free_reserves, replace_rank
+from restartable.inprocess.config import RestartConfig
+from restartable.inprocess.context import RestartContext
+from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol.policy import Observed, decide
+from restartable.inprocess.protocol.ranks import Assignment
+from restartable.inprocess.protocol.store import as_store
+from restartable.inprocess.restart.demotion import STRAGGLER_KIND, free_reserves, replace_rank
 
 
 def swap(rank: int, *, it: int = 0) -> FaultRecord:

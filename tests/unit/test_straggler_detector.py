@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.clock import Clock
-from straggler import ConfigError, Detector, DetectorConfig, Report, SectionError
+from restartable.inprocess.clock import Clock
+from restartable.straggler import ConfigError, Detector, DetectorConfig, Report, SectionError
 from tests.fake_clock import FakeClock
 
 
@@ -86,7 +86,7 @@ def test_several_ranks_need_a_store_and_a_valid_rank() -> None:
 def test_replace_without_restartable_is_ignored_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="straggler"):
+    with caplog.at_level(logging.WARNING, logger="restartable.straggler"):
         Detector(replace_if_detected=True, timer="cpu")
     assert "replace_if_detected is ignored" in caplog.text
 
@@ -98,7 +98,7 @@ def test_auto_timer_times_the_cpu_in_a_gloo_group_also_where_cuda_is_available(
     import torch
     import torch.distributed as dist
 
-    from straggler.timing import cuda_timing
+    from restartable.straggler.timing import cuda_timing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cuda_timing("auto")  # no group: CUDA where available
@@ -286,7 +286,7 @@ def test_a_rank_that_never_reports_is_missing_and_nobody_hangs() -> None:
 def test_report_is_one_log_record_with_worst_best_and_hosts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="straggler"):
+    with caplog.at_level(logging.INFO, logger="restartable.straggler"):
         run_ranks(
             2, steps=3, cost=lambda r, s: 2.0 if r == 1 else 1.0, num_gpu_perf_scores_to_print=1
         )

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from inprocess.clock import Clock
-from straggler import scores
-from straggler.config import DetectorConfig
-from straggler.decide import decide, rank_numbers
-from straggler.schedule import Plan, first_plan, next_plan
+from restartable.inprocess.clock import Clock
+from restartable.straggler import scores
+from restartable.straggler.config import DetectorConfig
+from restartable.straggler.decide import decide, rank_numbers
+from restartable.straggler.schedule import Plan, first_plan, next_plan
 
 
 def test_relative_scores_against_the_median_rank() -> None:

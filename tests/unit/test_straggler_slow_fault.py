@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from inprocess import faults
-from inprocess.errors import ConfigError
-from inprocess.faults.record import append
+from restartable.inprocess import faults
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.faults.record import append
 
 
 def test_slow_is_a_lasting_kind_in_plans() -> None:

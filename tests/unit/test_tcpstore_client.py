@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.protocol import fault_records, keys
-from inprocess.protocol.tcpstore_client import TCPStoreClient
+from restartable.inprocess.protocol import fault_records, keys
+from restartable.inprocess.protocol.tcpstore_client import TCPStoreClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,7 +84,7 @@ def test_a_timed_out_wait_leaves_the_connection_usable(
 def test_the_protocols_fault_report_reads_back_through_torch(
     server: TCPStore, ours: TCPStoreClient
 ) -> None:
-    from inprocess.protocol.store import as_store
+    from restartable.inprocess.protocol.store import as_store
 
     # Both ends as the framework opens them: behind the Store protocol (as_store, as seal does).
     mine, theirs = as_store(ours), as_store(server)

@@ -7,7 +7,7 @@ import io
 import pytest
 import torch
 
-from checkpoint.persistent.tensor_bytes import ArchiveTemplates, raw_bytes
+from restartable.checkpoint.persistent.tensor_bytes import ArchiveTemplates, raw_bytes
 
 
 def _reference(t: torch.Tensor) -> bytes:

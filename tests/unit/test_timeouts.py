@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.errors import SectionError
-from inprocess.timeouts.estimator import MIN_SAMPLES, WARMUP, TimeoutEstimator
-from inprocess.timeouts.sections import SectionClock
-from inprocess.timeouts.state_file import read_state, write_state
+from restartable.inprocess.errors import SectionError
+from restartable.inprocess.timeouts.estimator import MIN_SAMPLES, WARMUP, TimeoutEstimator
+from restartable.inprocess.timeouts.sections import SectionClock
+from restartable.inprocess.timeouts.state_file import read_state, write_state
 from tests.fake_clock import FakeClock
 
 
@@ -101,7 +101,7 @@ def test_a_stale_stored_value_is_dropped_not_enforced(caplog: pytest.LogCaptureF
     est = TimeoutEstimator(safety_factor=5.0, configured={"step": 60.0})
     est.begin_iteration({"step": 0.3})
     warm(est, seconds=1.5)
-    with caplog.at_level(logging.WARNING, logger="inprocess.timeouts"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.timeouts"):
         est.observe("step", 1.0)  # healthy and slower than 0.3 s: no fault, the value goes
     assert "no longer fits" in caplog.text and "step" in caplog.text
     assert est.limit("step").seconds == 60.0  # the configured bound, until learned again
@@ -147,7 +147,7 @@ def test_a_corrupt_state_file_is_ignored_with_a_warning_naming_it(
 ) -> None:
     path = tmp_path / "ft_state.json"
     path.write_text(text)
-    with caplog.at_level(logging.WARNING, logger="inprocess.timeouts.state_file"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.timeouts.state_file"):
         assert read_state(path) == {}
     assert str(path) in caplog.text
 
@@ -158,7 +158,7 @@ def test_bad_values_in_the_state_file_are_skipped(
     path = tmp_path / "ft_state.json"
     timeouts = {"step": -1, "setup": "x", "stepp": 1.0, "checkpointing": 2.0}
     path.write_text(json.dumps({"version": 1, "timeouts": timeouts}))
-    with caplog.at_level(logging.WARNING, logger="inprocess.timeouts.state_file"):
+    with caplog.at_level(logging.WARNING, logger="restartable.inprocess.timeouts.state_file"):
         assert read_state(path) == {"checkpointing": 2.0}
     assert "stepp" in caplog.text and str(path) in caplog.text
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint import _torch_private as ckpt_private
-from inprocess import _torch_private as inproc_private
-from straggler import _torch_private as straggler_private
+from restartable.checkpoint import _torch_private as ckpt_private
+from restartable.inprocess import _torch_private as inproc_private
+from restartable.straggler import _torch_private as straggler_private
 from tests.multiproc import free_port
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inprocess.launch.cli import parse_args
-from inprocess.launch.rank_env import rank_env, torchrun_defaults
-from inprocess.restart.torchrun_env import export, iteration_env
+from restartable.inprocess.launch.cli import parse_args
+from restartable.inprocess.launch.rank_env import rank_env, torchrun_defaults
+from restartable.inprocess.restart.torchrun_env import export, iteration_env
 
 
 def test_launcher_sets_omp_num_threads_1_for_several_ranks_unless_set(
@@ -82,8 +82,8 @@ def test_export_writes_the_environment_and_a_reserve_has_none() -> None:
 
 
 def test_a_second_init_process_group_in_train_is_named_with_the_fix() -> None:
-    from inprocess.errors import ConfigError
-    from inprocess.restart.process_group import own_group_misuse
+    from restartable.inprocess.errors import ConfigError
+    from restartable.inprocess.restart.process_group import own_group_misuse
 
     err = own_group_misuse(ValueError("trying to initialize the default process group twice!"))
     assert isinstance(err, ConfigError)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from inprocess.launch.pool import WarmPool, wait_ready
+from restartable.inprocess.launch.pool import WarmPool, wait_ready
 from tests.multiproc import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(90)

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from inprocess.protocol.fault_records import read_faults
-from inprocess.protocol.keys import end_key, gone_ranks
-from inprocess.protocol.store import as_store
-from inprocess.watchdog_owner import Watchdog
+from restartable.inprocess.protocol.fault_records import read_faults
+from restartable.inprocess.protocol.keys import end_key, gone_ranks
+from restartable.inprocess.protocol.store import as_store
+from restartable.inprocess.watchdog_owner import Watchdog
 from tests.multiproc import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,7 @@ RANK = 3
 CHILD = textwrap.dedent(
     f"""
     import ctypes, os, sys, time
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
     port, mode = int(sys.argv[1]), sys.argv[2]
     w = Watchdog(store_host="127.0.0.1", store_port=port, initial_rank={RANK},
                  hard_timeout={HARD_TIMEOUT}, termination_grace_time={GRACE},
@@ -215,7 +215,7 @@ def test_bad_arguments_name_the_field(kwargs: dict[str, float], message: str) ->
 
 @pytest.mark.parametrize("field", ["hard_timeout", "termination_grace_time"])
 def test_an_infinite_kill_delay_is_refused(field: str) -> None:
-    from inprocess.watchdog_owner import Watchdog
+    from restartable.inprocess.watchdog_owner import Watchdog
 
     kw: dict[str, Any] = {"hard_timeout": 5.0, "termination_grace_time": 1.0}
     kw[field] = float("inf")
@@ -228,7 +228,7 @@ def test_an_infinite_kill_delay_is_refused(field: str) -> None:
 # imported and its peak resident memory (VmHWM: ru_maxrss would carry pytest's over the exec;
 # stdout is the rank's pipe: stderr carries the answer).
 LEAN_PROBE = (
-    "import sys; from inprocess.watchdog.process import main; rc = main(sys.argv[1:]);"
+    "import sys; from restartable.inprocess.watchdog.process import main; rc = main(sys.argv[1:]);"
     "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'));"
     "hwm = [x.split()[1] for x in open('/proc/self/status') if x.startswith('VmHWM')][0];"
     "print('PROBE', rc, len(heavy), hwm, file=sys.stderr)"
