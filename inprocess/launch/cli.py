@@ -15,7 +15,10 @@ that exits does not take its siblings down (srun ``--kill-on-bad-exit=0`` semant
 ``@restartable`` replaces it in place. SIGINT / SIGTERM are forwarded to every rank (a second
 one kills them).
 
-Recovery (for ``@restartable`` jobs; docs/launching.md): (2) respawn: a rank process that dies
+A script without ``@restartable`` (an unmodified torchrun script) runs under the restart loop
+that ``inprocess.script_mode`` writes for it: re-run in place after a fault (docs/script_mode.md).
+
+Recovery (docs/launching.md): (2) respawn: a rank process that dies
 (signal, crash) is replaced by a fresh one that joins the reserve pool (``--max-respawns`` per
 slot, with backoff for start-up deaths); (3) in-job restart: when the in-process restart gives up,
 every launcher restarts all its ranks, which resume from their newest checkpoint
@@ -25,8 +28,9 @@ every launcher restarts all its ranks, which resume from their newest checkpoint
 Exit status (``inprocess.launch.autoresume``): 0 the job finished; 2 the job cannot start as
 configured (a bad or unknown flag, a missing script, an unreachable store: one line, within
 seconds, before any rank starts; or the script's own usage error); 17 a result failed
-validation; 75 requeue (in-job restarts exhausted, a node lost, preempted). For a script without
-``@restartable``: 0 when at least one rank exited 0 and no rank exited with a non-zero status of
+validation; 70 an application fault; 75 requeue (in-job restarts exhausted, a node lost,
+preempted). For a script run plain (``INPROCESS_RESTART_IN_PLACE=0``): 0 when at least one rank
+exited 0 and no rank exited with a non-zero status of
 its own (a rank killed by a signal while the others finished is a rank the job survived);
 otherwise the status of the first rank that failed, or 1 if every rank was killed.
 """
