@@ -31,8 +31,8 @@ def _hops() -> list[tuple[int, str, str, str, str]]:
 
 
 def _dotted(module: str) -> str:
-    """``restart/loop.py`` -> ``inprocess.restart.loop``."""
-    return "inprocess." + module.removesuffix(".py").replace("/", ".")
+    """``restart/loop.py`` -> ``restartable.inprocess.restart.loop``."""
+    return "restartable.inprocess." + module.removesuffix(".py").replace("/", ".")
 
 
 def _imports(module: str) -> set[str]:
