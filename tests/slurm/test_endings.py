@@ -25,6 +25,10 @@ PROCTRACK = pytest.mark.parametrize("proctrack", ["cgroup", _LINUXPROC])
 
 @one_job
 @PROCTRACK
+@slow(
+    "a two-node job of ~50 s idle, ~150 s loaded; tests/unit/test_job_outcome.py covers the "
+    "end record by default"
+)
 def test_launcher_of_node_1_killed_at_the_last_step_completes(
     clusters: Clusters, tmp_path: Path, proctrack: str
 ) -> None:
