@@ -37,8 +37,16 @@ def mode(args: argparse.Namespace, *, world: int, active: int) -> str:
     if args.scrub_every < 1:
         raise ValueError(f"--scrub-every ({args.scrub_every}) must be >= 1: check every K-th step")
     chosen = args.scrub
+    # The reserve's checks travel through the job's hosted TCPStore (store_factory); a job on
+    # etcd (the launcher's --store: INPROCESS_STORE) has none.
+    on_etcd = bool(os.environ.get("INPROCESS_STORE"))
     if chosen == "auto":
-        chosen = "reserve" if world > active and args.parallel == "ddp" else "off"
+        chosen = "reserve" if world > active and args.parallel == "ddp" and not on_etcd else "off"
+    if chosen == "reserve" and on_etcd:
+        raise ValueError(
+            "--scrub reserve sends its checks through the job's TCPStore, but this job's store "
+            "is etcd (INPROCESS_STORE): use --scrub in-place, or --scrub off"
+        )
     if chosen != "off" and args.parallel != "ddp":
         raise ValueError(
             f"--scrub {chosen} compares a rank's local gradients, which --parallel "
