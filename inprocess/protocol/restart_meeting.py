@@ -16,17 +16,19 @@ and respawns are on their way does it wait for them (``capacity.decide_waiting``
 
 Exactly one rank decides: the live rank whose arrival completed the count, or, when a death
 report completed it (the dying rank came last), the first live rank to claim
-``restart/decider``. Everyone waits for the count's completion (``restart/full``), then the
-others block on ``go``, the decision; the first decision published wins (compare-and-set), so all
-ranks continue with the same one even if more faults are recorded later. Per rank: two ``add``
-and two waits for a value, whatever the number of ranks; no value that lists every rank is read
-except the decision (run-length encoded). A death report counts its rank itself
-(``fault_records.count_once``).
+``restart/decider``. The last ``FULL_WATCHERS`` live arrivals wait for the count's completion
+(``restart/full``) first, so a report that completes it is claimed at once; every other rank
+blocks on ``go``, the decision, alone. The first decision published wins (compare-and-set), so
+all ranks continue with the same one even if more faults are recorded later. Per rank: two
+``add``, one wait and one get, whatever the number of ranks (a full watcher: one wait and get
+more); no value that lists every rank is read except the decision (run-length encoded). A death
+report counts its rank itself (``fault_records.count_once``), before the iteration ends.
 
 Rare cases, handled by the re-check every ``barriers.RECHECK_S`` of a waiter (so they cost up to
 that much more): the decider died before publishing (reported gone: a waiter decides in its
 place); a participant whose death was reported for an earlier iteration (it died during the
-previous restart) is counted by a waiter.
+previous restart) is counted by a waiter; more than ``FULL_WATCHERS`` deaths reported after
+the last live rank arrived (a report completed the count and no full watcher saw it).
 """
 
 from __future__ import annotations
@@ -38,10 +40,23 @@ from restartable.inprocess.clock import SYSTEM, Clock
 from restartable.inprocess.errors import FaultRecord
 from restartable.inprocess.protocol import capacity, job_keys
 from restartable.inprocess.protocol.barriers import wait_released
-from restartable.inprocess.protocol.fault_records import REPORT_COMPLETED, count_once, read_faults
-from restartable.inprocess.protocol.keys import gone_ranks, key, participants_item
+from restartable.inprocess.protocol.fault_records import (
+    REPORT_COMPLETED,
+    count_live,
+    count_once,
+    read_faults,
+)
+from restartable.inprocess.protocol.keys import gone_ranks, key, participants_item, peek
 from restartable.inprocess.protocol.policy import DecisionInputs
 from restartable.inprocess.protocol.store import Store
+
+# How many of the last live arrivals wait for the count's completion before the decision: a
+# death reported after every live rank arrived (peers saw a broken collective first) completes
+# the count, and no live rank did; a full watcher sees that at once and claims the decision.
+# The others wait for the decision alone: two calls fewer per rank than every rank watching
+# (docs/scale.md, issue 52). Up to this many deaths reported last are decided at once; more,
+# at the first re-check (``barriers.RECHECK_S``).
+FULL_WATCHERS = 8
 
 
 def restart_barrier(
@@ -114,24 +129,30 @@ class RestartMeeting:
             key(iteration, f"restart/{k}") for k in ("full", "go", "decider")
         )
         self.what = f"restart barrier {iteration}"
+        self.watches_full = True  # one of the last arrivals (set by ``arrive``)
 
     def arrive(self) -> bool:
         """Count this rank; True when its arrival completed the count (it decides). Never
         blocks."""
-        return count_once(
+        decides, n = count_live(
             self.store, self.iteration, int(self.me), expected=len(self.members), by=self.me
         )
+        self.watches_full = n >= len(self.members) - FULL_WATCHERS
+        return decides
 
     def wait_decider(self, *, deadline: float, clock: Clock) -> bool:
         """After ``arrive`` returned False: wait for the count's completion; True when this rank
         decides (it completed the count by counting a gone participant, or it claimed the
         decision a death report left to the live ranks). Raises ``StoreTimeoutError`` at
-        ``deadline`` (``clock.monotonic()``)."""
+        ``deadline`` (``clock.monotonic()``). False at once, with no call, for a rank that is
+        not one of the last ``FULL_WATCHERS`` arrivals."""
         # First the count's completion, not the decision: when a death report completed it
-        # (the killed rank's report came last, as after most SIGKILLs) no live rank did, and a
-        # waiter must decide now, not at its next re-check (measured: one restart in three took
-        # 1 s more by benchmarks/restart_latency.py --quick). One more wait per rank, whatever
-        # the number.
+        # (the killed rank's report came last, its peers having seen a broken collective first)
+        # no live rank did, and a waiter must decide now, not at its next re-check (measured:
+        # one restart in three took 1 s more by benchmarks/restart_latency.py --quick). Only the
+        # last arrivals can see that: the others wait for the decision alone.
+        if not self.watches_full:
+            return False
         who = wait_released(
             self.store,
             self.full,
@@ -172,10 +193,14 @@ class RestartMeeting:
         return False
 
     def _decider_gone(self) -> bool:
-        """``restart/full`` is set (waited for): its rank, or the first claimant, decides. True
-        when that is this rank, or when the decider is gone (this rank decides in its place)."""
+        """Once ``restart/full`` is set, its rank, or the first claimant, decides. True when that
+        is this rank, or when the decider is gone (this rank decides in its place); before, as
+        ``_count_gone`` (a rank that waits for the decision alone has not seen the count)."""
         store, me = self.store, self.me
-        who = store.get(self.full).decode()
+        raw = peek(store, self.full)
+        if raw is None:
+            return self._count_gone()
+        who = raw.decode()
         if who == REPORT_COMPLETED:
             who = store.compare_set(self.claim, "", me).decode()
         return who == me or (who.isdigit() and int(who) in gone_ranks(store))
