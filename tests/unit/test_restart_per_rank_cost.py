@@ -190,3 +190,44 @@ def test_a_death_is_counted_before_the_iteration_ends() -> None:
     log = clients[FAULT_RANK].log
     assert log[: log.index("compare_set")] == ["append", "append", "add", "add", "check", "get"]
     assert log[-3:] == ["compare_set"] * 3  # end, join/go, ready/go: last
+
+
+def test_a_death_reported_after_every_live_rank_arrived_is_decided_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The dead rank's peers saw a broken collective and arrived first: its report completes the
+    # count, no live rank did. The last arrivals watch for that and claim the decision; the
+    # others wait for the decision alone. A re-check (made 30 s here) would show as a stall.
+    monkeypatch.setattr(barriers, "RECHECK_S", 30.0)
+    n = 48
+    raw = dist.HashStore()
+    raw.set_timeout(datetime.timedelta(seconds=60))
+    restart_meeting.set_participants(C10dStore(raw), 0, n)
+    clients = {r: Counting(raw) for r in range(n)}
+    out: dict[int, str] = {}
+
+    def rank(me: int) -> None:
+        out[me] = restart_meeting.restart_barrier(
+            clients[me],
+            0,
+            initial_rank=me,
+            participants=range(n),
+            decide=lambda faults: ",".join(str(f.initial_rank) for f in faults),
+            timeout=60.0,
+        )
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n) if r != FAULT_RANK]
+    for t in threads:
+        t.start()
+    counter = keys.key(0, "restart/n")
+    while int(raw.add(counter, 0)) < n - 1:  # every live rank counted
+        threading.Event().wait(0.01)
+    fault_records.report_fault(
+        C10dStore(raw), iteration=0, initial_rank=FAULT_RANK, kind="dead", detail="SIGKILL"
+    )
+    for t in threads:
+        t.join(10)  # well before a re-check
+    assert not any(t.is_alive() for t in threads)
+    assert set(out.values()) == {str(FAULT_RANK)}
+    watchers = [r for r, c in clients.items() if "compare_set" in c.log]
+    assert 1 <= len(watchers) <= restart_meeting.FULL_WATCHERS  # they claimed; one decided
