@@ -68,6 +68,9 @@ def test_sealed_store_keeps_the_protocol_and_rejects_forgeries(
     assert store.compare_set("c", "", "mine") == b"mine"
     assert store.compare_set("c", "", "theirs") == b"mine"  # first writer wins, as before
     assert store.compare_set("c", "mine", "next") == b"next"
+    raw.set("c2", "forged")  # an answer that is not this call's own frame is verified
+    with pytest.raises(ForgedValueError, match="'c2'"):
+        store.compare_set("c2", "", "mine")
     # A stranger's "done" (or anything unverifiable) at an iteration's end is a fault of that
     # iteration, named in the log: never success, never a reader that stops watching.
     raw.set(keys.end_key(1), "done")
