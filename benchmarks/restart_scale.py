@@ -547,7 +547,14 @@ def _per_node(reports: list[Any], ops: list[int], moved: int, nodes: int) -> dic
     """The node path's restart figures per node: every job-store call and byte of the phase
     (relays, the decider rank, the killed rank's watchdog) over the nodes, and the relays'."""
     relay_ops = [c[0] for rep in reports for i, c in rep["counts"].items() if i < 0]
+    threads = [(i, v) for rep in reports for i, v in rep["results"].items()]
+    fault_at = next(v["fault_at"] for i, v in threads if "fault_at" in v)
     return {
+        "fault_to_all_relayed_s": round(
+            max(v["relayed"] for i, v in threads if i < 0) - fault_at, 4
+        ),
+        "relays_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i < 0), 3),
+        "ranks_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i >= 0), 3),
         "nodes": nodes,
         "store_ops_per_node": round(sum(ops) / nodes, 2),
         "bytes_per_node": round(moved / nodes, 1),

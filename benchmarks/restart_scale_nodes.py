@@ -49,18 +49,19 @@ class Node:
         return set(self.dead)
 
 
-def _start(me: int, store: Any, node: Node, shared: Any, state: dict[int, Any]) -> dict[str, float]:
+def _start(me: int, store: Any, node: Node, shared: Any, state: dict[Any, Any]) -> dict[str, float]:
     from restartable.inprocess.protocol import node_barrier
 
     rs._phase_start(me, store, shared)
     assignment, _, node_of = shared
     members = [r for r in node.ranks if r in set(assignment.active + assignment.reserve)]
     node_barrier.start_node_iteration(node.local, 0, members=members, nodes=max(node_of) + 1)
+    state["members", node.k] = members
     return {}
 
 
 def _restart(
-    me: int, store: Any, node: Node, shared: Any, state: dict[int, Any], t_fault: float
+    me: int, store: Any, node: Node, shared: Any, state: dict[Any, Any], t_fault: float
 ) -> dict[str, float]:
     from restartable.inprocess.clock import SYSTEM
     from restartable.inprocess.protocol import fault_records, iteration_end, keys
@@ -85,6 +86,7 @@ def _restart(
         store,
         0,
         initial_rank=me,
+        members=state["members", node.k],
         decide=functools.partial(rs._decide, store, assignment, config, node_of),
         timeout=rs.PHASE_TIMEOUT_S,
         clock=SYSTEM,
@@ -94,13 +96,17 @@ def _restart(
 
 
 def _relay(node: Node) -> dict[str, float]:
+    from restartable.inprocess.protocol.keys import end_key
+
     blocked = time.time()
     outcome = node.relay.serve(0, timeout=rs.PHASE_TIMEOUT_S)
     assert outcome == "fault", outcome
+    # when the outcome reached the node (the relay wrote it locally) and the decision did
+    assert node.local.check([end_key(0)])
     return {"blocked": blocked, "relayed": time.time()}
 
 
-def _join(me: int, store: Any, node: Node, shared: Any, state: dict[int, Any]) -> dict[str, float]:
+def _join(me: int, store: Any, node: Node, shared: Any, state: dict[Any, Any]) -> dict[str, float]:
     from restartable.inprocess.clock import SYSTEM
     from restartable.inprocess.protocol import barriers
 
@@ -140,7 +146,7 @@ def worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any, r
     stores = _connect_all(kind, address, n, ranks_mine + [-1 - k for k in nodes_mine])
     nodes = {k: Node(k, list(range(k * rpn, (k + 1) * rpn)), stores[-1 - k]) for k in nodes_mine}
     node_of = {r: nodes[r // rpn] for r in ranks_mine}
-    state: dict[int, Any] = {}
+    state: dict[Any, Any] = {}
     conn.send("connected")
     while True:
         msg = conn.recv()
@@ -175,7 +181,9 @@ def _run_phase(
 
     def run(i: int) -> None:
         try:
+            cpu = time.thread_time()
             results[i] = jobs[i]()
+            results[i]["thread_cpu_s"] = time.thread_time() - cpu
         except BaseException as exc:  # reported to the parent, which fails the run
             errors.append(f"{'relay' if i < 0 else 'rank'} {i}: {exc!r}")
 

@@ -76,12 +76,12 @@ def node_members(local: Store, iteration: int) -> tuple[int, ...]:
     return () if raw is None else decode_ranks(raw.decode())
 
 
-def count_local(local: Store, iteration: int, rank: int, *, by: str) -> bool:
-    """Count ``rank`` at the node's local barrier once (alive: by itself; dead: by the relay);
-    True when this call completed it (``node/full`` = ``by``, first writer wins)."""
-    members = node_members(local, iteration)
+def count_local(local: Store, iteration: int, rank: int, *, by: str, expected: int) -> bool:
+    """Count ``rank`` at the node's local barrier of ``expected`` members once (alive: by
+    itself; dead: by the relay); True when this call completed it (``node/full`` = ``by``,
+    first writer wins). Two local ``add`` calls, one more for the completing one."""
     n = local.count_arrival(local_key(iteration, "n"), str(rank))
-    if not members or n < len(members):
+    if n < expected:
         return False
     return local.compare_set(local_key(iteration, "full"), "", by).decode() == by
 
@@ -92,6 +92,7 @@ def node_restart_barrier(
     iteration: int,
     *,
     initial_rank: int,
+    members: Collection[int],
     decide: Callable[[list[FaultRecord]], str],
     timeout: float,
     clock: Clock = SYSTEM,
@@ -99,14 +100,15 @@ def node_restart_barrier(
     """A live participant's restart barrier on the node path; returns the decision (JSON).
 
     Called where the per-rank path calls ``restart_meeting.restart_barrier``, with the same
-    ``decide``; blocks on the local store until the relay relays the job's decision, at most
+    ``decide``; ``members``: the node's participants (as given to ``start_node_iteration``).
+    Blocks on the local store until the relay relays the job's decision, at most
     ``timeout`` seconds (``StoreTimeoutError`` naming the barrier). When the relay names this
     rank the node's decider, it decides on the job store's fault records and publishes
     (compare-and-set: the first decision published is everyone's) before it waits on."""
     me = str(initial_rank)
     deadline = clock.monotonic() + timeout
     local.append(local_key(iteration, "live"), f"{me},")  # before the count: the relay reads it
-    count_local(local, iteration, initial_rank, by=me)
+    count_local(local, iteration, initial_rank, by=me, expected=len(members))
     what = f"node restart barrier {iteration} (rank {me})"
     for j in range(1 << 16):  # one order per decider the relay names; bounded by the deadline
         order = wait_released(

@@ -36,7 +36,9 @@ from restartable.inprocess.protocol.barriers import is_timeout, wait_value
 from restartable.inprocess.protocol.keys import OUTCOME_FAULT, end_key, key, parse_ranks, peek
 from restartable.inprocess.protocol.store import Store
 
-LOCAL_RECHECK_S = 0.05  # how often the relay looks for dead members at the local barrier
+# How often the relay looks for members that died while it waits at the local barrier (a rank
+# dead before it starts waiting is counted at once); each look is a few local calls.
+LOCAL_RECHECK_S = 0.25
 ORPHAN = "orphan"  # ``restart/nodes/full`` when the completing node has no live rank left
 _COMPLETED, _TAKEOVER = "completed", "takeover"  # why a re-check makes this node decide
 
@@ -124,11 +126,12 @@ class NodeRelay:
         participating nodes (``node/nodes``)."""
         counted: set[int] = set()
         full = nb.local_key(iteration, "full")
+        members: set[int] = set()
         while True:
-            members = set(nb.node_members(self.local, iteration))
+            members = members or set(nb.node_members(self.local, iteration))
             for r in sorted((set(self.sources.dead_local()) & members) - counted):
                 counted.add(r)
-                nb.count_local(self.local, iteration, r, by="relay")
+                nb.count_local(self.local, iteration, r, by="relay", expected=len(members))
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 raise StoreTimeoutError(

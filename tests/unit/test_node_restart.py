@@ -108,7 +108,13 @@ class Job:
         nb.start_node_iteration(local, 0, members=self.ranks(node), nodes=self.nodes)
         assert iteration_end.wait_outcome(local, 0, timeout=TEST_TIMEOUT_S) == "fault"
         self.decisions[r] = nb.node_restart_barrier(
-            local, job, 0, initial_rank=r, decide=decide, timeout=TEST_TIMEOUT_S
+            local,
+            job,
+            0,
+            initial_rank=r,
+            members=self.ranks(node),
+            decide=decide,
+            timeout=TEST_TIMEOUT_S,
         )
 
     def join(self) -> None:
@@ -188,7 +194,7 @@ def test_the_decider_rank_dead_before_it_published_is_replaced_on_its_node(serve
         nb.start_node_iteration(local, 0, members=job.ranks(0), nodes=2)
         iteration_end.wait_outcome(local, 0, timeout=TEST_TIMEOUT_S)
         local.append(nb.local_key(0, "live"), "0,")
-        nb.count_local(local, 0, 0, by="0")
+        nb.count_local(local, 0, 0, by="0", expected=2)
         local.wait([nb.local_key(0, "order/0")], datetime.timedelta(seconds=TEST_TIMEOUT_S))
         job.dead.add(0)
         decider_dies.set()
