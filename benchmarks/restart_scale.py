@@ -21,6 +21,10 @@ restart protocol's real code (``inprocess.protocol.keys``, ``inprocess.protocol.
   before its dedicated group is created (``checkpoint.group``) and a local-tier step agreement
   (``StoreExchange``: gather of every rank's verdict, rank 0 publishes the result).
 
+``--ranks-per-node`` (default 8) > 1 runs the node path instead (``restart_scale_nodes``: one
+relay per node, the ranks on a node-local store; the join barrier timed in a ``join`` phase of
+its own); ``--ranks-per-node 1`` runs the per-rank path described above.
+
 Reported per N: time from the fault record to the last participant released (and joined, and
 through the checkpoint agreement), store operations and payload bytes per rank (keys + values
 sent, values received; not wire bytes), the store server's CPU time per phase (TCPStore server
@@ -469,8 +473,10 @@ def run_one(
     try:
         recv_all("connected")
         doc: dict[str, Any] = {"n": n, "store": kind, "procs": len(workers), "ranks_per_node": rpn}
-        phases = ("start", "restart", "ckpt") if ckpt else ("start", "restart")
-        for phase in ("start", "restart", "join") if rpn > 1 else phases:
+        # After the restart, the phases that stay per rank: the checkpoint agreement (per-rank
+        # path), the join barrier (node path); both only up to --ckpt-max / --etcd-ckpt-max.
+        after = ("ckpt",) if rpn == 1 else ("join",)
+        for phase in ("start", "restart", *(after if ckpt else ())):
             # Every thread is blocked on the outcome by then (checked below): on etcd each
             # rank's first wait is a range and a watch, slower to set up than a TCPStore wait.
             t_fault = time.time() + 1.0 + n / (2000 if kind == "tcp" else 150)
@@ -488,6 +494,7 @@ def run_one(
             counts = [c for rep in reports for c in rep["counts"].values()]
             ops = [c[0] for c in counts if c[0]]
             moved = sum(c[1] + c[2] for c in counts)
+            print(f"{kind} N={n}: {phase} done", file=sys.stderr, flush=True)
             doc[phase] = {
                 "store_ops_per_rank": {
                     "mean": round(sum(ops) / max(1, len(ops)), 2),
@@ -655,7 +662,7 @@ def plot(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI-sized: N = 32, 128; etcd N = 32")
-    p.add_argument("--sizes", default=None, help="comma-separated N for the TCPStore")
+    p.add_argument("--sizes", default=None, help="comma-separated N for the TCPStore ('' to skip)")
     p.add_argument("--etcd-sizes", default=None, help="comma-separated N for etcd ('' to skip)")
     p.add_argument(
         "--ranks-per-proc",
@@ -667,15 +674,16 @@ def main() -> None:
         "--ckpt-max",
         type=int,
         default=1024,
-        help="run the checkpoint agreement phase only up to this N: its waits are polls, and "
-        "4,096 polling threads on 2 cores took over 5 minutes here",
+        help="run the checkpoint agreement phase (the node path: the join barrier, per rank) "
+        "only up to this N: its waits are polls, and 4,096 polling threads on 2 cores took over "
+        "5 minutes here",
     )
     p.add_argument(
         "--etcd-ckpt-max",
         type=int,
         default=64,
         help="the same on etcd: every poll is an HTTP request (64 ranks: 17.6 s, 13.7 s of etcd "
-        "CPU)",
+        "CPU); the node path's per-rank join saturated 3 members at 1,024 ranks",
     )
     p.add_argument(
         "--ranks-per-node",
@@ -687,11 +695,8 @@ def main() -> None:
     p.add_argument("--png", default=None, help="write the curve to this PNG")
     p.add_argument("--baseline", default=None, help="an earlier JSON output drawn dashed")
     args = p.parse_args()
-    sizes = [
-        int(x)
-        for x in (args.sizes or ("32,128" if args.quick else "64,256,1024,4096")).split(",")
-        if x
-    ]
+    tcp_default = "32,128" if args.quick else "64,256,1024,4096"
+    sizes = [int(x) for x in (tcp_default if args.sizes is None else args.sizes).split(",") if x]
     etcd_default = "32" if args.quick else "64,256,1024"
     etcd_sizes = [
         int(x)
@@ -728,7 +733,8 @@ def main() -> None:
                     max(4, math.ceil(n / args.ranks_per_proc)),
                     address,
                     [proc.pid],
-                    ckpt=n <= args.ckpt_max,
+                    # the node path's join (blocking waits, no polls) runs at every N here
+                    ckpt=n <= args.ckpt_max or args.ranks_per_node > 1,
                     rpn=args.ranks_per_node,
                 )
             )

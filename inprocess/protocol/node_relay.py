@@ -8,8 +8,9 @@ Per iteration ``n``, ``NodeRelay.serve(n)`` on the relay, in this order; its JOB
    "done": the end. "fault":
 2. the local barrier: every member arrived (``node_barrier.count_local``) or is known dead
    (``sources.dead_local``: the launcher sees its child exit; the rank's watchdog still records
-   the fault itself) -- local calls only. Then one ``add`` on ``restart/nodes/n`` counts the
-   node. The add that completes the count (expected: ``node/nodes``) makes this node decide:
+   the fault itself) -- local calls only. Then one ``count_arrival`` on ``restart/nodes/n``
+   counts the node (a TCPStore ``add``; on etcd one transaction, where an ``add`` is a
+   compare-and-swap that concurrent relays would retry quadratically). The add that completes the count (expected: ``node/nodes``) makes this node decide:
    ``restart/nodes/full`` = this node, and the relay orders one of its live ranks to decide
    (``node/order/j`` = ``decide:<rank>``; that rank publishes ``restart/go``).
 3. one blocking ``get`` of ``restart/go``; the decision is relayed (``go:<decision>``).
@@ -104,7 +105,7 @@ class NodeRelay:
         raw = self._local_barrier(iteration, deadline)
         expected = int(raw)
         rnd = _Round(iteration, expected)
-        if self.job.add(key(iteration, "restart/nodes/n"), 1) >= expected:
+        if self.job.count_arrival(key(iteration, "restart/nodes/n")) >= expected:
             self._decide_here(rnd)
         what = f"node {self.node}'s relay at restart barrier {iteration}"
         while True:
@@ -178,7 +179,7 @@ class NodeRelay:
             claim = key(it, f"restart/nodes/gone/{k}")
             if self.job.compare_set(claim, "", me).decode() != me:
                 continue
-            if self.job.add(key(it, "restart/nodes/n"), 1) >= rnd.expected:
+            if self.job.count_arrival(key(it, "restart/nodes/n")) >= rnd.expected:
                 return _COMPLETED
         if rnd.decider is not None:
             return _TAKEOVER if rnd.decider in set(self.sources.dead_local()) else None
