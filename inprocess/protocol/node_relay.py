@@ -10,9 +10,10 @@ Per iteration ``n``, ``NodeRelay.serve(n)`` on the relay, in this order; its JOB
    (``sources.dead_local``: the launcher sees its child exit; the rank's watchdog still records
    the fault itself) -- local calls only. Then one ``count_arrival`` on ``restart/nodes/n``
    counts the node (a TCPStore ``add``; on etcd one transaction, where an ``add`` is a
-   compare-and-swap that concurrent relays would retry quadratically). The add that completes the count (expected: ``node/nodes``) makes this node decide:
-   ``restart/nodes/full`` = this node, and the relay orders one of its live ranks to decide
-   (``node/order/j`` = ``decide:<rank>``; that rank publishes ``restart/go``).
+   compare-and-swap that concurrent relays would retry quadratically). The arrival that
+   completes the count (expected: ``node/nodes``) makes this node decide: ``restart/nodes/full``
+   = this node, and the relay orders one of its live ranks to decide (``node/order/j`` =
+   ``decide:<rank>``; that rank publishes ``restart/go``).
 3. one blocking ``get`` of ``restart/go``; the decision is relayed (``go:<decision>``).
 
 So 3 job-store calls per node per restart (the deciding node: one more, plus its rank's reads
