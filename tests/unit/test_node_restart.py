@@ -1,6 +1,7 @@
 """The restart barrier by node (``node_relay`` + ``node_barrier``): relays on a real TCPStore
 server, each node's ranks (threads) on a HashStore of their own; a rank's death, a relay that
-dies mid-restart, a decider node gone before it published, the outcome "done" and a stop."""
+dies mid-restart, a decider node gone before it published, the outcome "done", a stop, and a
+rank death on a real etcd."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import pytest
 import torch.distributed as dist
 
 from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.etcd import EtcdStore
 from restartable.inprocess.protocol import fault_records, iteration_end, keys
 from restartable.inprocess.protocol import node_barrier as nb
 from restartable.inprocess.protocol.node_relay import NodeRelay, RelaySources
-from restartable.inprocess.protocol.store import C10dStore
+from restartable.inprocess.protocol.store import C10dStore, Store
+from tests.etcd_cluster import EtcdCluster, skip_reason
 
 SLICE_S = 0.3  # a relay's job-store client timeout: the slice of its blocking gets
 TEST_TIMEOUT_S = 20.0  # every wait of a test is bounded by this
@@ -62,14 +65,14 @@ def decide(faults: list[FaultRecord]) -> str:
 class Job:
     """``nodes`` x ``per_node`` ranks; node k holds ranks k*per_node ...; one relay per node."""
 
-    def __init__(self, server: dist.TCPStore, nodes: int, per_node: int) -> None:
-        self.server, self.nodes, self.per_node = server, nodes, per_node
+    def __init__(self, connect: Callable[[float], Store], nodes: int, per_node: int) -> None:
+        self.nodes, self.per_node = nodes, per_node
         self.local = [C10dStore(dist.HashStore()) for _ in range(nodes)]
         self.dead: set[int] = set()
         self.gone: set[int] = set()
         self.relays = [
             NodeRelay(
-                client(server, SLICE_S),
+                connect(SLICE_S),
                 self.local[k],
                 node=k,
                 sources=RelaySources(dead_local=self._dead, gone_nodes=self._gone),
@@ -78,7 +81,7 @@ class Job:
         ]
         # the ranks' job-store client, shared: they only read and publish there (each connect
         # may stall ~5 s in a reverse name lookup in this sandbox, so the test opens few)
-        self.shared = client(server)
+        self.shared = connect(TEST_TIMEOUT_S)
         self.decisions: dict[int, str] = {}
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
@@ -124,7 +127,12 @@ class Job:
         assert not self.errors, self.errors
 
 
-def kill(job: Job, server: dist.TCPStore, rank: int) -> None:
+def tcp(server: dist.TCPStore) -> Callable[[float], Store]:
+    """Job-store clients of ``server`` with a given timeout."""
+    return lambda timeout: client(server, timeout)
+
+
+def kill(job: Job, rank: int) -> None:
     """Rank ``rank`` dies: its launcher sees it at once, its watchdog records the death."""
     job.dead.add(rank)
     fault_records.report_fault(
@@ -133,13 +141,13 @@ def kill(job: Job, server: dist.TCPStore, rank: int) -> None:
 
 
 def test_a_rank_death_releases_every_live_rank_with_three_job_calls_per_node(server):
-    job = Job(server, nodes=4, per_node=4)
+    job = Job(tcp(server), nodes=4, per_node=4)
     for k in range(job.nodes):
         job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
         for r in job.ranks(k):
             if r != 1:
                 job.start(lambda k=k, r=r: job.rank(k, r))
-    kill(job, server, 1)
+    kill(job, 1)
     job.join()
     assert set(job.decisions) == set(range(16)) - {1}
     assert set(job.decisions.values()) == {"[1]"}  # one decision, on the death's record
@@ -149,7 +157,7 @@ def test_a_rank_death_releases_every_live_rank_with_three_job_calls_per_node(ser
 
 
 def test_a_relay_gone_mid_restart_is_counted_by_the_others(server):
-    job = Job(server, nodes=3, per_node=2)
+    job = Job(tcp(server), nodes=3, per_node=2)
     # node 2's relay dies with its ranks before counting its node: nobody serves node 2
     for k in (0, 1):
         job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
@@ -157,19 +165,19 @@ def test_a_relay_gone_mid_restart_is_counted_by_the_others(server):
             job.start(lambda k=k, r=r: job.rank(k, r))
     job.gone.add(2)
     job.dead.update(job.ranks(2))
-    kill(job, server, 4)
+    kill(job, 4)
     job.join()
     assert set(job.decisions) == {0, 1, 2, 3}
     assert set(job.decisions.values()) == {"[4]"}
 
 
 def test_a_decider_node_gone_before_it_published_is_replaced(server):
-    job = Job(server, nodes=3, per_node=2)
+    job = Job(tcp(server), nodes=3, per_node=2)
     for k in (0, 1):
         job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
         for r in job.ranks(k):
             job.start(lambda k=k, r=r: job.rank(k, r))
-    kill(job, server, 5)
+    kill(job, 5)
     raw = job.shared
     raw.wait([keys.key(0, "restart/nodes/n")], datetime.timedelta(seconds=TEST_TIMEOUT_S))
     # node 2's relay counts its node last, completes the count, then dies with its ranks
@@ -186,7 +194,7 @@ def test_a_decider_node_gone_before_it_published_is_replaced(server):
 
 
 def test_the_decider_rank_dead_before_it_published_is_replaced_on_its_node(server):
-    job = Job(server, nodes=2, per_node=2)
+    job = Job(tcp(server), nodes=2, per_node=2)
     decider_dies = threading.Event()
 
     def rank0() -> None:  # rank 0 is named the decider (lowest live rank) and dies instead
@@ -204,7 +212,7 @@ def test_the_decider_rank_dead_before_it_published_is_replaced_on_its_node(serve
     job.start(rank0)
     job.start(lambda: job.rank(0, 1))
     job.start(lambda: job.rank(1, 2))
-    kill(job, server, 3)
+    kill(job, 3)
     job.join()
     assert decider_dies.is_set()
     assert set(job.decisions) == {1, 2}
@@ -225,3 +233,22 @@ def test_done_is_relayed_and_stop_ends_a_healthy_wait(server):
 def test_a_node_without_members_is_a_clear_error():
     with pytest.raises(ValueError, match=r"members=.*nodes=0"):
         nb.start_node_iteration(C10dStore(dist.HashStore()), 0, members=[1], nodes=0)
+
+
+@pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+def test_on_etcd_a_rank_death_releases_every_live_rank():
+    with EtcdCluster(members=1) as cluster:
+        job = Job(
+            lambda timeout: EtcdStore(cluster.url, prefix="node-path", timeout=timeout),
+            nodes=3,
+            per_node=2,
+        )
+        for k in range(job.nodes):
+            job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
+            for r in job.ranks(k):
+                if r != 1:
+                    job.start(lambda k=k, r=r: job.rank(k, r))
+        kill(job, 1)
+        job.join()
+    assert set(job.decisions) == {0, 2, 3, 4, 5}
+    assert set(job.decisions.values()) == {"[1]"}
