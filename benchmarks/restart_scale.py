@@ -21,6 +21,10 @@ restart protocol's real code (``inprocess.protocol.keys``, ``inprocess.protocol.
   before its dedicated group is created (``checkpoint.group``) and a local-tier step agreement
   (``StoreExchange``: gather of every rank's verdict, rank 0 publishes the result).
 
+``--ranks-per-node`` (default 8) > 1 runs the node path instead (``restart_scale_nodes``: one
+relay per node, the ranks on a node-local store; the join barrier timed in a ``join`` phase of
+its own); ``--ranks-per-node 1`` runs the per-rank path described above.
+
 Reported per N: time from the fault record to the last participant released (and joined, and
 through the checkpoint agreement), store operations and payload bytes per rank (keys + values
 sent, values received; not wire bytes), the store server's CPU time per phase (TCPStore server
@@ -176,13 +180,13 @@ class CountingStore(StoreBase):
 # ----- one simulated rank --------------------------------------------------------------------
 
 
-def _setup(n: int) -> tuple[Any, Any, tuple[int, ...]]:
+def _setup(n: int, rpn: int = RANKS_PER_NODE) -> tuple[Any, Any, tuple[int, ...]]:
     """The assignment, config and node map every simulated rank of an N-rank job shares."""
     from restartable.inprocess.config import RestartConfig
     from restartable.inprocess.protocol.ranks import initial_assignment, node_of_ranks
 
     reserves = max(1, n // RESERVE_SHARE)
-    node_of = node_of_ranks(world_size=n, local_world_size=min(RANKS_PER_NODE, n))
+    node_of = node_of_ranks(world_size=n, local_world_size=min(rpn, n))
     assignment = initial_assignment(
         world_size=n, node_of=node_of, active_world_size=n - reserves, granularity="rank"
     )
@@ -300,7 +304,7 @@ def _phase_ckpt(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str, 
 # ----- worker process ------------------------------------------------------------------------
 
 
-def _connect(kind: str, address: str, n: int) -> Any:
+def _connect(kind: str, address: str, n: int, timeout: float = PHASE_TIMEOUT_S) -> Any:
     if kind == "tcp":
         import torch.distributed as dist
 
@@ -309,12 +313,12 @@ def _connect(kind: str, address: str, n: int) -> Any:
             host,
             int(port),
             is_master=False,
-            timeout=datetime.timedelta(seconds=PHASE_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
         )
     from restartable.inprocess.etcd import EtcdStore
 
-    return EtcdStore(address, prefix=f"scale{n}", timeout=PHASE_TIMEOUT_S)
+    return EtcdStore(address, prefix=f"scale{n}", timeout=timeout)
 
 
 def _run_rank(
@@ -430,15 +434,30 @@ def _tcp_server() -> tuple[subprocess.Popen[str], str]:
 
 
 def run_one(
-    n: int, kind: str, procs: int, address: str, server_pids: Sequence[int], *, ckpt: bool
+    n: int,
+    kind: str,
+    procs: int,
+    address: str,
+    server_pids: Sequence[int],
+    *,
+    ckpt: bool,
+    rpn: int = 1,
 ) -> dict[str, Any]:
     """One N-rank restart against the server at ``address``; returns the figures (and prints
-    them to stderr at once, so that a long run shows its progress)."""
+    them to stderr at once, so that a long run shows its progress). ``rpn`` > 1: the node path
+    with ``rpn`` ranks per node (``restart_scale_nodes``); 1: the per-rank path."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
-    for i in range(min(procs, n)):
+    nodes = n // rpn
+    for i in range(min(procs, n if rpn == 1 else nodes)):
         parent, child = ctx.Pipe()
-        w = ctx.Process(target=_worker, args=(i, procs, n, kind, address, child), daemon=True)
+        target: Callable[..., None] = _worker
+        args: tuple[Any, ...] = (i, procs, n, kind, address, child)
+        if rpn > 1:
+            import restart_scale_nodes
+
+            target, args = restart_scale_nodes.worker, (*args, rpn)
+        w = ctx.Process(target=target, args=args, daemon=True)
         w.start()
         pipes.append(parent)
         workers.append(w)
@@ -453,8 +472,11 @@ def run_one(
 
     try:
         recv_all("connected")
-        doc: dict[str, Any] = {"n": n, "store": kind, "procs": len(workers)}
-        for phase in ("start", "restart", "ckpt") if ckpt else ("start", "restart"):
+        doc: dict[str, Any] = {"n": n, "store": kind, "procs": len(workers), "ranks_per_node": rpn}
+        # After the restart, the phases that stay per rank: the checkpoint agreement (per-rank
+        # path), the join barrier (node path); both only up to --ckpt-max / --etcd-ckpt-max.
+        after = ("ckpt",) if rpn == 1 else ("join",)
+        for phase in ("start", "restart", *(after if ckpt else ())):
             # Every thread is blocked on the outcome by then (checked below): on etcd each
             # rank's first wait is a range and a watch, slower to set up than a TCPStore wait.
             t_fault = time.time() + 1.0 + n / (2000 if kind == "tcp" else 150)
@@ -472,6 +494,7 @@ def run_one(
             counts = [c for rep in reports for c in rep["counts"].values()]
             ops = [c[0] for c in counts if c[0]]
             moved = sum(c[1] + c[2] for c in counts)
+            print(f"{kind} N={n}: {phase} done", file=sys.stderr, flush=True)
             doc[phase] = {
                 "store_ops_per_rank": {
                     "mean": round(sum(ops) / max(1, len(ops)), 2),
@@ -501,8 +524,14 @@ def run_one(
                     fault_to_all_woken_s=round(max(woken) - t_fault, 4),
                     fault_to_all_released_s=round(max(released) - t_fault, 4),
                     fault_to_first_released_s=round(min(released) - t_fault, 4),
-                    fault_to_all_joined_s=round(max(joined) - t_fault, 4),
+                    fault_to_all_joined_s=round(max(joined) - t_fault, 4) if joined else None,
                 )
+                fault_at = t_fault
+                if rpn > 1:
+                    doc[phase].update(_per_node(reports, ops, moved, nodes))
+            if phase == "join":  # the node path: the join barrier timed apart
+                joined = [v["joined"] for v in results.values() if "joined" in v]
+                doc["restart"]["fault_to_all_joined_s"] = round(max(joined) - fault_at, 4)
             if phase == "ckpt":
                 t0 = min(v["started"] for v in results.values() if v)
                 doc[phase].update(
@@ -521,9 +550,30 @@ def run_one(
                 w.kill()
 
 
-def fit_exponent(ns: Sequence[int], ys: Sequence[float]) -> float | None:
+def _per_node(reports: list[Any], ops: list[int], moved: int, nodes: int) -> dict[str, Any]:
+    """The node path's restart figures per node: every job-store call and byte of the phase
+    (relays, the decider rank, the killed rank's watchdog) over the nodes, and the relays'."""
+    relay_ops = [c[0] for rep in reports for i, c in rep["counts"].items() if i < 0]
+    threads = [(i, v) for rep in reports for i, v in rep["results"].items()]
+    fault_at = next(v["fault_at"] for i, v in threads if "fault_at" in v)
+    return {
+        "fault_to_all_relayed_s": round(
+            max(v["relayed"] for i, v in threads if i < 0) - fault_at, 4
+        ),
+        "relays_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i < 0), 3),
+        "ranks_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i >= 0), 3),
+        "nodes": nodes,
+        "store_ops_per_node": round(sum(ops) / nodes, 2),
+        "bytes_per_node": round(moved / nodes, 1),
+        "relay_ops": {"mean": round(sum(relay_ops) / len(relay_ops), 2), "max": max(relay_ops)},
+    }
+
+
+def fit_exponent(ns: Sequence[int], ys: Sequence[float | None]) -> float | None:
     """Least-squares slope of log(y) over log(N): 1.0 is linear growth, 0 constant."""
-    pts = [(math.log(x), math.log(y)) for x, y in zip(ns, ys, strict=True) if y > 0]
+    pts = [
+        (math.log(x), math.log(y)) for x, y in zip(ns, ys, strict=True) if y is not None and y > 0
+    ]
     if len(pts) < 2:
         return None
     mx = sum(p[0] for p in pts) / len(pts)
@@ -543,6 +593,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "restart.bytes_total": [r["restart"]["bytes_total"] for r in runs],
         "restart.server_cpu_s": [r["restart"]["server_cpu_s"] for r in runs],
         "start.bytes_per_rank": [r["start"]["bytes_per_rank"] for r in runs],
+        "restart.store_ops_per_node": [r["restart"].get("store_ops_per_node") for r in runs],
     }
     out = {k: fit_exponent(ns, v) for k, v in series.items()}
     with_ckpt = [r for r in runs if "ckpt" in r]
@@ -611,7 +662,7 @@ def plot(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI-sized: N = 32, 128; etcd N = 32")
-    p.add_argument("--sizes", default=None, help="comma-separated N for the TCPStore")
+    p.add_argument("--sizes", default=None, help="comma-separated N for the TCPStore ('' to skip)")
     p.add_argument("--etcd-sizes", default=None, help="comma-separated N for etcd ('' to skip)")
     p.add_argument(
         "--ranks-per-proc",
@@ -623,24 +674,29 @@ def main() -> None:
         "--ckpt-max",
         type=int,
         default=1024,
-        help="run the checkpoint agreement phase only up to this N: its waits are polls, and "
-        "4,096 polling threads on 2 cores took over 5 minutes here",
+        help="run the checkpoint agreement phase (the node path: the join barrier, per rank) "
+        "only up to this N: its waits are polls, and 4,096 polling threads on 2 cores took over "
+        "5 minutes here",
     )
     p.add_argument(
         "--etcd-ckpt-max",
         type=int,
         default=64,
         help="the same on etcd: every poll is an HTTP request (64 ranks: 17.6 s, 13.7 s of etcd "
-        "CPU)",
+        "CPU); the node path's per-rank join saturated 3 members at 1,024 ranks",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=RANKS_PER_NODE,
+        help="simulated ranks per node: > 1 runs the node path (one relay per node, the ranks "
+        "on a node-local store); 1 runs the per-rank path (every rank on the job store)",
     )
     p.add_argument("--png", default=None, help="write the curve to this PNG")
     p.add_argument("--baseline", default=None, help="an earlier JSON output drawn dashed")
     args = p.parse_args()
-    sizes = [
-        int(x)
-        for x in (args.sizes or ("32,128" if args.quick else "64,256,1024,4096")).split(",")
-        if x
-    ]
+    tcp_default = "32,128" if args.quick else "64,256,1024,4096"
+    sizes = [int(x) for x in (tcp_default if args.sizes is None else args.sizes).split(",") if x]
     etcd_default = "32" if args.quick else "64,256,1024"
     etcd_sizes = [
         int(x)
@@ -677,7 +733,9 @@ def main() -> None:
                     max(4, math.ceil(n / args.ranks_per_proc)),
                     address,
                     [proc.pid],
-                    ckpt=n <= args.ckpt_max,
+                    # the node path's join (blocking waits, no polls) runs at every N here
+                    ckpt=n <= args.ckpt_max or args.ranks_per_node > 1,
+                    rpn=args.ranks_per_node,
                 )
             )
         finally:
@@ -702,6 +760,7 @@ def main() -> None:
                             cluster.url,
                             pids,
                             ckpt=n <= args.etcd_ckpt_max,
+                            rpn=args.ranks_per_node,
                         )
                     )
     doc["growth_exponent"] = {k: summarize(v) for k, v in doc["results"].items() if len(v) > 1}
