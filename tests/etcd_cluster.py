@@ -24,14 +24,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from restartable.inprocess.etcd.allocation import etcd_argv
 from tests.multiproc import free_ports
 
 ETCD_BIN = os.environ.get("ETCD_BIN", "/usr/bin/etcd")
-# Raft timings for tests: a lost leader is replaced within ~election timeout (etcd's default is
-# 100 ms / 1000 ms). 100/1000 also survives the heavily loaded CI machine without spurious
-# elections; shorter values caused leader churn there.
-_HEARTBEAT_MS = 100
-_ELECTION_MS = 1000
 _START_TIMEOUT_S = 30.0
 
 
@@ -84,28 +80,18 @@ class EtcdCluster:
     # ----- lifecycle -------------------------------------------------------------------------
 
     def _spawn(self, name: str) -> None:
-        peers = ",".join(f"{n}=http://127.0.0.1:{self.peer_ports[n]}" for n in self.names)
-        client = f"http://127.0.0.1:{self.client_ports[name]}"
-        peer = f"http://127.0.0.1:{self.peer_ports[name]}"
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         with log:
             self.procs[name] = subprocess.Popen(
-                [
-                    ETCD_BIN,
-                    f"--name={name}",
-                    f"--data-dir={self.dir / name}",
-                    f"--listen-client-urls={client}",
-                    f"--advertise-client-urls={client}",
-                    f"--listen-peer-urls={peer}",
-                    f"--initial-advertise-peer-urls={peer}",
-                    f"--initial-cluster={peers}",
-                    "--initial-cluster-state=new",
-                    f"--initial-cluster-token={self.dir.name}",
-                    f"--heartbeat-interval={_HEARTBEAT_MS}",
-                    f"--election-timeout={_ELECTION_MS}",
-                    "--logger=zap",
-                    "--log-level=warn",
-                ],
+                etcd_argv(
+                    name,
+                    client=f"http://127.0.0.1:{self.client_ports[name]}",
+                    peers={n: f"http://127.0.0.1:{self.peer_ports[n]}" for n in self.names},
+                    data_dir=self.dir / name,
+                    token=self.dir.name,
+                    log_level="warn",
+                    etcd_bin=ETCD_BIN,
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

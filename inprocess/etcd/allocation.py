@@ -12,7 +12,9 @@ from restartable.inprocess.errors import ConfigError
 
 ETCD_BIN = "/usr/bin/etcd"  # Debian's etcd-server
 INSTALL_HINT = "ETCD=1 needs /usr/bin/etcd on every node: apt-get install etcd-server"
-# etcd's own defaults (ms): a lost leader is replaced in about one election timeout.
+# etcd's own defaults (ms): a lost leader is replaced in about one election timeout. The tests'
+# clusters run them too (etcd_argv): on a heavily loaded CI machine shorter ones caused leader
+# churn.
 HEARTBEAT_MS = 100
 ELECTION_MS = 1000
 MAX_MEMBERS = 5  # more members only slow every write down: 5 survive the loss of 2 nodes
@@ -101,24 +103,45 @@ class AllocationCluster:
                 "member only on those nodes (srun --nodelist)"
             )
         addr = self.addresses[self.nodes.index(node)]
-        peers = ",".join(
-            f"{n}=http://{a}:{self.peer_port}"
-            for n, a in zip(self.nodes, self.addresses, strict=True)
+        return etcd_argv(
+            node,
+            client=f"http://{addr}:{self.port}",
+            peers={
+                n: f"http://{a}:{self.peer_port}"
+                for n, a in zip(self.nodes, self.addresses, strict=True)
+            },
+            data_dir=data_dir,
+            token=token,
+            log_level="error",  # a lost peer is expected here: no warning per retry
         )
-        client, peer = f"http://{addr}:{self.port}", f"http://{addr}:{self.peer_port}"
-        return [
-            ETCD_BIN,
-            f"--name={node}",
-            f"--data-dir={data_dir}",
-            f"--listen-client-urls={client}",
-            f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={peers}",
-            "--initial-cluster-state=new",
-            f"--initial-cluster-token={token}",
-            f"--heartbeat-interval={HEARTBEAT_MS}",
-            f"--election-timeout={ELECTION_MS}",
-            "--logger=zap",
-            "--log-level=error",  # a lost peer is expected here: no warning per retry
-        ]
+
+
+def etcd_argv(
+    name: str,
+    *,
+    client: str,
+    peers: dict[str, str],
+    data_dir: Path,
+    token: str,
+    log_level: str,
+    etcd_bin: str = ETCD_BIN,
+) -> list[str]:
+    """The command line of member ``name`` of a new cluster: clients at the URL ``client``,
+    every member's peer URL in ``peers`` (``name``'s own included), Raft at etcd's default
+    timings (``HEARTBEAT_MS``, ``ELECTION_MS``). The allocation's members and the tests' run it."""
+    return [
+        etcd_bin,
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peers[name]}",
+        f"--initial-advertise-peer-urls={peers[name]}",
+        f"--initial-cluster={','.join(f'{n}={url}' for n, url in peers.items())}",
+        "--initial-cluster-state=new",
+        f"--initial-cluster-token={token}",
+        f"--heartbeat-interval={HEARTBEAT_MS}",
+        f"--election-timeout={ELECTION_MS}",
+        "--logger=zap",
+        f"--log-level={log_level}",
+    ]

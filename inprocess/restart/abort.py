@@ -1,4 +1,5 @@
-"""Tear down this rank's process groups so that peers blocked on it are released at once."""
+"""Tear down this rank's process groups so that peers blocked on it are released at once: destroy
+them, clear the frames of ``train()`` that hold them, and drop them off the main thread."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import gc
 import logging
 import queue
 import threading
+import traceback
 import types
 import weakref
 from typing import Any
@@ -150,6 +152,29 @@ class GroupReaper:
                     alive,
                     held_by,
                 )
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Release the locals of ``train()``'s frames held by ``exc``'s traceback.
+
+    A collective that raised leaves its frame (holding the process group) in the traceback; as
+    long as it lives, destroying the group does not close its sockets, and peers blocked on
+    this rank are not released. What the fault record needs from the traceback (the raise site)
+    is read before this.
+    """
+    log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
+    # The exceptions it was raised from or during (__cause__, __context__) carry tracebacks
+    # through the same frames.
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        chained = todo.pop()
+        if chained is None or id(chained) in seen:
+            continue
+        seen.add(id(chained))
+        traceback.clear_frames(chained.__traceback__)
+        chained.__traceback__ = None
+        todo += [chained.__cause__, chained.__context__]
 
 
 def _holders(refs: list[weakref.ref[Any]], limit: int = 4) -> str:

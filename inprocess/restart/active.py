@@ -1,8 +1,9 @@
 """One iteration of an active rank: join, create the group, run ``train()`` under the monitor.
 
 Called by the restart loop (``inprocess.restart.loop``) on the main thread, once per iteration in
-which this rank is active. Every wait here is bounded (``barrier_timeout``,
-``completion_timeout``) or ends with the iteration's outcome.
+which this rank is active. The iteration's start (join barrier, group, ready barrier) is here
+too: the group is created inside ``_call_train``'s handlers, once the monitor runs. Every wait
+here is bounded (``barrier_timeout``, ``completion_timeout``) or ends with the outcome.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import torch.distributed as dist
 
 from restartable.inprocess.context import RestartContext, RestartRecord, activated
 from restartable.inprocess.errors import RestartInterrupt
-from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol import barriers, fault_records, iteration_end, keys
 from restartable.inprocess.protocol.ranks import Assignment
 from restartable.inprocess.protocol.sealed_store import unsealed
-from restartable.inprocess.restart import iteration_start
-from restartable.inprocess.restart.interrupter import Interrupter
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.restart.abort import drop_frames
+from restartable.inprocess.restart.interrupter import disarm
 from restartable.inprocess.restart.monitor import Monitor, MonitorLimits
-from restartable.inprocess.restart.process_group import own_group_misuse
+from restartable.inprocess.restart.process_group import init_iteration_group, own_group_misuse
 from restartable.inprocess.restart.raised import raise_site, raised_in_collective, report_raised
 from restartable.inprocess.restart.services import RankServices
 
@@ -75,7 +77,7 @@ def run_active(
     """
     world = len(assignment.active)
     t_reinit = svc.clock.monotonic()
-    if not iteration_start.join(svc, iteration, assignment):
+    if not _join(svc, iteration, assignment):
         return Outcome(done=False, noticed=svc.clock.wall())
     ctx = _context(svc, iteration, assignment, rank)
     monitor = _new_monitor(svc, ctx)
@@ -84,7 +86,7 @@ def run_active(
         # Inside _call_train's handlers: a peer's fault may be delivered as soon as the
         # monitor's store thread runs, before the second thread has even started.
         monitor.start()
-        iteration_start.create_group(svc, iteration, rank, assignment.active)
+        _create_group(svc, iteration, rank, assignment.active)
         ctx.last_restart = on_started(svc.clock.monotonic() - t_reinit)
 
     train = functools.partial(_train_once, svc, rank, fn, args, kwargs)
@@ -101,6 +103,83 @@ def run_active(
         return _settle(svc, ctx, monitor, call, world)
     finally:
         monitor.close()
+
+
+def _join(svc: RankServices, iteration: int, assignment: Assignment) -> bool:
+    """The iteration's join barrier (blocks up to ``barrier_timeout``); False when a rank of
+    ``assignment`` is gone meanwhile (the iteration is over before it began)."""
+    with svc.progress.paused():
+        svc.rendezvous.prepare(host=assignment.active[0])  # before joining: see its docstring
+        return barriers.join_barrier(
+            svc.store,
+            iteration,
+            expected=len(assignment.active),
+            timeout=svc.config.barrier_timeout,
+            clock=svc.clock,
+            recheck=functools.partial(_break_if_gone, svc.store, iteration, assignment.active),
+        )
+
+
+def _create_group(svc: RankServices, iteration: int, rank: int, active: tuple[int, ...]) -> None:
+    """The iteration's group, then the ready barrier: nobody trains before every rank joined.
+
+    A rank still inside gloo's connect when a peer faults could not be released until the
+    init timeout. Run by ``run_active``'s ``start``, inside ``_call_train``'s handlers.
+    """
+    world, host = len(active), active[0]
+    try:
+        init_iteration_group(
+            svc.config,
+            svc.rendezvous.store(host),
+            iteration=iteration,
+            rank=rank,
+            world_size=world,
+            local_rank=svc.local_rank,
+        )
+    except BaseException:
+        svc.rendezvous.forget(host)  # the host may be gone: connect afresh next time
+        raise
+    if not svc.config.init_process_group:
+        return
+    with svc.progress.paused():
+        if svc.rendezvous.hosted:
+            # On etcd the store barrier costs two consensus round trips and a watch; a barrier
+            # of the new group itself gives the same guarantee (it completes only once every
+            # rank has the group) in a millisecond, and a peer that faults meanwhile tears its
+            # group down, which fails this barrier at once, as it fails any collective.
+            _group_barrier()
+            return
+        ready = barriers.ready_barrier(
+            svc.store,
+            iteration,
+            expected=world,
+            timeout=svc.config.barrier_timeout,
+            clock=svc.clock,
+        )
+    if not ready:
+        raise RestartInterrupt("a rank faulted while the group was created")
+
+
+def _group_barrier() -> None:
+    """``dist.barrier()`` on the default group (NCCL: on this rank's current device)."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def _break_if_gone(store: Store, iteration: int, active: tuple[int, ...]) -> bool:
+    """Join recheck: an active rank that died during the restart breaks the barrier."""
+    dead = keys.gone_ranks(store) & set(active)
+    for r in sorted(dead):
+        fault_records.report_fault(
+            store,
+            iteration=iteration,
+            initial_rank=r,
+            kind="dead",
+            detail="lost during the restart",
+        )
+    return bool(dead)
 
 
 def _context(
@@ -207,14 +286,14 @@ def _call_train(
                 call.value = train()
         except RestartInterrupt as ri:
             call.interrupted = True
-            _drop_frames(ri)
+            drop_frames(ri)
             call.t_unwind = svc.clock.monotonic()
         except Exception as e:
             call.exc, call.where = e, raise_site(e)
             call.in_collective = raised_in_collective(e)
             if not call.in_collective:  # logged with it by _settle; a peer's echo is one line
                 call.trace = "".join(traceback.format_exception(e)).rstrip()
-            _drop_frames(e)
+            drop_frames(e)
         finally:
             call.delivered = disarm(svc.interrupter)
     except RestartInterrupt:
@@ -289,35 +368,3 @@ def _complete(svc: RankServices, ctx: RestartContext, world: int) -> bool:
             step=ctx.step,
         )
     return False
-
-
-def disarm(interrupter: Interrupter) -> bool:
-    """Stop the monitor's deliveries; a delivery racing with this call is absorbed."""
-    while True:
-        try:
-            return interrupter.disarm()
-        except RestartInterrupt:
-            continue
-
-
-def _drop_frames(exc: BaseException) -> None:
-    """Release the locals of ``train()``'s frames held by ``exc``'s traceback.
-
-    A collective that raised leaves its frame (holding the process group) in the traceback; as
-    long as it lives, destroying the group does not close its sockets, and peers blocked on
-    this rank are not released. What the fault record needs from the traceback (the raise site)
-    is read before this.
-    """
-    log.debug("train() unwound", exc_info=exc) if log.isEnabledFor(logging.DEBUG) else None
-    # The exceptions it was raised from or during (__cause__, __context__) carry tracebacks
-    # through the same frames.
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        chained = todo.pop()
-        if chained is None or id(chained) in seen:
-            continue
-        seen.add(id(chained))
-        traceback.clear_frames(chained.__traceback__)
-        chained.__traceback__ = None
-        todo += [chained.__cause__, chained.__context__]

@@ -110,3 +110,13 @@ class Interrupter:
             if self._pending:
                 raise RestartInterrupt("restart requested before an atomic section")
             yield
+
+
+def disarm(interrupter: Interrupter) -> bool:
+    """Stop ``interrupter``'s deliveries (main thread, once ``train()`` or a reserve's prewarm
+    ended); a delivery racing with this call is absorbed."""
+    while True:
+        try:
+            return interrupter.disarm()
+        except RestartInterrupt:
+            continue

@@ -14,7 +14,8 @@ from typing import Any
 
 from restartable.inprocess.errors import RestartInterrupt
 from restartable.inprocess.protocol import fault_records, iteration_end, keys
-from restartable.inprocess.restart.active import Outcome, disarm
+from restartable.inprocess.restart.active import Outcome
+from restartable.inprocess.restart.interrupter import disarm
 from restartable.inprocess.restart.services import RankServices
 from restartable.inprocess.restart.warmup import FirstUseImports
 

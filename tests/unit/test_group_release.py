@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from restartable.inprocess.restart.abort import GroupReaper
-from restartable.inprocess.restart.active import _drop_frames
+from restartable.inprocess.restart.abort import GroupReaper, drop_frames
 
 
 class _Group:
@@ -41,7 +40,7 @@ def test_the_frames_of_a_chained_exception_are_cleared_too() -> None:
     except RuntimeError as e:
         caught = e
     assert caught.__context__ is not None  # suppressed for display, still chained
-    _drop_frames(caught)
+    drop_frames(caught)
     assert refs[0]() is None
 
 
