@@ -144,6 +144,7 @@ CLEAN_RUNS = 50
 
 
 @slow(f"{CLEAN_RUNS} clean runs of the example, every step checked: about 20 minutes")
+@pytest.mark.timeout(CLEAN_RUNS * 120 + 60)  # each run's own deadline, not the suite's 300 s
 def test_no_false_positive_in_repeated_clean_runs(tmp_path: Path) -> None:
     checks = 0
     for i in range(CLEAN_RUNS):
