@@ -22,7 +22,16 @@ def shard(model: GPT, parallel: str, *, world: int, device: torch.device) -> nn.
     """The module to train: `model` wrapped (DDP) or sharded in place (FSDP2, TP, HSDP)."""
     kind = device.type
     if parallel == "ddp":
-        return DDP(model, device_ids=[device] if kind == "cuda" else None)
+        # find_unused_parameters=True: DDP never rebuilds its buckets. By default it rebuilds
+        # them after its first backward, and a run restarted in process (a new DDP) reduced its
+        # first step before that rebuild: the gradients came out a few bits off the clean run's
+        # (final loss 2.0418670177 vs 2.0418672562 after one restart at step 40 of 50; a
+        # bucket_cap_mb_list does not help). Without the rebuild a restarted run is bit-identical
+        # to a clean one. Cost: one walk of the autograd graph per step, and torch's one-line
+        # warning per rank that it found no unused parameter.
+        return DDP(
+            model, device_ids=[device] if kind == "cuda" else None, find_unused_parameters=True
+        )
     if parallel == "tp":
         # Each block's MLP is split across the ranks (column- then row-wise); attention,
         # embeddings and norms stay whole on every rank, which all train on the same batch.
