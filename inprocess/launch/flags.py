@@ -115,6 +115,13 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="flag file written when the job should be requeued (status 75), removed otherwise",
     )
+    r.add_argument(
+        "--restart-by",
+        choices=("rank", "node"),
+        default="rank",
+        help="who meets at the job's store in a restart: every rank (default), or this "
+        "launcher for its node's ranks, which wait on a store of the node (docs/scale.md)",
+    )
     _add_pool_flags(r)
     _add_timing_flags(r)
 
