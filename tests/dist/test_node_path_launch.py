@@ -19,7 +19,9 @@ from tests.multiproc import JobOutput, run_job, slow
 pytestmark = pytest.mark.timeout(150)
 
 
-def _two_nodes(job: dict[str, Any], *, kill_node: int | None) -> tuple[JobOutput, Path]:
+def _two_nodes(
+    job: dict[str, Any], *, kill_node: int | None, restart_by: str = "node"
+) -> tuple[JobOutput, Path]:
     d = Path(tempfile.mkdtemp(prefix="node-path-"))
     job = {**job, "dir": str(d), "config": {**FAST, **job.get("config", {})}}
     opts = {
@@ -29,7 +31,7 @@ def _two_nodes(job: dict[str, Any], *, kill_node: int | None) -> tuple[JobOutput
         "kill_node": kill_node,
         "job": job,
         "launcher_args": ["--monitor-interval", "0.05", "--stop-grace", "2"]
-        + ["--restart-by", "node"],
+        + ["--restart-by", restart_by],
     }
     return run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120), d
 
@@ -56,14 +58,19 @@ def test_exception_and_sigkill_restart_through_the_node_path_give_the_clean_loss
 
 
 @slow("a launcher case")
-def test_a_lost_launcher_on_the_node_path_leaves_the_other_node_going_on() -> None:
+def test_a_launcher_lost_mid_restart_leaves_the_other_node_going_on() -> None:
+    # ctx.rank 0 raises at step 3; the driver SIGKILLs node 1's launcher as step 2 is logged,
+    # about when the fault is: node 0's relay counts node 1 gone (its beat goes stale) instead
+    # of waiting for it, and the job goes on with node 0's two ranks.
     job, d = _two_nodes(
         {
             "steps": 12,
             "step_time": 0.1,
+            "raise_at": {"step": 3, "rank": 0, "once": True},
             "config": {"active_world_size": 3, "min_active_world_size": 2},
         },
         kill_node=1,
     )
     assert job.returncode == 0, job.output
+    assert "node 0 relay: restart after iteration 0 relayed" in job.output, job.output
     assert {r["world_size"] for r in results(d).values()} == {2}, job.output
