@@ -30,8 +30,10 @@ def _two_nodes(
         "kill_after_step": 2,
         "kill_node": kill_node,
         "job": job,
-        "launcher_args": ["--monitor-interval", "0.05", "--stop-grace", "2"]
-        + ["--restart-by", restart_by],
+        "launcher_args": [
+            *("--monitor-interval", "0.05", "--stop-grace", "2"),
+            *("--restart-by", restart_by),
+        ],
     }
     return run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120), d
 
