@@ -115,6 +115,13 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="flag file written when the job should be requeued (status 75), removed otherwise",
     )
+    r.add_argument(
+        "--restart-by",
+        choices=("rank", "node"),
+        default="rank",
+        help="who meets at the job's store in a restart: every rank (default), or this "
+        "launcher for its node's ranks, which wait on a store of the node (docs/scale.md)",
+    )
     _add_pool_flags(r)
     _add_timing_flags(r)
 
@@ -185,6 +192,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             )
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
+    if args.restart_by == "node" and args.store:
+        p.error(
+            f"--restart-by node with --store {args.store}: the node relay speaks to the "
+            "launcher's TCPStore only for now; drop --store or give --restart-by rank"
+        )
     world = args.nnodes * args.nproc_per_node
     if args.simulated_fault_rank is not None and not 0 <= args.simulated_fault_rank < world:
         p.error(

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from restartable.inprocess.launch.actions import Action, restart_or_end
 from restartable.inprocess.launch.drill import FaultDrill
 from restartable.inprocess.launch.launcher_journal import LauncherJournal
+from restartable.inprocess.launch.node_host import NodeHost
 from restartable.inprocess.launch.node_lost import NodeLostError
 from restartable.inprocess.launch.pool import WarmPool
 from restartable.inprocess.launch.rank_env import rank_env
@@ -43,10 +44,12 @@ class LauncherRound:
     ) -> None:
         self._args, self._control, self._k = args, control, k
         self._port, self._store, self._jr = port, store, jr
+        self.node: NodeHost | None = None  # --restart-by node: the round's local store, relay
+        self.gone: frozenset[int] = frozenset()  # the stale launchers at the last tick
 
     def env_of(self, local: int, generation: int) -> Mapping[str, str]:
         c, k = self._control, self._k
-        store_env = c.round_store_env(k)
+        store_env = {**c.round_store_env(k), **(self.node.env() if self.node else {})}
         return rank_env(
             self._args, local, self._port, generation, store_env, round_=k, launch_id=c.launch_id
         )
@@ -72,6 +75,8 @@ class LauncherRound:
 
     def on_tick(self) -> None:
         self._jr.follow(self._store)
+        if self.node is not None:  # read by the relay's thread at its re-checks
+            self.gone = self._control.gone_nodes()
 
 
 def supervisor_config(args: argparse.Namespace) -> SupervisorConfig:
@@ -102,15 +107,18 @@ def run_round(
     ``current`` holds the round's supervisor meanwhile (the launcher's signal handler forwards
     to it). Raises ``NodeLostError`` when another launcher or the control store is gone."""
     port, store = control.open_round(k)
+    link = LauncherRound(args, control, k, port=port, store=store, jr=jr)
     sup = NodeSupervisor(
         cfg=supervisor_config(args),
         store=store,
-        link=LauncherRound(args, control, k, port=port, store=store, jr=jr),
+        link=link,
         out=sys.stdout.buffer,
         pool=pool,
         warm_initial=k > 0,  # an in-job restart forks every rank from the pool
     )
     current[:] = [sup]
+    if args.restart_by == "node":
+        link.node = node_host(args, control, k, port, sup, link)
     drill = None
     if k == 0 and args.simulated_fault_type is not None:
         drill = FaultDrill(
@@ -131,6 +139,30 @@ def run_round(
         raise
     finally:
         sup.close()  # ends what still runs (an action from another node, or a failure here)
+        if link.node is not None:
+            link.node.close()
         if drill is not None:
             drill.close()
     return end, action
+
+
+def node_host(
+    args: argparse.Namespace,
+    control: JobControl,
+    k: int,
+    port: int,
+    sup: NodeSupervisor,
+    link: LauncherRound,
+) -> NodeHost:
+    """``--restart-by node``: round ``k``'s node store and relay; its sources are this node's
+    children that exited (``sup.exits``) and the launchers ``link.on_tick`` last saw gone."""
+    return NodeHost(
+        node=args.node_rank,
+        round_=k,
+        job_addr=args.master_addr,
+        job_port=port,
+        sealer=control.round_sealer(k),
+        dead_local=lambda: [identity for identity, _ in tuple(sup.exits)],
+        gone_nodes=lambda: link.gone,
+        barrier_timeout=args.node_timeout,
+    )

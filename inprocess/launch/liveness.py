@@ -66,6 +66,11 @@ class Liveness:
         except Exception as exc:
             raise store_lost(exc) from exc
 
+    def gone_nodes(self) -> frozenset[int]:
+        """The other nodes whose launcher left or whose beat is stale (``_still_there``)."""
+        others = (n for n in range(self._nnodes) if n != self._node_rank)
+        return frozenset(n for n in others if not self._still_there(n))
+
     def mark_left(self) -> None:
         """This launcher is leaving (the store's errors propagate)."""
         self._control.store.set(self._control.key(f"left/{self._node_rank}"), "1")

@@ -193,6 +193,10 @@ class JobControl:
         launcher's heartbeat. Raises ``NodeLostError`` when the control store is gone."""
         self._liveness.report_live(k, n)
 
+    def gone_nodes(self) -> frozenset[int]:
+        """The other launchers that left or stopped beating (``Liveness.gone_nodes``)."""
+        return self._liveness.gone_nodes()
+
     def job_gone(self, k: int) -> bool:
         """True when every node reported no process left in round ``k``."""
         return self._liveness.job_gone(k)

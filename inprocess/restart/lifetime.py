@@ -8,6 +8,7 @@ is ``inprocess.restart.startup``'s; the goodbye in the store is ``inprocess.rest
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from restartable.checkpoint.sealing import job_sealer
@@ -23,6 +24,7 @@ from restartable.inprocess.restart import joining, startup
 from restartable.inprocess.restart.abort import GroupReaper, abort_process_groups
 from restartable.inprocess.restart.health import HealthChecker
 from restartable.inprocess.restart.leaving import close_quietly, leave_store
+from restartable.inprocess.restart.node_path import NodePath
 from restartable.inprocess.restart.restored import TierBoard
 from restartable.inprocess.restart.services import RankServices
 from restartable.inprocess.restart.story import RestartStory
@@ -57,6 +59,8 @@ class RankLifetime:
         self.closed = False
         directory = journal.resolve_dir(cfg.journal_dir)
         self.journal = None if directory is None else journal.open_journal(directory, rank=me)
+        # --restart-by node: the node's store and layout; None: the per-rank restart barrier.
+        self.node = NodePath.of_rank(os.environ, env, cfg.barrier_timeout, clock)
 
     def open(self, *, joining_job: bool) -> int:
         """Connect, start the services and the watchdog, and meet every rank once (the initial
@@ -136,6 +140,8 @@ class RankLifetime:
             participants=len(assignment.active) + len(assignment.reserve),
             reserves=assignment.reserve,
         )
+        if self.node is not None:
+            self.node.announce(iteration, assignment.active + assignment.reserve)
 
     def tier_board(self, iteration: int, active: tuple[int, ...]) -> TierBoard:
         """The board on which the active ranks of ``iteration`` (after a restart) say which tier

@@ -318,7 +318,7 @@ class _Job:
         assert own.svc is not None
         t_barrier = self.clock.monotonic()
         with own.svc.progress.paused():
-            published = restart_meeting.restart_barrier(
+            published = (self.own.node or restart_meeting).restart_barrier(
                 own.store,
                 iteration,
                 initial_rank=self.me,

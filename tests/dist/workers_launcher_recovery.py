@@ -210,19 +210,21 @@ def two_nodes(opts: dict[str, Any]) -> int:
         if any(json.loads(x)["step"] >= opts["kill_after_step"] for x in lines):
             break
         time.sleep(0.05)
-    killed = opts.get("kill_node", 1)
-    procs[killed].kill()
-    procs[killed].wait()
-    survivor = 1 - killed
+    killed = opts.get("kill_node", 1)  # None: no launcher killed, both end on their own
+    if killed is not None:
+        procs[killed].kill()
+        procs[killed].wait()
+    survivors = [n for n in (0, 1) if n != killed]
     try:
-        rc = procs[survivor].wait(opts.get("deadline", 90))
+        rc = max(procs[n].wait(opts.get("deadline", 90)) for n in survivors)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         for log in logs:
             log.close()
-    sys.stdout.write((d / f"node{survivor}.log").read_text())
+    for n in survivors:
+        sys.stdout.write((d / f"node{n}.log").read_text())
     return rc
 
 

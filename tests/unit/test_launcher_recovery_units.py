@@ -57,6 +57,10 @@ def test_restart_while_budget_lasts_then_requeue() -> None:
         (["--max-restarts", "-2"], "--max-restarts (-2) must be >= 0"),
         (["--monitor-interval", "0"], "--monitor-interval (0.0) must be > 0"),
         (["--simulated-fault-rank", "5"], "--simulated-fault-rank (5) must be in [0, 2)"),
+        (
+            ["--restart-by", "node", "--store", "etcd://h:2379"],
+            "--restart-by node with --store etcd://h:2379",
+        ),
     ],
 )
 def test_bad_launcher_flags_name_the_flag_and_value(

@@ -1,0 +1,94 @@
+"""The launcher's side of the restart by node (``--restart-by node``): per round, a store on
+127.0.0.1 for this node's ranks (``node_barrier``'s node-local store) and one ``NodeRelay``
+thread that speaks to the job's store for them, iteration after iteration, until the round
+ends. The ranks find the local store in ``RESTARTABLE_NODE_STORE`` (``env``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection
+
+from restartable.checkpoint.sealing import Sealer
+from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
+from restartable.inprocess.protocol.node_relay import NodeRelay, RelaySources
+from restartable.inprocess.protocol.sealed_store import seal
+from restartable.inprocess.protocol.store import Store
+from restartable.inprocess.protocol.tcpstore_client import TCPStoreClient
+from restartable.inprocess.store_server import listening_server
+
+log = logging.getLogger(__name__)
+
+RESTART_BY = ("rank", "node")  # --restart-by's values; "rank": no local store, no relay
+SLICE_S = 1.0  # the relay's job client timeout: how often a blocked get re-checks / stops
+
+
+class NodeHost:
+    """Round ``round_``'s local store and relay on node ``node``.
+
+    ``job_addr``/``job_port``: the round's job store (the relay opens a client of its own,
+    sealed with ``sealer`` as the ranks' values are). ``dead_local`` / ``gone_nodes``: the
+    relay's ``RelaySources``. ``barrier_timeout``: the bound of one restart at the relay.
+    ``close()`` stops the relay (within one slice) and the local store."""
+
+    def __init__(
+        self,
+        *,
+        node: int,
+        round_: int,
+        job_addr: str,
+        job_port: int,
+        sealer: Sealer | None,
+        dead_local: Callable[[], Collection[int]],
+        gone_nodes: Callable[[], Collection[int]],
+        barrier_timeout: float,
+        clock: Clock = SYSTEM,
+    ) -> None:
+        self.node, self.round, self._timeout, self._clock = node, round_, barrier_timeout, clock
+        self._server = listening_server("127.0.0.1", 0, wait_for_workers=False, use_libuv=True)
+        self.port = int(self._server.port)
+        self._local: Store = TCPStoreClient("127.0.0.1", self.port, timeout=SLICE_S, clock=clock)
+        job = seal(TCPStoreClient(job_addr, job_port, timeout=SLICE_S, clock=clock), sealer)
+        self._job = job
+        sources = RelaySources(dead_local=dead_local, gone_nodes=gone_nodes)
+        self._relay = NodeRelay(job, self._local, node=node, sources=sources, clock=clock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"node-relay-r{round_}", daemon=True
+        )
+        self._thread.start()
+        log.info(
+            "node %d round %d: node store on 127.0.0.1:%d, relay started", node, round_, self.port
+        )
+
+    def env(self) -> dict[str, str]:
+        """The ranks' variable naming the local store."""
+        return {NODE_STORE_ENV: f"127.0.0.1:{self.port}"}
+
+    def _serve(self) -> None:
+        iteration = 0
+        try:
+            while not self._stop.is_set():
+                outcome = self._relay.serve(
+                    iteration, timeout=self._timeout, stop=self._stop.is_set
+                )
+                if outcome is None or outcome != "fault":
+                    log.info(
+                        "node %d relay: iteration %d ended (%s)", self.node, iteration, outcome
+                    )
+                    return
+                log.info("node %d relay: restart after iteration %d relayed", self.node, iteration)
+                iteration += 1
+        except Exception as exc:  # the ranks' own barrier timeout then names the wait
+            if not self._stop.is_set():
+                log.warning("node %d relay stopped at iteration %d: %r", self.node, iteration, exc)
+
+    def close(self) -> None:
+        """Stop the relay (it sees ``stop`` within one slice) and drop the clients (idempotent)."""
+        self._stop.set()
+        self._thread.join(SLICE_S * 3)
+        if self._thread.is_alive():
+            log.warning(
+                "node %d relay still blocked after %.1f s: left behind", self.node, SLICE_S * 3
+            )

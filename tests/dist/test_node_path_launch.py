@@ -1,0 +1,78 @@
+"""Issue 52: the restart by node wired into a real job (``--restart-by node``): two launchers on
+this machine play two nodes of two ranks; each hosts its node's store and relay, its ranks meet
+there (``inprocess.restart.node_path``), and the job ends with the loss of a run without faults,
+as on the per-rank path. A launcher SIGKILLed: the other node's ranks go on, no hang."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.dist.test_launcher_recovery import FAST, SCRIPT, results
+from tests.dist.workers_launcher_recovery import clean_loss
+from tests.multiproc import JobOutput, run_job, slow
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _two_nodes(
+    job: dict[str, Any], *, kill_node: int | None, restart_by: str = "node"
+) -> tuple[JobOutput, Path]:
+    d = Path(tempfile.mkdtemp(prefix="node-path-"))
+    job = {**job, "dir": str(d), "config": {**FAST, **job.get("config", {})}}
+    opts = {
+        "dir": str(d),
+        "nproc": 2,
+        "kill_after_step": 2,
+        "kill_node": kill_node,
+        "job": job,
+        "launcher_args": [
+            *("--monitor-interval", "0.05", "--stop-grace", "2"),
+            *("--restart-by", restart_by),
+        ],
+    }
+    return run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120), d
+
+
+def test_exception_and_sigkill_restart_through_the_node_path_give_the_clean_loss() -> None:
+    # 3 active + 1 reserve over two nodes: ctx.rank 1 raises at step 3 (iteration 0), then
+    # ctx.rank 2 is SIGKILLed at step 6 of iteration 1; the reserve takes its place.
+    job, d = _two_nodes(
+        {
+            "steps": 10,
+            "step_time": 0.05,
+            "raise_at": {"step": 3, "rank": 1, "once": True},
+            "kills": [{"iteration": 1, "rank": 2, "step": 6}],
+            "config": {"active_world_size": 3},
+        },
+        kill_node=None,
+    )
+    assert job.returncode == 0, job.output
+    assert "node store on 127.0.0.1" in job.output, job.output
+    assert "restart after iteration 0 relayed" in job.output, job.output
+    assert "restart after iteration 1 relayed" in job.output, job.output
+    totals = {r["total"] for r in results(d).values()}
+    assert totals == {clean_loss(10, 3)}, job.output
+
+
+@slow("a launcher case")
+def test_a_launcher_lost_mid_restart_leaves_the_other_node_going_on() -> None:
+    # ctx.rank 0 raises at step 3; the driver SIGKILLs node 1's launcher as step 2 is logged,
+    # about when the fault is: node 0's relay counts node 1 gone (its beat goes stale) instead
+    # of waiting for it, and the job goes on with node 0's two ranks.
+    job, d = _two_nodes(
+        {
+            "steps": 12,
+            "step_time": 0.1,
+            "raise_at": {"step": 3, "rank": 0, "once": True},
+            "config": {"active_world_size": 3, "min_active_world_size": 2},
+        },
+        kill_node=1,
+    )
+    assert job.returncode == 0, job.output
+    assert "node 0 relay: restart after iteration 0 relayed" in job.output, job.output
+    assert {r["world_size"] for r in results(d).values()} == {2}, job.output

@@ -1,0 +1,86 @@
+"""The wiring of the restart by node (``--restart-by node``): the launcher's ``NodeHost`` (a
+node store on 127.0.0.1 and a relay thread, on a real TCPStore job store) and the rank's
+``NodePath`` (which ranks are its node's, and the variable that turns it on)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.launch.node_host import NodeHost
+from restartable.inprocess.protocol import iteration_end, keys
+from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
+from restartable.inprocess.protocol.store import C10dStore
+from restartable.inprocess.restart.node_path import NodePath
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _job_server() -> dist.TCPStore:
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(20)
+    )
+
+
+def test_node_host_relays_the_end_to_its_ranks_and_stops_with_the_round() -> None:
+    server = _job_server()
+    host = NodeHost(
+        node=0,
+        round_=0,
+        job_addr="127.0.0.1",
+        job_port=int(server.port),
+        sealer=None,
+        dead_local=tuple,
+        gone_nodes=frozenset,
+        barrier_timeout=10.0,
+    )
+    try:
+        path = NodePath.from_environ(
+            host.env(), rank=0, world_size=2, local_world_size=2, timeout=10.0
+        )
+        assert path is not None
+        C10dStore(server).set(keys.end_key(0), keys.OUTCOME_DONE)
+        got = iteration_end.wait_outcome(path.local, 0, timeout=10.0)
+        assert got == keys.OUTCOME_DONE  # the ranks' monitors see it on their node's store
+    finally:
+        host.close()
+    assert not host._thread.is_alive()
+
+
+def test_node_host_close_stops_a_relay_blocked_on_a_running_iteration() -> None:
+    server = _job_server()
+    host = NodeHost(
+        node=1,
+        round_=3,
+        job_addr="127.0.0.1",
+        job_port=int(server.port),
+        sealer=None,
+        dead_local=tuple,
+        gone_nodes=frozenset,
+        barrier_timeout=10.0,
+    )
+    host.close()  # the iteration never ends: the relay sees the stop within one slice
+    assert not host._thread.is_alive()
+
+
+def test_without_the_variable_the_rank_keeps_the_per_rank_path() -> None:
+    assert NodePath.from_environ({}, rank=0, world_size=4, local_world_size=2, timeout=1) is None
+
+
+def test_a_bad_node_store_value_names_the_variable_and_the_fix() -> None:
+    with pytest.raises(ConfigError, match=f"{NODE_STORE_ENV}='nowhere'.*host:port"):
+        NodePath.from_environ(
+            {NODE_STORE_ENV: "nowhere"}, rank=0, world_size=4, local_world_size=2, timeout=1
+        )
+
+
+def test_members_are_this_nodes_ranks_respawned_identities_included() -> None:
+    server = _job_server()  # any reachable store stands for the node's
+    env = {NODE_STORE_ENV: f"127.0.0.1:{server.port}"}
+    path = NodePath.from_environ(env, rank=3, world_size=4, local_world_size=2, timeout=5)
+    assert path is not None and path.node == 1
+    # identity 6 = slot 2 respawned once (2 + 1 * 4): on node 1, as slot 2 is; 5: slot 1, node 0
+    assert path.members([0, 1, 2, 6, 5, 7]) == (2, 6, 7)
