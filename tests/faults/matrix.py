@@ -221,9 +221,11 @@ def play(row: Row, tmp: Path) -> Outcome:
 
 
 def _mount_tmpfs(path: Path, size_mb: int) -> bool:
+    """A tmpfs of ``size_mb`` at ``path``, private (mode 700: a fresh tmpfs is 1777, which the
+    checkpoint root's private-directory check rightly refuses)."""
     path.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=700", "tmpfs", str(path)],
         capture_output=True,
         check=False,
     )
@@ -239,7 +241,7 @@ def _full_tmpfs(path: Path, spec: dict[str, Any]) -> Path:
     size = int(spec["journal_tmpfs_kb"])
     path.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}k", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}k,mode=700", "tmpfs", str(path)],
         capture_output=True,
         check=False,
     )
