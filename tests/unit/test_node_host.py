@@ -25,11 +25,10 @@ def _job_server() -> dist.TCPStore:
     )
 
 
-def test_node_host_relays_the_end_to_its_ranks_and_stops_with_the_round() -> None:
-    server = _job_server()
-    host = NodeHost(
-        node=0,
-        round_=0,
+def _host(server: dist.TCPStore, *, node: int, round_: int) -> NodeHost:
+    return NodeHost(
+        node=node,
+        round_=round_,
         job_addr="127.0.0.1",
         job_port=int(server.port),
         sealer=None,
@@ -37,6 +36,11 @@ def test_node_host_relays_the_end_to_its_ranks_and_stops_with_the_round() -> Non
         gone_nodes=frozenset,
         barrier_timeout=10.0,
     )
+
+
+def test_node_host_relays_the_end_to_its_ranks_and_stops_with_the_round() -> None:
+    server = _job_server()
+    host = _host(server, node=0, round_=0)
     try:
         path = NodePath.from_environ(
             host.env(), rank=0, world_size=2, local_world_size=2, timeout=10.0
@@ -52,16 +56,7 @@ def test_node_host_relays_the_end_to_its_ranks_and_stops_with_the_round() -> Non
 
 def test_node_host_close_stops_a_relay_blocked_on_a_running_iteration() -> None:
     server = _job_server()
-    host = NodeHost(
-        node=1,
-        round_=3,
-        job_addr="127.0.0.1",
-        job_port=int(server.port),
-        sealer=None,
-        dead_local=tuple,
-        gone_nodes=frozenset,
-        barrier_timeout=10.0,
-    )
+    host = _host(server, node=1, round_=3)
     host.close()  # the iteration never ends: the relay sees the stop within one slice
     assert not host._thread.is_alive()
 

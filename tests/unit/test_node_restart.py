@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -120,6 +120,14 @@ class Job:
             timeout=TEST_TIMEOUT_S,
         )
 
+    def serve(self, nodes: Iterable[int], *, skip: Collection[int] = ()) -> None:
+        """Start the relays of ``nodes`` and their ranks but those in ``skip`` (a killed rank)."""
+        for k in nodes:
+            self.start(lambda k=k: self.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
+            for r in self.ranks(k):
+                if r not in skip:
+                    self.start(lambda k=k, r=r: self.rank(k, r))
+
     def join(self) -> None:
         for t in self.threads:
             t.join(TEST_TIMEOUT_S + 5)
@@ -142,11 +150,7 @@ def kill(job: Job, rank: int) -> None:
 
 def test_a_rank_death_releases_every_live_rank_with_three_job_calls_per_node(server):
     job = Job(tcp(server), nodes=4, per_node=4)
-    for k in range(job.nodes):
-        job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
-        for r in job.ranks(k):
-            if r != 1:
-                job.start(lambda k=k, r=r: job.rank(k, r))
+    job.serve(range(job.nodes), skip={1})
     kill(job, 1)
     job.join()
     assert set(job.decisions) == set(range(16)) - {1}
@@ -159,10 +163,7 @@ def test_a_rank_death_releases_every_live_rank_with_three_job_calls_per_node(ser
 def test_a_relay_gone_mid_restart_is_counted_by_the_others(server):
     job = Job(tcp(server), nodes=3, per_node=2)
     # node 2's relay dies with its ranks before counting its node: nobody serves node 2
-    for k in (0, 1):
-        job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
-        for r in job.ranks(k):
-            job.start(lambda k=k, r=r: job.rank(k, r))
+    job.serve((0, 1))
     job.gone.add(2)
     job.dead.update(job.ranks(2))
     kill(job, 4)
@@ -173,10 +174,7 @@ def test_a_relay_gone_mid_restart_is_counted_by_the_others(server):
 
 def test_a_decider_node_gone_before_it_published_is_replaced(server):
     job = Job(tcp(server), nodes=3, per_node=2)
-    for k in (0, 1):
-        job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
-        for r in job.ranks(k):
-            job.start(lambda k=k, r=r: job.rank(k, r))
+    job.serve((0, 1))
     kill(job, 5)
     raw = job.shared
     raw.wait([keys.key(0, "restart/nodes/n")], datetime.timedelta(seconds=TEST_TIMEOUT_S))
@@ -243,11 +241,7 @@ def test_on_etcd_a_rank_death_releases_every_live_rank():
             nodes=3,
             per_node=2,
         )
-        for k in range(job.nodes):
-            job.start(lambda k=k: job.relays[k].serve(0, timeout=TEST_TIMEOUT_S))
-            for r in job.ranks(k):
-                if r != 1:
-                    job.start(lambda k=k, r=r: job.rank(k, r))
+        job.serve(range(job.nodes), skip={1})
         kill(job, 1)
         job.join()
     assert set(job.decisions) == {0, 2, 3, 4, 5}
