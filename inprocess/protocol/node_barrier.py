@@ -10,9 +10,13 @@ Keys and call order, in the NODE-LOCAL store (a store on the node only; every ke
 
 * ``node/members``  the node's participants of iteration ``n`` (runs, ``ranks.encode_ranks``)
 * ``node/nodes``    how many nodes take part in ``n`` (the job-wide node count's expected value)
-* ``node/live``     appended by every live rank as it arrives (whom the relay may ask to decide)
-* ``node/n``        the local count: each member once, alive (itself) or dead (its relay)
-* ``node/full``     set by whoever completed the local count: the relay then counts the node
+* ``node/n``        the local count, one integer of two bit fields: bit ``s`` is member ``s`` (its
+                    place in ``members``) arrived alive, added by the member itself; bit
+                    ``SLOTS + s`` member ``s`` counted dead, added by the relay. Each bit is added
+                    once by one party, so the sum is their union: one ``add`` both counts a rank
+                    and answers who is in (whom the relay may ask to decide: the alive bits)
+* ``node/full``     set by the one ``add`` that covered every member (alive or dead): the relay
+                    then counts the node
 * ``node/order/j``  the relay's j-th order: ``decide:<rank>`` (that rank takes the decision and
                     publishes it on the job store) or ``go:<decision>`` (the end of the barrier)
 
@@ -24,10 +28,10 @@ imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from restartable.inprocess.clock import SYSTEM, Clock
-from restartable.inprocess.errors import FaultRecord
+from restartable.inprocess.errors import FaultRecord, InprocessError
 from restartable.inprocess.protocol.barriers import wait_released
 from restartable.inprocess.protocol.fault_records import read_faults
 from restartable.inprocess.protocol.keys import key, peek, set_many
@@ -39,6 +43,8 @@ from restartable.inprocess.protocol.store import Store
 NODE_STORE_ENV = "RESTARTABLE_NODE_STORE"
 ORDER_DECIDE = "decide:"
 ORDER_GO = "go:"
+# Members per node the local count holds: c10d's counter is a signed 64-bit integer, two fields.
+SLOTS = 31
 
 
 def local_key(iteration: int, name: str) -> str:
@@ -61,6 +67,7 @@ def start_node_iteration(
             f"start_node_iteration: members={sorted(members)!r}, nodes={nodes}: a node that "
             "takes part has at least one member and the job at least one node"
         )
+    _slot_bit(sorted(members), min(members), alive=True)  # at most SLOTS members: fail now
     set_many(
         local,
         {
@@ -76,14 +83,46 @@ def node_members(local: Store, iteration: int) -> tuple[int, ...]:
     return () if raw is None else decode_ranks(raw.decode())
 
 
-def count_local(local: Store, iteration: int, rank: int, *, by: str, expected: int) -> bool:
-    """Count ``rank`` at the node's local barrier of ``expected`` members once (alive: by
-    itself; dead: by the relay); True when this call completed it (``node/full`` = ``by``,
-    first writer wins). Two local ``add`` calls, one more for the completing one."""
-    n = local.count_arrival(local_key(iteration, "n"), str(rank))
-    if n < expected:
-        return False
-    return local.compare_set(local_key(iteration, "full"), "", by).decode() == by
+def _slot_bit(members: Sequence[int], rank: int, *, alive: bool) -> int:
+    """The bit of ``node/n`` that counts ``rank`` (``members``: the node's, sorted)."""
+    if len(members) > SLOTS:
+        raise ValueError(
+            f"node barrier: {len(members)} members on one node; at most {SLOTS} (two {SLOTS}-bit "
+            "fields of one 64-bit counter): run such a node with --restart-by rank"
+        )
+    try:
+        slot = members.index(rank)
+    except ValueError:
+        raise ValueError(
+            f"node barrier: rank {rank} is not a member of this node ({list(members)})"
+        ) from None
+    return 1 << (slot if alive else SLOTS + slot)
+
+
+def _covered(count: int, members: int) -> bool:
+    """Every one of ``members`` slots counted, alive or dead, in ``count``."""
+    everyone = (1 << members) - 1
+    return (count | (count >> SLOTS)) & everyone == everyone
+
+
+def count_local(
+    local: Store, iteration: int, members: Sequence[int], rank: int, *, alive: bool, by: str
+) -> bool:
+    """Count ``rank`` at the node's local barrier of ``members`` (sorted): alive (the rank
+    itself, once) or dead (its relay, once); True when this call completed the count (it then
+    sets ``node/full`` = ``by``). One local ``add``; the completing caller one ``set`` more."""
+    bit = _slot_bit(members, rank, alive=alive)
+    count = local.add(local_key(iteration, "n"), bit)
+    if not _covered(count, len(members)) or _covered(count - bit, len(members)):
+        return False  # not complete, or completed before this add (by the other field)
+    local.set(local_key(iteration, "full"), by)
+    return True
+
+
+def arrived_alive(local: Store, iteration: int, members: Sequence[int]) -> set[int]:
+    """The members that arrived alive at the local barrier (one local ``add`` of 0)."""
+    count = local.add(local_key(iteration, "n"), 0)
+    return {r for s, r in enumerate(members) if count >> s & 1}
 
 
 def node_restart_barrier(
@@ -104,20 +143,23 @@ def node_restart_barrier(
     Blocks on the local store until the relay relays the job's decision, at most
     ``timeout`` seconds (``StoreTimeoutError`` naming the barrier). When the relay names this
     rank the node's decider, it decides on the job store's fault records and publishes
-    (compare-and-set: the first decision published is everyone's) before it waits on."""
+    (compare-and-set: the first decision published is everyone's) before it waits on.
+    Local calls: one ``add`` to arrive (one ``set`` more for the rank that completes the
+    count), then a ``wait`` and a ``get`` per order until the decision."""
     me = str(initial_rank)
     deadline = clock.monotonic() + timeout
-    local.append(local_key(iteration, "live"), f"{me},")  # before the count: the relay reads it
-    count_local(local, iteration, initial_rank, by=me, expected=len(members))
+    count_local(local, iteration, sorted(members), initial_rank, alive=True, by=me)
     what = f"node restart barrier {iteration} (rank {me})"
-    for j in range(1 << 16):  # one order per decider the relay names; bounded by the deadline
+    j = 0  # one order per decider the relay names; the deadline bounds how many are read
+    while True:
         order = wait_released(
             local, local_key(iteration, f"order/{j}"), deadline=deadline, clock=clock, what=what
         )
-        assert order is not None  # no re-check: only a value or the deadline ends the wait
+        if order is None:  # wait_released returns None only after a re-check, which is not asked
+            raise InprocessError(f"{what}: the wait for order {j} ended without a value")
         if order.startswith(ORDER_GO):
             return order[len(ORDER_GO) :]
         if order == ORDER_DECIDE + me:
             published = decide(read_faults(job, iteration))
             return job.compare_set(go_key(iteration), "", published).decode()
-    raise AssertionError(f"{what}: 65,536 orders without a decision")
+        j += 1

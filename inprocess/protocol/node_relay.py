@@ -35,12 +35,16 @@ from restartable.inprocess.clock import SYSTEM, Clock
 from restartable.inprocess.errors import StoreTimeoutError
 from restartable.inprocess.protocol import node_barrier as nb
 from restartable.inprocess.protocol.barriers import is_timeout, wait_value
-from restartable.inprocess.protocol.keys import OUTCOME_FAULT, end_key, key, parse_ranks, peek
+from restartable.inprocess.protocol.keys import OUTCOME_FAULT, end_key, key, peek
 from restartable.inprocess.protocol.store import Store
 
 # How often the relay looks for members that died while it waits at the local barrier (a rank
 # dead before it starts waiting is counted at once); each look is a few local calls.
 LOCAL_RECHECK_S = 0.25
+# How often a relay still waiting for the decision reads the job store's ``restart/nodes/full``
+# when no node newly went (it finds an orphan count, rare): 2 job-store calls per relay each time,
+# not each slice, so that a long restart of many nodes does not load the server per slice.
+FULL_RECHECK_S = 5.0
 ORPHAN = "orphan"  # ``restart/nodes/full`` when the completing node has no live rank left
 _COMPLETED, _TAKEOVER = "completed", "takeover"  # why a re-check makes this node decide
 
@@ -64,6 +68,7 @@ class _Round:
     claimed: set[int] = field(default_factory=set)
     orders: int = 0
     decider: int | None = None
+    full_read_at: float = float("-inf")  # when ``_recheck`` last read ``restart/nodes/full``
 
 
 class NodeRelay:
@@ -126,14 +131,14 @@ class NodeRelay:
     def _local_barrier(self, iteration: int, deadline: float) -> str:
         """Wait until every member arrived or is dead (counting the dead); return the number of
         participating nodes (``node/nodes``)."""
-        counted: set[int] = set()
+        counted: set[int] = set()  # each dead member's bit is added once (node_barrier)
         full = nb.local_key(iteration, "full")
-        members: set[int] = set()
+        members: tuple[int, ...] = ()
         while True:
-            members = members or set(nb.node_members(self.local, iteration))
-            for r in sorted((set(self.sources.dead_local()) & members) - counted):
+            members = members or nb.node_members(self.local, iteration)
+            for r in sorted((set(self.sources.dead_local()) & set(members)) - counted):
                 counted.add(r)
-                nb.count_local(self.local, iteration, r, by="relay", expected=len(members))
+                nb.count_local(self.local, iteration, members, r, alive=False, by="relay")
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 raise StoreTimeoutError(
@@ -162,7 +167,7 @@ class NodeRelay:
         self._order(rnd, f"{nb.ORDER_DECIDE}{rnd.decider}")
 
     def _live(self, iteration: int) -> set[int]:
-        arrived = parse_ranks(peek(self.local, nb.local_key(iteration, "live")))
+        arrived = nb.arrived_alive(self.local, iteration, nb.node_members(self.local, iteration))
         return arrived - set(self.sources.dead_local())
 
     def _order(self, rnd: _Round, order: str) -> None:
@@ -172,9 +177,12 @@ class NodeRelay:
     def _recheck(self, rnd: _Round) -> str | None:
         """After a slice without a decision: count gone nodes, replace a gone decider (this
         node's own dead decider rank, or a gone decider node). Not None: this node decides now
-        (``_COMPLETED``: its count of a gone node completed the count; ``_TAKEOVER``)."""
+        (``_COMPLETED``: its count of a gone node completed the count; ``_TAKEOVER``). The job
+        store's ``restart/nodes/full`` is read at once when a node newly went, else at most
+        every ``FULL_RECHECK_S`` (an orphan count): every waiting relay reads it."""
         it, me = rnd.iteration, str(self.node)
         gone = set(self.sources.gone_nodes()) - {self.node}
+        fresh = bool(gone - rnd.claimed)
         for k in sorted(gone - rnd.claimed):
             rnd.claimed.add(k)
             claim = key(it, f"restart/nodes/gone/{k}")
@@ -184,6 +192,10 @@ class NodeRelay:
                 return _COMPLETED
         if rnd.decider is not None:
             return _TAKEOVER if rnd.decider in set(self.sources.dead_local()) else None
+        now = self.clock.monotonic()
+        if not fresh and now - rnd.full_read_at < FULL_RECHECK_S:
+            return None
+        rnd.full_read_at = now
         raw = peek(self.job, key(it, "restart/nodes/full"))
         who = None if raw is None else raw.decode()
         if who == ORPHAN or (who is not None and who.isdigit() and int(who) in gone):

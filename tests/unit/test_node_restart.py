@@ -199,8 +199,7 @@ def test_the_decider_rank_dead_before_it_published_is_replaced_on_its_node(serve
         local = job.local[0]
         nb.start_node_iteration(local, 0, members=job.ranks(0), nodes=2)
         iteration_end.wait_outcome(local, 0, timeout=TEST_TIMEOUT_S)
-        local.append(nb.local_key(0, "live"), "0,")
-        nb.count_local(local, 0, 0, by="0", expected=2)
+        nb.count_local(local, 0, job.ranks(0), 0, alive=True, by="0")
         local.wait([nb.local_key(0, "order/0")], datetime.timedelta(seconds=TEST_TIMEOUT_S))
         job.dead.add(0)
         decider_dies.set()
