@@ -321,20 +321,6 @@ def _connect(kind: str, address: str, n: int, timeout: float = PHASE_TIMEOUT_S) 
     return EtcdStore(address, prefix=f"scale{n}", timeout=timeout)
 
 
-def _run_rank(
-    fn: Callable[..., dict[str, float]],
-    r: int,
-    store: CountingStore,
-    shared: tuple[Any, Any, Any],
-    results: dict[int, dict[str, float]],
-    errors: list[str],
-) -> None:
-    try:
-        results[r] = fn(r, store, shared)
-    except BaseException as exc:  # reported to the parent, which fails the run
-        errors.append(f"rank {r}: {exc!r}")
-
-
 def _worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any) -> None:
     """One process of simulated ranks ``index, index + procs, ...``; phases on the parent's go."""
     import logging
@@ -355,6 +341,30 @@ def _worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any) 
                 strict=True,
             )
         )
+    table: dict[str, Callable[..., dict[str, float]]] = {
+        "start": _phase_start,
+        "restart": _phase_restart,
+        "ckpt": _phase_ckpt,
+    }
+
+    def jobs_of(phase: str, t_fault: float) -> dict[int, Callable[[], dict[str, float]]]:
+        fn = table[phase]
+        if phase == "restart":
+            fn = functools.partial(fn, t_fault=t_fault)
+        return {r: functools.partial(fn, r, stores[r], shared) for r in mine}
+
+    serve_phases(conn, stores, jobs_of)
+
+
+def serve_phases(
+    conn: Any,
+    stores: dict[int, CountingStore],
+    jobs_of: Callable[[str, float], dict[int, Callable[[], dict[str, float]]]],
+) -> None:
+    """A worker's loop, on either path: "connected" to the parent, then for each ``(phase,
+    t_fault)`` it sends, ``jobs_of(phase, t_fault)``'s jobs (by id: a rank, or ``-1 - k`` node
+    k's relay) run as one thread each, and the phase's report goes back (``run_phase``);
+    until None. ``stores``: every counting client of the process (the report's counts)."""
     conn.send("connected")
     while True:
         msg = conn.recv()
@@ -367,43 +377,53 @@ def _worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any) 
         # 31-45 s to wake them all, 1.3 s with 50 ms). The checkpoint phase polls with sleeps
         # of 1-50 ms, which a 50 ms switch interval would stretch: the default there.
         sys.setswitchinterval(0.005 if phase == "ckpt" else 0.05)
-        fn: Callable[..., dict[str, float]] = {
-            "start": _phase_start,
-            "restart": functools.partial(_phase_restart, t_fault=t_fault),
-            "ckpt": _phase_ckpt,
-        }[phase]
-        results: dict[int, dict[str, float]] = {}
-        errors: list[str] = []
-        before = {r: s.snapshot() for r, s in stores.items()}
-        cpu0 = time.process_time()
-
-        threads = [
-            threading.Thread(
-                target=_run_rank, args=(fn, r, stores[r], shared, results, errors), daemon=True
-            )
-            for r in mine
-        ]
-        for t in threads:
-            t.start()
-        if phase == "restart":
-            conn.send("waiting")  # every thread started; they block on the outcome key
-        for t in threads:
-            t.join(PHASE_TIMEOUT_S)
-        counts = {
-            r: [a - b for a, b in zip(stores[r].snapshot(), before[r], strict=True)] for r in mine
-        }
-        conn.send(
-            {
-                "results": results,
-                "counts": counts,
-                "cpu_s": time.process_time() - cpu0,
-                "errors": errors,
-            }
-        )
+        conn.send(run_phase(jobs_of(phase, t_fault), stores, conn, waiting=phase == "restart"))
     for s in stores.values():
         close = getattr(s.inner, "close", None)
         if close is not None:
             close()
+
+
+def run_phase(
+    jobs: dict[int, Callable[[], dict[str, float]]],
+    stores: dict[int, CountingStore],
+    conn: Any,
+    *,
+    waiting: bool,
+) -> dict[str, Any]:
+    """Run ``jobs`` as one thread each; their results (with each thread's own CPU time,
+    ``thread_cpu_s``), the calls and bytes of ``stores`` in the phase, the process's CPU and
+    any errors. ``waiting``: tell the parent once every thread started (they block on the
+    outcome: the parent then sets the fault's time running)."""
+    results: dict[int, dict[str, float]] = {}
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        try:
+            cpu = time.thread_time()
+            results[i] = jobs[i]()
+            results[i]["thread_cpu_s"] = time.thread_time() - cpu
+        except BaseException as exc:  # reported to the parent, which fails the run
+            errors.append(f"{'relay' if i < 0 else 'rank'} {i}: {exc!r}")
+
+    before = {i: s.snapshot() for i, s in stores.items()}
+    cpu0 = time.process_time()
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in jobs]
+    for t in threads:
+        t.start()
+    if waiting:
+        conn.send("waiting")
+    for t in threads:
+        t.join(PHASE_TIMEOUT_S)
+    counts = {
+        i: [a - b for a, b in zip(s.snapshot(), before[i], strict=True)] for i, s in stores.items()
+    }
+    return {
+        "results": results,
+        "counts": counts,
+        "cpu_s": time.process_time() - cpu0,
+        "errors": errors,
+    }
 
 
 # ----- the parent ----------------------------------------------------------------------------
@@ -528,15 +548,19 @@ def run_one(
                 )
                 fault_at = t_fault
                 if rpn > 1:
-                    doc[phase].update(_per_node(reports, ops, moved, nodes))
+                    doc[phase].update(_per_node(reports, ops, moved, nodes, rpn))
             if phase == "join":  # the node path: the join barrier timed apart
                 joined = [v["joined"] for v in results.values() if "joined" in v]
                 doc["restart"]["fault_to_all_joined_s"] = round(max(joined) - fault_at, 4)
             if phase == "ckpt":
-                t0 = min(v["started"] for v in results.values() if v)
+                t0 = min(v["started"] for v in results.values() if "started" in v)
                 doc[phase].update(
-                    arrive_s=round(max(v["arrived"] for v in results.values() if v) - t0, 4),
-                    agreement_s=round(max(v["agreed"] for v in results.values() if v) - t0, 4),
+                    arrive_s=round(
+                        max(v["arrived"] for v in results.values() if "started" in v) - t0, 4
+                    ),
+                    agreement_s=round(
+                        max(v["agreed"] for v in results.values() if "started" in v) - t0, 4
+                    ),
                 )
         for p in pipes:
             p.send(None)
@@ -550,18 +574,31 @@ def run_one(
                 w.kill()
 
 
-def _per_node(reports: list[Any], ops: list[int], moved: int, nodes: int) -> dict[str, Any]:
+def _per_node(
+    reports: list[Any], ops: list[int], moved: int, nodes: int, rpn: int
+) -> dict[str, Any]:
     """The node path's restart figures per node: every job-store call and byte of the phase
-    (relays, the decider rank, the killed rank's watchdog) over the nodes, and the relays'."""
+    (relays, the decider rank, the killed rank's watchdog) over the nodes, and the relays'.
+    ``fault_to_all_relayed_s``: the last relay's decision relayed to its node (the protocol's
+    part: the job store and the relays); ``local_release_s``: per node, from its relay's
+    order to its last rank released (the node-local part a real node runs on its own CPUs,
+    here all nodes' threads on this machine's), median and max over the nodes."""
     relay_ops = [c[0] for rep in reports for i, c in rep["counts"].items() if i < 0]
     threads = [(i, v) for rep in reports for i, v in rep["results"].items()]
     fault_at = next(v["fault_at"] for i, v in threads if "fault_at" in v)
+    relayed = {-1 - i: v["relayed"] for i, v in threads if i < 0}
+    last: dict[int, float] = {}
+    for i, v in threads:
+        if i >= 0 and "released" in v:
+            last[i // rpn] = max(last.get(i // rpn, 0.0), v["released"])
+    local = sorted(t - relayed[k] for k, t in last.items())
+    ranks_cpu = [v["thread_cpu_s"] for i, v in threads if i >= 0]
     return {
-        "fault_to_all_relayed_s": round(
-            max(v["relayed"] for i, v in threads if i < 0) - fault_at, 4
-        ),
+        "fault_to_all_relayed_s": round(max(relayed.values()) - fault_at, 4),
+        "local_release_s": {"median": round(local[len(local) // 2], 4), "max": round(local[-1], 4)},
         "relays_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i < 0), 3),
-        "ranks_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i >= 0), 3),
+        "ranks_cpu_s": round(sum(ranks_cpu), 3),
+        "rank_cpu_us": round(1e6 * sum(ranks_cpu) / len(ranks_cpu)),
         "nodes": nodes,
         "store_ops_per_node": round(sum(ops) / nodes, 2),
         "bytes_per_node": round(moved / nodes, 1),

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -135,7 +133,7 @@ def _connect_all(kind: str, address: str, n: int, ids: list[int]) -> dict[int, A
 
 def worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any, rpn: int) -> None:
     """One process of whole simulated nodes ``index, index + procs, ...``; phases on the
-    parent's go (the same messages as ``restart_scale._worker``)."""
+    parent's go (``restart_scale.serve_phases``, as the per-rank path's worker)."""
     import logging
 
     logging.disable(logging.WARNING)
@@ -147,61 +145,21 @@ def worker(index: int, procs: int, n: int, kind: str, address: str, conn: Any, r
     nodes = {k: Node(k, list(range(k * rpn, (k + 1) * rpn)), stores[-1 - k]) for k in nodes_mine}
     node_of = {r: nodes[r // rpn] for r in ranks_mine}
     state: dict[Any, Any] = {}
-    conn.send("connected")
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        phase, t_fault = msg
-        sys.setswitchinterval(0.05)  # as restart_scale._worker: see there
-        fn: Callable[..., dict[str, float]] = {
-            "start": _start,
-            "restart": functools.partial(_restart, t_fault=t_fault),
-            "join": _join,
-        }[phase]
-        jobs: dict[int, Callable[[], dict[str, float]]] = {
+    table: dict[str, Callable[..., dict[str, float]]] = {
+        "start": _start,
+        "restart": _restart,
+        "join": _join,
+    }
+
+    def jobs_of(phase: str, t_fault: float) -> dict[int, Callable[[], dict[str, float]]]:
+        fn = table[phase]
+        if phase == "restart":
+            fn = functools.partial(fn, t_fault=t_fault)
+        jobs = {
             r: functools.partial(fn, r, stores[r], node_of[r], shared, state) for r in ranks_mine
         }
-        if phase == "restart":
+        if phase == "restart":  # each node's relay (its launcher's part) runs beside its ranks
             jobs.update({-1 - k: functools.partial(_relay, nodes[k]) for k in nodes_mine})
-        conn.send(_run_phase(jobs, stores, conn, waiting=phase == "restart"))
-    for s in stores.values():
-        s.inner.close() if hasattr(s.inner, "close") else None
+        return jobs
 
-
-def _run_phase(
-    jobs: dict[int, Callable[[], dict[str, float]]],
-    stores: dict[int, Any],
-    conn: Any,
-    *,
-    waiting: bool,
-) -> dict[str, Any]:
-    results: dict[int, dict[str, float]] = {}
-    errors: list[str] = []
-
-    def run(i: int) -> None:
-        try:
-            cpu = time.thread_time()
-            results[i] = jobs[i]()
-            results[i]["thread_cpu_s"] = time.thread_time() - cpu
-        except BaseException as exc:  # reported to the parent, which fails the run
-            errors.append(f"{'relay' if i < 0 else 'rank'} {i}: {exc!r}")
-
-    before = {i: s.snapshot() for i, s in stores.items()}
-    cpu0 = time.process_time()
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in jobs]
-    for t in threads:
-        t.start()
-    if waiting:
-        conn.send("waiting")
-    for t in threads:
-        t.join(rs.PHASE_TIMEOUT_S)
-    counts = {
-        i: [a - b for a, b in zip(s.snapshot(), before[i], strict=True)] for i, s in stores.items()
-    }
-    return {
-        "results": results,
-        "counts": counts,
-        "cpu_s": time.process_time() - cpu0,
-        "errors": errors,
-    }
+    rs.serve_phases(conn, stores, jobs_of)
