@@ -232,6 +232,23 @@ def test_a_node_without_members_is_a_clear_error():
         nb.start_node_iteration(C10dStore(dist.HashStore()), 0, members=[1], nodes=0)
 
 
+def test_one_local_add_counts_a_rank_and_a_rank_counted_alive_then_dead_counts_once():
+    local, members = C10dStore(dist.HashStore()), [4, 5, 6]
+    assert not nb.count_local(local, 0, members, 5, alive=True, by="5")
+    assert not nb.count_local(local, 0, members, 5, alive=False, by="relay")  # died after
+    assert nb.arrived_alive(local, 0, members) == {5}
+    assert not nb.count_local(local, 0, members, 6, alive=False, by="relay")
+    assert not local.check([nb.local_key(0, "full")])  # 4 is neither in nor dead
+    assert nb.count_local(local, 0, members, 4, alive=True, by="4")  # the add that covers all
+    assert local.get(nb.local_key(0, "full")) == b"4"
+    assert nb.arrived_alive(local, 0, members) == {4, 5}
+
+
+def test_a_node_of_more_members_than_the_local_count_holds_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"32 members on one node; at most 31"):
+        nb.start_node_iteration(C10dStore(dist.HashStore()), 0, members=range(32), nodes=1)
+
+
 @pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 def test_on_etcd_a_rank_death_releases_every_live_rank():
     with EtcdCluster(members=1) as cluster:
