@@ -579,6 +579,7 @@ def _per_node(
 ) -> dict[str, Any]:
     """The node path's restart figures per node: every job-store call and byte of the phase
     (relays, the decider rank, the killed rank's watchdog) over the nodes, and the relays'.
+    ``fault_to_decided_s``: the decider rank took the decision (it publishes it next);
     ``fault_to_all_relayed_s``: the last relay's decision relayed to its node (the protocol's
     part: the job store and the relays); ``local_release_s``: per node, from its relay's
     order to its last rank released (the node-local part a real node runs on its own CPUs,
@@ -594,6 +595,9 @@ def _per_node(
     local = sorted(t - relayed[k] for k, t in last.items())
     ranks_cpu = [v["thread_cpu_s"] for i, v in threads if i >= 0]
     return {
+        "fault_to_decided_s": round(
+            next(v["decided"] for i, v in threads if "decided" in v) - fault_at, 4
+        ),
         "fault_to_all_relayed_s": round(max(relayed.values()) - fault_at, 4),
         "local_release_s": {"median": round(local[len(local) // 2], 4), "max": round(local[-1], 4)},
         "relays_cpu_s": round(sum(v["thread_cpu_s"] for i, v in threads if i < 0), 3),

@@ -75,7 +75,7 @@ def _restart(
             store, iteration=0, initial_rank=me, kind="dead", detail="SIGKILL"
         )
         return {"fault_at": t0, "recorded": time.time()}
-    blocked = time.time()
+    blocked, decided = time.time(), dict[str, float]()
     outcome = iteration_end.wait_outcome(node.local, 0, timeout=rs.PHASE_TIMEOUT_S, clock=SYSTEM)
     woken = time.time()
     assert outcome == keys.OUTCOME_FAULT, outcome
@@ -85,12 +85,19 @@ def _restart(
         0,
         initial_rank=me,
         members=state["members", node.k],
-        decide=functools.partial(rs._decide, store, assignment, config, node_of),
+        decide=functools.partial(_decide_timed, decided, store, assignment, config, node_of),
         timeout=rs.PHASE_TIMEOUT_S,
         clock=SYSTEM,
     )
     state[me] = Decision.from_json(raw).assignment
-    return {"blocked": blocked, "woken": woken, "released": time.time()}
+    return {"blocked": blocked, "woken": woken, "released": time.time(), **decided}
+
+
+def _decide_timed(decided: dict[str, float], *args: Any) -> str:
+    """``restart_scale._decide``; records when the decision was taken (the decider rank)."""
+    out = rs._decide(*args)
+    decided["decided"] = time.time()
+    return out
 
 
 def _relay(node: Node) -> dict[str, float]:
