@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -38,15 +39,20 @@ RATE = re.compile(r"step +(\d+) +loss [\d.]+ +([\d.]+) steps/s")
 RESERVE = re.compile(r"this reserve checked (\d+) step\(s\) in ([\d.]+) s")
 
 
-def launch(run_dir: Path, *, steps: int, faults: str, extra: list[str]) -> str:
-    argv = [sys.executable, "-m", "restartable.launch", "--nproc-per-node", "4"]
-    argv += ["examples/train.py", "--steps", str(steps), "--faults", faults, "--active", "3"]
+def launch(run_dir: Path, *, steps: int, faults: str, extra: list[str], active: int = 3) -> str:
+    """One run of the example: ``active`` ranks and one warm reserve."""
+    argv = [sys.executable, "-m", "restartable.launch", "--nproc-per-node", str(active + 1)]
+    argv += ["examples/train.py", "--steps", str(steps), "--faults", faults]
+    argv += ["--active", str(active)]
     argv += ["--run-dir", str(run_dir), "--log-every", "10", *extra]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{argv} failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    logs = "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*/rank*.log")))
-    return done.stdout + logs
+    return done.stdout
+
+
+def rank_logs(run_dir: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*/rank*.log")))
 
 
 def findings(run_dir: Path) -> list[dict[str, Any]]:
@@ -62,20 +68,36 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="2 rounds of 100 steps, K in (2, 5)")
     p.add_argument("--every", type=int, default=5, help="K of the step-time runs (default 5)")
+    p.add_argument("--rounds", type=int, help="off/on rounds (default 3; --quick: 2)")
+    p.add_argument("--steps", type=int, help="steps per step-time run (default 200; --quick: 100)")
+    p.add_argument(
+        "--active",
+        type=int,
+        default=3,
+        help="active ranks of the step-time runs, beside one reserve (default 3; 1 gives the\n"
+        "reserve a core of its own on a 2-core machine)",
+    )
+    p.add_argument("--no-latency", action="store_true", help="skip the sdc@rank1:step40 runs")
     args = p.parse_args()
     rounds, steps = (2, 100) if args.quick else (3, 200)
-    ks = (2, 5) if args.quick else (1, 2, 5, 10)
+    rounds, steps = args.rounds or rounds, args.steps or steps
+    ks = () if args.no_latency else (2, 5) if args.quick else (1, 2, 5, 10)
     tmp = Path(tempfile.mkdtemp(prefix="sdc-bench-"))
     times: dict[str, list[float]] = {"off": [], "reserve": []}
     checks, check_s, false_pos = 0, 0.0, 0
+    loads = [_loadavg()]
     for i in range(rounds):
-        for mode in ("off", "reserve"):
+        # Alternate which mode goes first, so that a drift of the machine's load within a
+        # round does not favour one mode.
+        for mode in ("off", "reserve") if i % 2 == 0 else ("reserve", "off"):
             run_dir = tmp / f"{mode}{i}"
-            every = ["--scrub-every", str(args.every)]
-            out = launch(run_dir, steps=steps, faults="none", extra=["--scrub", mode, *every])
+            extra = ["--scrub", mode, "--scrub-every", str(args.every)]
+            out = launch(run_dir, steps=steps, faults="none", extra=extra, active=args.active)
+            loads.append(_loadavg())
             times[mode] += step_times(out)
             false_pos += len(findings(run_dir))
-            for m in RESERVE.finditer(out):
+            # From the reserve's own log only (the launcher's output repeats the line).
+            for m in RESERVE.finditer(rank_logs(run_dir)):
                 checks, check_s = checks + int(m[1]), check_s + float(m[2])
     latency = []
     for k in ks:
@@ -96,8 +118,13 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "machine_note": "CPU ranks over gloo; the reserve shares the CPUs with 3 ranks",
+                "machine_note": f"CPU ranks over gloo on {os.cpu_count()} CPUs: {args.active} "
+                "active rank(s) and 1 reserve",
+                "load_average_1min": {"min": min(loads), "max": max(loads), "each_run": loads},
                 "step_time": {
+                    "active": args.active,
+                    "rounds": rounds,
+                    "steps": steps,
                     "every": args.every,
                     "off_median_s": off,
                     "reserve_median_s": on,
@@ -114,6 +141,10 @@ def main() -> None:
             indent=2,
         )
     )
+
+
+def _loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
 
 
 if __name__ == "__main__":
