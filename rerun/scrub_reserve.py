@@ -37,7 +37,9 @@ from restartable.rerun.sdc_digest import Compute, recompute
 logger = logging.getLogger(__name__)
 
 NONDETERMINISTIC = "nondeterministic"
-POLL_S = 0.005  # between looks for the next request: one store round trip
+# Between looks for the next request (one store round trip, which wakes the store's server at
+# normal priority: 50 a second, not 200; a check waits up to this long to be picked up).
+POLL_S = 0.02
 SKIP_AFTER_S = 5.0  # a numbered request that never arrived (its sender failed) is skipped
 NICE = 19  # the checking thread's CPU priority where SCHED_IDLE is refused (Linux: per thread)
 
