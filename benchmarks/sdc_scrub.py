@@ -86,6 +86,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"off": [], "reserve": []}
     checks, check_s, false_pos = 0, 0.0, 0
     loads = [_loadavg()]
+    per_run: dict[str, list[float]] = {"off": [], "reserve": []}  # each run's median, in order
     for i in range(rounds):
         # Alternate which mode goes first, so that a drift of the machine's load within a
         # round does not favour one mode.
@@ -95,6 +96,7 @@ def main() -> None:
             out = launch(run_dir, steps=steps, faults="none", extra=extra, active=args.active)
             loads.append(_loadavg())
             times[mode] += step_times(out)
+            per_run[mode].append(round(statistics.median(step_times(out)), 4))
             false_pos += len(findings(run_dir))
             # From the reserve's own log only (the launcher's output repeats the line).
             for m in RESERVE.finditer(rank_logs(run_dir)):
@@ -130,6 +132,7 @@ def main() -> None:
                     "reserve_median_s": on,
                     "ratio": on / off,
                     "samples": {k: len(v) for k, v in times.items()},
+                    "run_medians_s": per_run,
                 },
                 "latency": latency,
                 "reserve": {
