@@ -43,8 +43,7 @@ def launch(run_dir: Path, *, steps: int, faults: str, extra: list[str], active: 
     """One run of the example: ``active`` ranks and one warm reserve."""
     argv = [sys.executable, "-m", "restartable.launch", "--nproc-per-node", str(active + 1)]
     argv += ["examples/train.py", "--steps", str(steps), "--faults", faults]
-    argv += ["--active", str(active)]
-    argv += ["--run-dir", str(run_dir), "--log-every", "10", *extra]
+    argv += ["--active", str(active), "--run-dir", str(run_dir), "--log-every", "10", *extra]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{argv} failed ({done.returncode}):\n{done.stdout[-3000:]}")
@@ -64,6 +63,52 @@ def step_times(out: str) -> list[float]:
     return [1.0 / r for r in rates if r > 0]
 
 
+def block_times(out: str, blocks: int) -> tuple[dict[str, list[float]], list[float]]:
+    """A ``--scrub-blocks`` run's step times by mode (a progress line per block: on in the even
+    blocks), and the ratio of each on block to the off block after it (adjacent in time, so a
+    drift of the machine's load cancels). The first two blocks (startup, warm-up) dropped."""
+    times: dict[str, list[float]] = {"off": [], "reserve": []}
+    by_block: dict[int, float] = {}
+    for m in RATE.finditer(out):
+        block = int(m[1]) // blocks - 1
+        if block >= 2 and float(m[2]) > 0:
+            by_block[block] = 1.0 / float(m[2])
+            times["reserve" if block % 2 == 0 else "off"].append(by_block[block])
+    pairs = [by_block[b] / by_block[b + 1] for b in by_block if b % 2 == 0 and b + 1 in by_block]
+    return times, pairs
+
+
+def interleaved(args: argparse.Namespace, tmp: Path) -> None:
+    """``--blocks B``: scrubbing on and off in alternate blocks of B steps of the same runs."""
+    times: dict[str, list[float]] = {"off": [], "reserve": []}
+    pairs: list[float] = []
+    loads = [_loadavg()]
+    extra = ["--scrub", "reserve", "--scrub-every", str(args.every)]
+    extra += ["--scrub-blocks", str(args.blocks), "--log-every", str(args.blocks)]
+    for i in range(args.rounds or 2):
+        steps = args.steps or 400
+        out = launch(tmp / f"b{i}", steps=steps, faults="none", extra=extra, active=args.active)
+        loads.append(_loadavg())
+        got, ratios = block_times(out, args.blocks)
+        for mode in times:
+            times[mode] += got[mode]
+        pairs += ratios
+    off, on = statistics.median(times["off"]), statistics.median(times["reserve"])
+    result = {
+        "machine_note": f"CPU ranks over gloo on {os.cpu_count()} CPUs: {args.active} active "
+        "rank(s) and 1 reserve; scrubbing on in even blocks, off in odd blocks of the same runs",
+        "load_average_1min": {"min": min(loads), "max": max(loads), "each_run": loads},
+        "blocks": args.blocks,
+        "every": args.every,
+        "off_median_s": off,
+        "reserve_median_s": on,
+        "ratio": on / off,
+        "adjacent_pairs": {"count": len(pairs), "median_ratio": statistics.median(pairs)},
+        "samples": {k: len(v) for k, v in times.items()},
+    }
+    print(json.dumps(result, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="2 rounds of 100 steps, K in (2, 5)")
@@ -78,7 +123,18 @@ def main() -> None:
         "reserve a core of its own on a 2-core machine)",
     )
     p.add_argument("--no-latency", action="store_true", help="skip the sdc@rank1:step40 runs")
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=0,
+        metavar="B",
+        help="instead: time scrubbing on/off in alternate blocks of B steps within each run\n"
+        "(--scrub-blocks; --rounds runs, default 2, of --steps steps, default 400)",
+    )
     args = p.parse_args()
+    if args.blocks > 0:
+        interleaved(args, Path(tempfile.mkdtemp(prefix="sdc-bench-")))
+        return
     rounds, steps = (2, 100) if args.quick else (3, 200)
     rounds, steps = args.rounds or rounds, args.steps or steps
     ks = () if args.no_latency else (2, 5) if args.quick else (1, 2, 5, 10)
