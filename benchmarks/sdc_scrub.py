@@ -10,6 +10,9 @@ Run: ``python benchmarks/sdc_scrub.py [--quick]``. Prints one JSON document with
   dropped). On a machine where the reserve shares the CPUs with the active ranks, its
   re-computations take CPU time from them; with a device per rank (the intended setting) they
   do not.
+* ``--blocks B`` instead: scrubbing on and off in alternate blocks of B steps of the same runs
+  (``--scrub-blocks``), the ratio of the pooled medians and the median ratio of each on block
+  to the off block after it: drift of a shared machine's load between runs cancels.
 * ``latency``: for each K (``--scrub-every``), a run with ``sdc@rank1:step40``: the step at which
   the corruption was found, the latency in steps, and the steps rolled back.
 * ``reserve``: the reserve's time per check (decode, forward/backward, digest, answer), from its
