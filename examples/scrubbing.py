@@ -30,6 +30,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scrub-every", type=int, default=5, help="K: check every K-th step (default 5)"
     )
+    p.add_argument(
+        "--scrub-blocks",
+        type=int,
+        default=0,
+        metavar="B",
+        help="for benchmarks/sdc_scrub.py: scrub in the even blocks of B steps only (steps\n"
+        "0..B-1, 2B..3B-1, ...), so that one run times its steps with and without checks\n"
+        "(0, the default: every block)",
+    )
+
+
+def scrubbed(args: argparse.Namespace, step: int) -> bool:
+    """Whether ``step`` takes part in scrubbing (``--scrub-blocks``); the same on every rank."""
+    blocks = args.scrub_blocks
+    return blocks <= 0 or (step // blocks) % 2 == 0
 
 
 def mode(args: argparse.Namespace, *, world: int, active: int) -> str:

@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
                 # Sampled steps: judge the reserve's answers (may roll back), copy the state.
                 # Not step 0: torch's get_state_dict creates an unstepped AdamW's state (step
                 # 1), which would change every later update.
-                if step > 0:
+                if step > 0 and scrubbing.scrubbed(args, step):
                     scrub.before_step(step, xy, snapshot=state.state_dict)
                 attempts = 0
                 while rsm.should_run_forward_backward(batches):

@@ -44,7 +44,7 @@ class Judge:
     def __init__(
         self, make_store: Callable[[], ScrubStore], *, rank: int, world: int, timeout: float
     ) -> None:
-        self.sender = Sender(make_store)
+        self.sender = Sender(make_store, timeout=timeout)
         self.rank, self.world, self.timeout = rank, world, timeout
         self.ready = False
         self.outstanding: list[int | None] = [None] * world  # the step each rank's request is of
@@ -126,9 +126,8 @@ class Judge:
         reserve that falls a whole rotation behind slows the job instead of leaving steps
         unchecked."""
         if self.mine is not None and self.ready and self.checked_rank(step, every) == self.rank:
-            end = self.mine.sent_at + self.timeout
-            while self._code(self.mine) == PENDING and time.monotonic() < end:
-                time.sleep(0.002)
+            left = self.mine.sent_at + self.timeout - time.monotonic()
+            self.mine.answered.wait(max(left, 0.0))
         vec = torch.zeros(1 + self.world, dtype=torch.int64, device=agree.comm_device())
         vec[0] = int(self.rank == 0 and self._peek_ready())
         if self.mine is not None:
@@ -177,7 +176,7 @@ class Judge:
     def _code(self, out: Outstanding) -> int:
         if out.failed:
             return UNCHECKED
-        answer = self.sender.answer(out) if out.done.is_set() else None
+        answer = out.answer  # the sender thread's, once it came (no store round trip here)
         if answer is None:
             late = time.monotonic() - out.sent_at > self.timeout
             if late:
@@ -185,7 +184,6 @@ class Judge:
                     "sdc scrubbing: no answer for step %d in %.0f s", out.request.step, self.timeout
                 )
             return UNCHECKED if late else PENDING
-        out.answer = answer
         if answer.digest == NONDETERMINISTIC:
             return UNCHECKED
         return PASSED if answer.digest == out.request.digest else MISMATCH

@@ -37,9 +37,25 @@ from restartable.rerun.sdc_digest import Compute, recompute
 logger = logging.getLogger(__name__)
 
 NONDETERMINISTIC = "nondeterministic"
-POLL_S = 0.005  # between looks for the next request: one store round trip
+# Between looks for the next request (one store round trip, which wakes the store's server at
+# normal priority: 50 a second, not 200; a check waits up to this long to be picked up).
+POLL_S = 0.02
 SKIP_AFTER_S = 5.0  # a numbered request that never arrived (its sender failed) is skipped
-NICE = 10  # the checking thread's CPU priority (Linux: per thread)
+NICE = 19  # the checking thread's CPU priority where SCHED_IDLE is refused (Linux: per thread)
+
+
+def lowest_priority() -> str:
+    """Put the calling thread in the idle scheduling class (it runs only when no other thread
+    of the machine wants the CPU), else at nice 19. Per thread on Linux: the process's other
+    threads keep theirs. Returns what it set ("idle", "nice 19" or "" where neither works)."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, NICE)
+        return f"nice {NICE}"
+    return ""
 
 
 class ReserveChecker:
@@ -73,13 +89,12 @@ class ReserveChecker:
         self._stop.set()
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        priority = lowest_priority() or "its normal priority"
         try:
             store = self._make_store()
             model = self._make_model()
             store.add(READY_KEY, 1)
-            logger.info("sdc scrubbing: reserve %s serves checks", self.name)
+            logger.info("sdc scrubbing: reserve %s serves checks (at %s)", self.name, priority)
             try:
                 self._serve(store, model)
             finally:

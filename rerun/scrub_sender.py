@@ -1,13 +1,17 @@
-"""The checked rank's side of a reserve check: its request sent by a background thread, and the
-reserve's answer read later without blocking.
+"""The checked rank's side of a reserve check: its request sent, and the reserve's answer
+awaited, by a background thread.
 
 The training thread only copies (the pre-step parameters and the local gradients, while they are
-computed); the digest, the serialisation and the store write happen on the sender thread, so a
-check never stalls the step on the network or on the reserve.
+computed); the digest, the serialisation, the store write and the wait for the answer happen on
+the sender thread, so a check never stalls the step on the network or on the reserve, and the
+training thread makes no store round trip for it (on a machine the ranks share, each one wakes
+the store's server and costs the step its scheduling delay). The wait is the store's own
+(``wait``: no polling); the training thread reads the answer as an attribute.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import queue
 import threading
@@ -22,7 +26,6 @@ from restartable.rerun.scrub_wire import (
     Answer,
     Request,
     ScrubStore,
-    peek,
     request_key,
     result_key,
 )
@@ -39,20 +42,26 @@ class Outstanding:
     sent_at: float = field(default_factory=time.monotonic)
     seq: int | None = None  # set by the sender thread once the request is in the store
     failed: str = ""  # why it could not be sent
-    done: threading.Event = field(default_factory=threading.Event)
-    answer: Answer | None = None  # the reserve's, once judged
+    done: threading.Event = field(default_factory=threading.Event)  # sent, or failed
+    answer: Answer | None = None  # the reserve's, once it came
+    # Set when the answer came or will not: failed, or none within the sender's timeout.
+    answered: threading.Event = field(default_factory=threading.Event)
 
 
 class Sender:
-    """One background thread with its own store client; ``submit`` returns at once."""
+    """One background thread with its own store client; ``submit`` returns at once. The thread
+    sends each request, then waits (up to ``timeout`` seconds after the submit) for the
+    reserve's answer before it takes the next request: a rank has one request outstanding at
+    a time (``Judge.sends_now``)."""
 
-    def __init__(self, make_store: Callable[[], ScrubStore]) -> None:
+    def __init__(self, make_store: Callable[[], ScrubStore], *, timeout: float) -> None:
         self._make_store = make_store
+        self._timeout = timeout
         self._queue: queue.SimpleQueue[
             tuple[Outstanding, dict[str, torch.Tensor | None], torch.Tensor] | None
         ] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._reader: ScrubStore | None = None  # the training thread's client (peeks)
+        self._reader: ScrubStore | None = None  # the training thread's (rank 0 asks: a reserve?)
 
     def submit(
         self, request: Request, grads: dict[str, torch.Tensor | None], loss: torch.Tensor
@@ -63,13 +72,6 @@ class Sender:
         out = Outstanding(request)
         self._queue.put((out, grads, loss.detach().clone()))
         return out
-
-    def answer(self, out: Outstanding) -> Answer | None:
-        """The reserve's answer to ``out``, or None while there is none (never blocks)."""
-        if out.seq is None:
-            return None
-        data = peek(self.reader(), result_key(out.seq))
-        return None if data is None else Answer.decode(data)
 
     def reader(self) -> ScrubStore:
         """The training thread's store client (created on first use)."""
@@ -92,12 +94,29 @@ class Sender:
                 logger.warning(
                     "sdc scrubbing: request for step %d not sent: %r", out.request.step, exc
                 )
+                out.answered.set()
             finally:
                 out.done.set()
+            if store is not None and out.seq is not None:
+                self._await_answer(store, out, out.seq)
         del store
 
+    def _await_answer(self, store: ScrubStore, out: Outstanding, seq: int) -> None:
+        """Block this thread until the answer to ``seq`` is in the store (bounded); a missing
+        answer is the judge's to report (it counts the step unchecked)."""
+        left = self._timeout - (time.monotonic() - out.sent_at)
+        try:
+            if left > 0:
+                store.wait([result_key(seq)], datetime.timedelta(seconds=left))
+                out.answer = Answer.decode(store.get(result_key(seq)))
+        except Exception as exc:  # the wait's timeout, or the store went away
+            logger.debug("sdc scrubbing: no answer for request %d: %r", seq, exc)
+        finally:
+            out.answered.set()
+
     def close(self) -> None:
-        """End the thread and drop the store clients (their sockets close with them)."""
+        """End the thread (after the answer it may be waiting for) and drop the training
+        thread's store client."""
         self._reader = None
         if self._thread is not None:
             self._queue.put(None)

@@ -3,7 +3,7 @@
 Why the store, not the process group: a reserve is not a member of the training group, and a
 collective would make the active ranks wait for it. A store write is point to point: the
 checked rank hands its request to a background thread and goes on; the reserve answers under
-its own key; the rank reads the answer later without blocking (``peek``).
+its own key, which the rank's sender thread waits for (``rerun.scrub_sender``).
 
 Keys (under ``sdc-scrub/``): ``ready`` (how many reserves serve checks), ``seq`` (the request
 counter), ``req/<n>`` (a request: the pre-step parameters, the batch, the RNG state, the rank's
@@ -12,6 +12,7 @@ digest), ``claim/<n>`` (the reserve that computes it), ``res/<n>`` (the reserve'
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class ScrubStore(Protocol):
     def add(self, key: str, value: int) -> int: ...
     def check(self, keys: list[str]) -> bool: ...
     def delete_key(self, key: str) -> bool: ...
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
 
 
 @dataclass
@@ -94,8 +96,3 @@ class Answer:
     def decode(cls, data: bytes) -> Answer:
         d = json.loads(data)
         return cls(str(d["digest"]), str(d["checker"]), float(d["seconds"]))
-
-
-def peek(store: ScrubStore, key: str) -> bytes | None:
-    """The key's value, or None when absent (never blocks)."""
-    return store.get(key) if store.check([key]) else None
