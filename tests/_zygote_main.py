@@ -18,6 +18,11 @@ environment, working directory, umask and ``sys.argv``; it ends through the inte
 exit (non-daemon threads joined, atexit handlers run), and an uncaught exception prints its
 traceback and exits 1. The server only reads stdin: when the test process is gone (EOF) it
 exits; a child outlives it as a fresh process would.
+
+The server must never run a tensor operation itself: a child forked after an OpenMP parallel
+region of its parent hangs in its own first one (measured here with torch 2.13's libgomp, a
+2000 x 2000 matmul in the parent: the child's matmul never returned), while forks after the bare
+imports run theirs (the worker thread that ``import torch`` leaves is started anew in the child).
 """
 
 from __future__ import annotations
