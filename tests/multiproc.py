@@ -1,8 +1,11 @@
 """The one helper that runs N real ranks on CPU/gloo for multi-process tests.
 
-Every rank is a fresh ``python`` process (no fork of the pytest process), on a free localhost
-port, under a per-test deadline. When anything goes wrong the failure message carries every
-rank's exit status and its full output, tracebacks included.
+Every rank is a process of its own (no fork of the pytest process), on a free localhost port,
+under a per-test deadline: a fresh ``python`` for a script, and for a target a fork of a server
+that has imported torch already (``tests.rank_zygote``: the same start as ``python -m``, less the
+seconds of the torch import; ``RESTARTABLE_COLD_RANKS=1`` starts fresh interpreters instead).
+When anything goes wrong the failure message carries every rank's exit status and its full
+output, tracebacks included.
 
 Two ways to say what a rank runs:
 
@@ -36,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests import rank_zygote
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _POLL_S = 0.02
@@ -135,7 +140,9 @@ def run_ranks(
 
     Raises ``RanksFailed`` when the deadline passes (all ranks are killed first) or, with
     ``expect_success``, when any rank exits non-zero. ``on_started(procs)`` is called once all
-    processes exist, with the list of ``subprocess.Popen`` objects (for tests that signal a rank).
+    processes exist, with the list of ``subprocess.Popen`` objects (for tests that signal a
+    rank; a forked rank's object has the same ``pid``, ``args``, ``poll``, ``wait``,
+    ``send_signal``, ``kill``).
     """
     if (target is None) == (argv is None):
         raise ValueError("run_ranks needs exactly one of target= or argv=")
@@ -171,15 +178,20 @@ def run_ranks(
         base_env["INPROCESS_STORE_HOSTED"] = "1"
     base_env.update(env or {})
 
+    warm = None
     if target is not None:
         module, _, func = target.partition(":")
         kwargs_file = workdir / "kwargs.json"
         kwargs_file.write_text(json.dumps(dict(kwargs or {})))
-        cmd = [sys.executable, "-m", "tests._rank_main", f"{module}:{func}", str(kwargs_file)]
+        rank_args = [f"{module}:{func}", str(kwargs_file)]
+        cmd = [sys.executable, "-m", "tests._rank_main", *rank_args]
+        # Forked from servers that imported torch already (tests/rank_zygote.py says what
+        # stays as in a fresh interpreter); None: cold starts.
+        warm = rank_zygote.servers(nprocs, base_env, REPO_ROOT)
     else:
         cmd = [sys.executable, *(argv or [])]
 
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # subprocess.Popen, or rank_zygote.ForkedRank (the same interface)
     logs = []
     stuck: set[int] = set()
     try:
@@ -194,6 +206,17 @@ def run_ranks(
             )
             log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
+            if warm is not None:
+                procs.append(
+                    rank_zygote.fork_rank(
+                        warm[rank],
+                        rank_args,
+                        env=rank_env,
+                        cwd=REPO_ROOT,
+                        log=workdir / f"rank{rank}.log",
+                    )
+                )
+                continue
             procs.append(
                 subprocess.Popen(
                     cmd,
@@ -243,7 +266,7 @@ def run_ranks(
     return outputs
 
 
-def _kill_group(p: subprocess.Popen[bytes]) -> None:
+def _kill_group(p: Any) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()

@@ -11,6 +11,9 @@ from restartable.inprocess.launch.cli import job_status
 from tests.multiproc import run_job
 
 SCRIPT = "tests/dist/workers_inprocess.py"
+# A launcher and two ranks that return at once: 24 s at load 20-30 on the 2-core host, over 30 s
+# once (the whole default suite beside three other engineers). Waited out only on a failure.
+JOB_S = 90
 
 
 def _launch(mode: str, n: int = 2) -> list[str]:
@@ -18,13 +21,13 @@ def _launch(mode: str, n: int = 2) -> list[str]:
 
 
 def test_failed_rank_sets_exit_status_and_siblings_keep_running() -> None:
-    job = run_job(_launch("exit_codes"), deadline=30)
+    job = run_job(_launch("exit_codes"), deadline=JOB_S)
     assert job.returncode == 3, job.output
     assert "[rank 0] rank 0 finished after its sibling failed" in job.output
 
 
 def test_rank_killed_while_job_succeeds_counts_as_success() -> None:
-    job = run_job(_launch("killed"), deadline=30)
+    job = run_job(_launch("killed"), deadline=JOB_S)
     assert job.returncode == 0, job.output
 
 
@@ -32,7 +35,7 @@ def test_sigterm_is_forwarded_to_every_rank() -> None:
     # Both ranks must have installed their handler before the signal, or the default action
     # kills the slower one.
     ready = ("[rank 0] ready", "[rank 1] ready")
-    job = run_job(_launch("signals"), deadline=30, signal_when=(ready, signal.SIGTERM))
+    job = run_job(_launch("signals"), deadline=JOB_S, signal_when=(ready, signal.SIGTERM))
     assert job.returncode == 0, job.output
     assert "[rank 0] got SIGTERM" in job.output and "[rank 1] got SIGTERM" in job.output
 
