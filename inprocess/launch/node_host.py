@@ -58,7 +58,9 @@ class NodeHost:
             target=self._serve, name=f"node-relay-r{round_}", daemon=True
         )
         self._thread.start()
-        log.info(
+        # DEBUG: the default path of every launch; a restart's line below is the one a user
+        # sees (the quick start's output is the script's own lines and nothing else).
+        log.debug(
             "node %d round %d: node store on 127.0.0.1:%d, relay started", node, round_, self.port
         )
 
@@ -74,8 +76,11 @@ class NodeHost:
                     iteration, timeout=self._timeout, stop=self._stop.is_set
                 )
                 if outcome is None or outcome != "fault":
-                    log.info(
-                        "node %d relay: iteration %d ended (%s)", self.node, iteration, outcome
+                    log.debug(
+                        "node %d relay: iteration %d %s",
+                        self.node,
+                        iteration,
+                        "not ended: the round stops" if outcome is None else f"ended ({outcome})",
                     )
                     return
                 log.info("node %d relay: restart after iteration %d relayed", self.node, iteration)

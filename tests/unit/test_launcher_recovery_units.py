@@ -57,10 +57,6 @@ def test_restart_while_budget_lasts_then_requeue() -> None:
         (["--max-restarts", "-2"], "--max-restarts (-2) must be >= 0"),
         (["--monitor-interval", "0"], "--monitor-interval (0.0) must be > 0"),
         (["--simulated-fault-rank", "5"], "--simulated-fault-rank (5) must be in [0, 2)"),
-        (
-            ["--restart-by", "node", "--store", "etcd://h:2379"],
-            "--restart-by node with --store etcd://h:2379",
-        ),
     ],
 )
 def test_bad_launcher_flags_name_the_flag_and_value(
@@ -69,6 +65,21 @@ def test_bad_launcher_flags_name_the_flag_and_value(
     with pytest.raises(SystemExit):
         parse_args(["--nproc-per-node", "2", *flags, "train.py"])
     assert message in capsys.readouterr().err
+
+
+def test_restart_by_node_is_the_default_and_etcd_keeps_the_per_rank_path() -> None:
+    """Issue 52: a plain launch restarts by node; --restart-by rank still chooses the per-rank
+    path; an etcd job store keeps it (no relay client for etcd), with the reason for the log."""
+    assert parse_args(["--nproc-per-node", "2", "t.py"]).restart_by == "node"
+    assert parse_args(["--nproc-per-node", "2", "--restart-by", "rank", "t.py"]).restart_by == (
+        "rank"
+    )
+    for flags in ([], ["--restart-by", "node"]):
+        args = parse_args(["--nproc-per-node", "2", *flags, "--store", "etcd://h:2379", "t.py"])
+        assert args.restart_by == "rank"
+        assert "with --store etcd://h:2379 the node relay has no etcd client" in (
+            args.restart_by_note
+        )
 
 
 def test_respawned_process_keeps_its_slot_rank_and_gets_a_generation() -> None:

@@ -9,11 +9,15 @@ import datetime
 import pytest
 import torch.distributed as dist
 
+from restartable.inprocess.config import RestartConfig
 from restartable.inprocess.errors import ConfigError
 from restartable.inprocess.launch.node_host import NodeHost
 from restartable.inprocess.protocol import iteration_end, keys
+from restartable.inprocess.protocol.environment import LaunchEnv
 from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
 from restartable.inprocess.protocol.store import C10dStore
+from restartable.inprocess.restart import startup
+from restartable.inprocess.restart.abort import GroupReaper
 from restartable.inprocess.restart.node_path import NodePath
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,3 +83,43 @@ def test_members_are_this_nodes_ranks_respawned_identities_included() -> None:
     assert path is not None and path.node == 1
     # identity 6 = slot 2 respawned once (2 + 1 * 4): on node 1, as slot 2 is; 5: slot 1, node 0
     assert path.members([0, 1, 2, 6, 5, 7]) == (2, 6, 7)
+
+
+def test_on_the_node_path_the_monitors_wait_for_the_end_on_the_node_store() -> None:
+    # The monitors' clients (``RankServices.clients``) are the node store's: each rank's wait
+    # for the iteration's end is answered by its relay's copy, not by a get on the job store.
+    server = _job_server()
+    host = _host(server, node=0, round_=0)
+    try:
+        path = NodePath.from_environ(
+            host.env(), rank=1, world_size=2, local_world_size=2, timeout=10.0
+        )
+        assert path is not None
+        env = LaunchEnv(
+            rank=1,
+            local_rank=1,
+            world_size=2,
+            local_world_size=2,
+            master_addr="127.0.0.1",
+            master_port=int(server.port),
+            store_hosted=True,
+        )
+        job = C10dStore(server)
+        svc = startup.rank_services(
+            RestartConfig(),
+            env,
+            me=1,
+            store=job,
+            new_client=lambda: job,
+            reaper=GroupReaper(rank=1),
+            url=None,
+            end_client=path.new_client,
+        )
+        client = svc.clients.take()
+        path.local.set("only-on-the-node-store", "x")
+        assert client.get("only-on-the-node-store") == b"x"
+        job.set(keys.end_key(0), keys.OUTCOME_FAULT)
+        assert iteration_end.wait_outcome(client, 0, timeout=10.0) == keys.OUTCOME_FAULT
+        svc.clients.give(client)
+    finally:
+        host.close()
