@@ -97,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
     """Run the job of ``args`` (admitted: ``doors.admit``) on this node; the exit status."""
     _log_to_stdout(args.node_rank)
     _omp_notice(args.nproc_per_node)
-    if getattr(args, "restart_by_note", None):  # flags._settle_restart_by: etcd keeps by rank
-        log.info("%s", args.restart_by_note)
     jr = LauncherJournal(args.node_rank)
     try:
         return _main(args, jr)

@@ -118,12 +118,12 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--restart-by",
         choices=("rank", "node"),
-        default=None,
-        help="who meets at the job's store in a restart. node (the default without --store): "
-        "this launcher, for its node's ranks, which wait on a store of the node -- a few store "
-        "calls per node instead of per rank, and a rank's exit counted at once; rank: every "
-        "rank itself (the default, and the only path, with --store etcd://...: the relay "
-        "speaks to a TCPStore only). docs/scale.md#the-node-path-one-relay-per-node",
+        default="node",
+        help="who meets at the job's store (TCPStore or --store etcd) in a restart. node "
+        "(the default): this launcher, for its node's ranks, which wait on a store of the node "
+        "-- a few store calls per node instead of per rank, and a rank's exit counted at once; "
+        "rank: every rank itself (as under plain torchrun or srun). "
+        "docs/scale.md#the-node-path-one-relay-per-node",
     )
     _add_pool_flags(r)
     _add_timing_flags(r)
@@ -195,7 +195,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             )
     if not 0 <= args.node_rank < args.nnodes:
         p.error(f"--node-rank ({args.node_rank}) must be in [0, --nnodes={args.nnodes})")
-    _settle_restart_by(args)
     world = args.nnodes * args.nproc_per_node
     if args.simulated_fault_rank is not None and not 0 <= args.simulated_fault_rank < world:
         p.error(
@@ -206,23 +205,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.master_port = _DEFAULT_PORT
     if args.store is not None:
         _check_store(p, args)
-
-
-def _settle_restart_by(args: argparse.Namespace) -> None:
-    """``--restart-by``'s value (default: node, rank with ``--store``), and why, in
-    ``args.restart_by_note`` (None: nothing to say; the launcher logs it at start)."""
-    args.restart_by_note = None
-    if args.store and args.restart_by != "rank":
-        # The relay's job-store client is a TCPStore client; an etcd job store keeps the
-        # per-rank path (docs/etcd.md), which a --restart-by node asked for is told.
-        asked = "--restart-by node" if args.restart_by == "node" else "the default"
-        args.restart_by_note = (
-            f"restart by rank, not by node ({asked}): with --store {args.store} the node relay "
-            "has no etcd client yet; every rank meets at the restart barrier on etcd itself"
-        )
-        args.restart_by = "rank"
-    elif args.restart_by is None:
-        args.restart_by = "node"
 
 
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from restartable.inprocess.launch.actions import Action, restart_or_end
 from restartable.inprocess.launch.drill import FaultDrill
 from restartable.inprocess.launch.launcher_journal import LauncherJournal
-from restartable.inprocess.launch.node_host import NodeHost
+from restartable.inprocess.launch.node_host import NodeHost, etcd_job_client
 from restartable.inprocess.launch.node_lost import NodeLostError
 from restartable.inprocess.launch.pool import WarmPool
 from restartable.inprocess.launch.rank_env import rank_env
@@ -155,7 +155,10 @@ def node_host(
     link: LauncherRound,
 ) -> NodeHost:
     """``--restart-by node``: round ``k``'s node store and relay; its sources are this node's
-    children that exited (``sup.exits``) and the launchers ``link.on_tick`` last saw gone."""
+    children that exited (``sup.exits``) and the launchers ``link.on_tick`` last saw gone. The
+    job store: the round's TCPStore on ``port``, or with ``--store`` the round's namespace on
+    etcd."""
+    job_store = etcd_job_client(control.round_store_env(k)) if args.store else None
     return NodeHost(
         node=args.node_rank,
         round_=k,
@@ -165,4 +168,5 @@ def node_host(
         dead_local=lambda: [identity for identity, _ in tuple(sup.exits)],
         gone_nodes=lambda: link.gone,
         barrier_timeout=args.node_timeout,
+        job_store=job_store,
     )

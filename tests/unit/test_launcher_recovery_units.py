@@ -67,19 +67,13 @@ def test_bad_launcher_flags_name_the_flag_and_value(
     assert message in capsys.readouterr().err
 
 
-def test_restart_by_node_is_the_default_and_etcd_keeps_the_per_rank_path() -> None:
-    """Issue 52: a plain launch restarts by node; --restart-by rank still chooses the per-rank
-    path; an etcd job store keeps it (no relay client for etcd), with the reason for the log."""
-    assert parse_args(["--nproc-per-node", "2", "t.py"]).restart_by == "node"
-    assert parse_args(["--nproc-per-node", "2", "--restart-by", "rank", "t.py"]).restart_by == (
-        "rank"
-    )
-    for flags in ([], ["--restart-by", "node"]):
-        args = parse_args(["--nproc-per-node", "2", *flags, "--store", "etcd://h:2379", "t.py"])
+def test_restart_by_node_is_the_default_also_on_etcd() -> None:
+    """Issue 52: a plain launch restarts by node (on the TCPStore and on etcd: the relay opens
+    an etcd client of its own); --restart-by rank still chooses the per-rank path."""
+    for store in ([], ["--store", "etcd://h:2379"]):
+        assert parse_args(["--nproc-per-node", "2", *store, "t.py"]).restart_by == "node"
+        args = parse_args(["--nproc-per-node", "2", "--restart-by", "rank", *store, "t.py"])
         assert args.restart_by == "rank"
-        assert "with --store etcd://h:2379 the node relay has no etcd client" in (
-            args.restart_by_note
-        )
 
 
 def test_respawned_process_keeps_its_slot_rank_and_gets_a_generation() -> None:
