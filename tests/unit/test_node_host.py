@@ -4,6 +4,7 @@ node store on 127.0.0.1 and a relay thread, on a real TCPStore job store) and th
 
 from __future__ import annotations
 
+import argparse
 import datetime
 
 import pytest
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from restartable.inprocess.config import RestartConfig
 from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.launch.launcher_round import LauncherRound
 from restartable.inprocess.launch.node_host import NodeHost
 from restartable.inprocess.protocol import iteration_end, keys
 from restartable.inprocess.protocol.environment import LaunchEnv
@@ -123,3 +125,41 @@ def test_on_the_node_path_the_monitors_wait_for_the_end_on_the_node_store() -> N
         svc.clients.give(client)
     finally:
         host.close()
+
+
+class _Control:
+    """The part of ``JobControl`` a tick reads: how often the launchers' beats were looked at."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def gone_nodes(self) -> frozenset[int]:
+        self.looks += 1
+        return frozenset({1})
+
+
+class _Journal:
+    def follow(self, store: object) -> None:
+        pass
+
+
+def test_the_other_launchers_beats_are_read_only_when_the_relay_asks() -> None:
+    # Every look reads each other launcher's beat on the control store: on every tick of every
+    # launcher that is O(nodes^2) calls per tick, so a tick looks only after the relay asked.
+    control = _Control()
+    link = LauncherRound(
+        argparse.Namespace(),
+        control,  # type: ignore[arg-type]
+        0,
+        port=0,
+        store=None,  # type: ignore[arg-type]
+        jr=_Journal(),  # type: ignore[arg-type]
+    )
+    for _ in range(5):
+        link.on_tick()
+    assert control.looks == 0
+    assert link.relay_gone() == frozenset()  # the last look's (none yet); one look is due
+    link.on_tick()
+    link.on_tick()
+    assert control.looks == 1
+    assert link.relay_gone() == frozenset({1})
