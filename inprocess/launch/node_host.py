@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from restartable.checkpoint.sealing import Sealer
 from restartable.inprocess.clock import SYSTEM, Clock
+from restartable.inprocess.launch.node_deaths import ReportedDeaths
 from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
 from restartable.inprocess.protocol.node_relay import NodeRelay, RelaySources
 from restartable.inprocess.protocol.sealed_store import seal
@@ -31,8 +32,9 @@ class NodeHost:
     ``job_addr``/``job_port``: the round's job store on the TCPStore (the relay opens a client
     of its own, sealed with ``sealer`` as the ranks' values are); ``job_store``: instead, the
     relay's own client of the round's job store on etcd (``etcd_job_client``), timeout
-    ``SLICE_S``, unsealed (sealed here). ``dead_local`` / ``gone_nodes``: the
-    relay's ``RelaySources``. ``barrier_timeout``: the bound of one restart at the relay.
+    ``SLICE_S``, unsealed (sealed here). ``dead_local`` (the node's ranks whose
+    process exited: counted dead once reported, ``node_deaths``) / ``gone_nodes``: the relay's
+    ``RelaySources``. ``barrier_timeout``: the bound of one restart at the relay.
     ``close()`` stops the relay (within one slice) and the local store."""
 
     def __init__(
@@ -56,7 +58,9 @@ class NodeHost:
         raw = job_store or TCPStoreClient(job_addr, job_port, timeout=SLICE_S, clock=clock)
         job = seal(raw, sealer)
         self._job, self._job_raw = job, raw
-        sources = RelaySources(dead_local=dead_local, gone_nodes=gone_nodes)
+        # A child that exited counts once its watchdog's report is in (``node_deaths``).
+        self._deaths = ReportedDeaths(job, dead_local, clock=clock)
+        sources = RelaySources(dead_local=self._deaths, gone_nodes=gone_nodes)
         self._relay = NodeRelay(job, self._local, node=node, sources=sources, clock=clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -77,6 +81,7 @@ class NodeHost:
         iteration = 0
         try:
             while not self._stop.is_set():
+                self._deaths.iteration = iteration
                 outcome = self._relay.serve(
                     iteration, timeout=self._timeout, stop=self._stop.is_set
                 )

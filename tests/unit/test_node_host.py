@@ -13,14 +13,16 @@ import torch.distributed as dist
 from restartable.inprocess.config import RestartConfig
 from restartable.inprocess.errors import ConfigError
 from restartable.inprocess.launch.launcher_round import LauncherRound
+from restartable.inprocess.launch.node_deaths import REPORT_GRACE_S, ReportedDeaths
 from restartable.inprocess.launch.node_host import NodeHost
-from restartable.inprocess.protocol import iteration_end, keys
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
 from restartable.inprocess.protocol.environment import LaunchEnv
 from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
 from restartable.inprocess.protocol.store import C10dStore
 from restartable.inprocess.restart import startup
 from restartable.inprocess.restart.abort import GroupReaper
 from restartable.inprocess.restart.node_path import NodePath
+from tests.fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -163,3 +165,21 @@ def test_the_other_launchers_beats_are_read_only_when_the_relay_asks() -> None:
     link.on_tick()
     assert control.looks == 1
     assert link.relay_gone() == frozenset({1})
+
+
+def test_an_exited_rank_is_counted_dead_once_its_watchdog_reported_it_or_after_the_grace() -> None:
+    # The launcher sees its child exit before the watchdog's record is on the job store:
+    # counted then, the decision could be taken without the record (the restart blamed only
+    # the collateral faults). A report counts the rank after appending its record.
+    fake = FakeClock()
+    job = C10dStore(dist.HashStore())
+    exited: list[int] = [3]
+    deaths = ReportedDeaths(job, lambda: exited, clock=fake.clock())
+    deaths.iteration = 2
+    assert deaths() == []  # exited, not reported yet
+    fault_records.count_once(job, 2, 3)  # its watchdog's report (record, then count)
+    assert deaths() == [3]
+    exited.append(1)  # a rank whose watchdog died with it: counted after the grace
+    assert deaths() == [3]
+    fake.advance(REPORT_GRACE_S)
+    assert deaths() == [3, 1]
