@@ -121,7 +121,7 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
         default="node",
         help="who meets at the job's store (TCPStore or --store etcd) in a restart. node "
         "(the default): this launcher, for its node's ranks, which wait on a store of the node "
-        "-- a few store calls per node instead of per rank, and a rank's exit counted at once; "
+        "-- 3 store calls per node and restart instead of ~9 per rank, each rank's waits local; "
         "rank: every rank itself (as under plain torchrun or srun). "
         "docs/scale.md#the-node-path-one-relay-per-node",
     )
