@@ -20,6 +20,14 @@ PYTHONUNBUFFERED=1, TEST_RESULT_DIR, plus ``env``.
 ``host_store=True`` hosts a ``torch.distributed.TCPStore`` server in the test process on
 MASTER_PORT and sets ``INPROCESS_STORE_HOSTED=1``, the same contract as ``inprocess.launch``:
 the store outlives every rank, so killing rank 0 does not take the store with it.
+
+``restart_by="node"`` (with ``host_store``; default: ``$RESTARTABLE_TEST_RESTART_BY``, else
+"rank") also does what ``inprocess.launch`` does by default for each simulated node: it hosts
+the launcher's own ``NodeHost`` (a node store and the relay thread), names it to the node's
+ranks in ``RESTARTABLE_NODE_STORE``, hands every rank one job secret (``RESTARTABLE_SECRET``,
+the relay seals with it as the ranks do) and tells the relay which of its ranks exited. So a
+suite written against ``run_ranks`` runs the restart by node with
+``RESTARTABLE_TEST_RESTART_BY=node``.
 """
 
 from __future__ import annotations
@@ -135,6 +143,7 @@ def run_ranks(
     host_store: bool = False,
     expect_success: bool = True,
     on_started: Any = None,
+    restart_by: str | None = None,
 ) -> list[RankOutput]:
     """Start ``nprocs`` ranks, wait for all of them (at most ``deadline`` s), return their outputs.
 
@@ -142,8 +151,15 @@ def run_ranks(
     ``expect_success``, when any rank exits non-zero. ``on_started(procs)`` is called once all
     processes exist, with the list of ``subprocess.Popen`` objects (for tests that signal a
     rank; a forked rank's object has the same ``pid``, ``args``, ``poll``, ``wait``,
-    ``send_signal``, ``kill``).
+    ``send_signal``, ``kill``). ``restart_by``: see the module docstring.
     """
+    if restart_by is None:  # the suite's choice; a job without a hosted store has no launcher
+        restart_by = os.environ.get("RESTARTABLE_TEST_RESTART_BY", "rank") if host_store else "rank"
+    if restart_by not in ("rank", "node") or (restart_by == "node" and not host_store):
+        raise ValueError(
+            f"restart_by={restart_by!r}: 'rank', or 'node' with host_store=True (the relay "
+            "speaks to the store the test hosts)"
+        )
     if (target is None) == (argv is None):
         raise ValueError("run_ranks needs exactly one of target= or argv=")
     lws = local_world_size or nprocs
@@ -177,6 +193,10 @@ def run_ranks(
     if host_store:
         base_env["INPROCESS_STORE_HOSTED"] = "1"
     base_env.update(env or {})
+    procs: list[Any] = []  # subprocess.Popen, or rank_zygote.ForkedRank (the same interface)
+    nodes: list[Any] = []  # restart_by="node": one NodeHost per simulated node
+    if restart_by == "node":
+        nodes = _node_hosts(nprocs, lws, port, base_env, procs)
 
     warm = None
     if target is not None:
@@ -191,7 +211,6 @@ def run_ranks(
     else:
         cmd = [sys.executable, *(argv or [])]
 
-    procs: list[Any] = []  # subprocess.Popen, or rank_zygote.ForkedRank (the same interface)
     logs = []
     stuck: set[int] = set()
     try:
@@ -202,6 +221,7 @@ def run_ranks(
                     "RANK": str(rank),
                     "LOCAL_RANK": str(rank % lws),
                     "GROUP_RANK": str(rank // lws),
+                    **(nodes[rank // lws].env() if nodes else {}),
                 }
             )
             log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
@@ -240,6 +260,8 @@ def run_ranks(
                 _kill_group(p)
         for log in logs:
             log.close()
+        for node in nodes:
+            node.close()
         del store  # the server stops only after every rank has exited
 
     timed_out = bool(stuck)
@@ -264,6 +286,40 @@ def run_ranks(
     if expect_success and any(o.returncode != 0 for o in outputs):
         raise RanksFailed("a rank exited non-zero\n" + describe(outputs))
     return outputs
+
+
+def _node_hosts(
+    nprocs: int,
+    lws: int,
+    port: int,
+    base_env: dict[str, str],
+    procs: Sequence[Any],
+) -> list[Any]:
+    """One launcher-side ``NodeHost`` per simulated node of ``lws`` ranks, relaying to the
+    store on ``port``; ``base_env`` gets the job secret the relays seal with. ``procs`` (filled
+    later, rank order) is what the relays read: a rank whose process exited is dead."""
+    from restartable.checkpoint.sealing import SECRET_ENV, Sealer, new_secret
+    from restartable.inprocess.launch.node_host import NodeHost
+
+    secret = base_env.setdefault(SECRET_ENV, new_secret())
+    sealer = Sealer(bytes.fromhex(secret))
+
+    def dead_local() -> list[int]:
+        return [r for r, p in enumerate(tuple(procs)) if p.poll() is not None]
+
+    return [
+        NodeHost(
+            node=k,
+            round_=0,
+            job_addr="127.0.0.1",
+            job_port=port,
+            sealer=sealer,
+            dead_local=dead_local,
+            gone_nodes=frozenset,
+            barrier_timeout=60.0,
+        )
+        for k in range(nprocs // lws)
+    ]
 
 
 def _kill_group(p: Any) -> None:

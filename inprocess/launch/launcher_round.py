@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from restartable.inprocess.launch.actions import Action, restart_or_end
 from restartable.inprocess.launch.drill import FaultDrill
 from restartable.inprocess.launch.launcher_journal import LauncherJournal
-from restartable.inprocess.launch.node_host import NodeHost
+from restartable.inprocess.launch.node_host import NodeHost, etcd_job_client
 from restartable.inprocess.launch.node_lost import NodeLostError
 from restartable.inprocess.launch.pool import WarmPool
 from restartable.inprocess.launch.rank_env import rank_env
@@ -45,7 +45,8 @@ class LauncherRound:
         self._args, self._control, self._k = args, control, k
         self._port, self._store, self._jr = port, store, jr
         self.node: NodeHost | None = None  # --restart-by node: the round's local store, relay
-        self.gone: frozenset[int] = frozenset()  # the stale launchers at the last tick
+        self.gone: frozenset[int] = frozenset()  # the stale launchers at the last look
+        self._gone_wanted = False  # the relay asked (at a re-check): look at the next tick
 
     def env_of(self, local: int, generation: int) -> Mapping[str, str]:
         c, k = self._control, self._k
@@ -75,8 +76,19 @@ class LauncherRound:
 
     def on_tick(self) -> None:
         self._jr.follow(self._store)
-        if self.node is not None:  # read by the relay's thread at its re-checks
+        if self._gone_wanted:  # on the supervisor's thread: the control store's client is its
+            self._gone_wanted = False
             self.gone = self._control.gone_nodes()
+
+    def relay_gone(self) -> frozenset[int]:
+        """The relay's ``gone_nodes`` (its thread, at a re-check after a slice without a
+        decision): the launchers seen gone at the last look, and a new look at the next tick.
+        Only on demand: a look reads every other launcher's beat, and on every tick of every
+        launcher that would be O(nodes^2) control-store calls per tick (a launcher's beat goes
+        stale in ``beat_stale`` seconds from the first look; a restart waits that much more
+        for a lost launcher, never for a live one)."""
+        self._gone_wanted = True
+        return self.gone
 
 
 def supervisor_config(args: argparse.Namespace) -> SupervisorConfig:
@@ -155,7 +167,10 @@ def node_host(
     link: LauncherRound,
 ) -> NodeHost:
     """``--restart-by node``: round ``k``'s node store and relay; its sources are this node's
-    children that exited (``sup.exits``) and the launchers ``link.on_tick`` last saw gone."""
+    children that exited (``sup.exits``) and the launchers ``link.relay_gone`` last saw gone. The
+    job store: the round's TCPStore on ``port``, or with ``--store`` the round's namespace on
+    etcd."""
+    job_store = etcd_job_client(control.round_store_env(k)) if args.store else None
     return NodeHost(
         node=args.node_rank,
         round_=k,
@@ -163,6 +178,7 @@ def node_host(
         job_port=port,
         sealer=control.round_sealer(k),
         dead_local=lambda: [identity for identity, _ in tuple(sup.exits)],
-        gone_nodes=lambda: link.gone,
+        gone_nodes=link.relay_gone,
         barrier_timeout=args.node_timeout,
+        job_store=job_store,
     )

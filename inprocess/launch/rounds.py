@@ -194,8 +194,13 @@ class JobControl:
         self._liveness.report_live(k, n)
 
     def gone_nodes(self) -> frozenset[int]:
-        """The other launchers that left or stopped beating (``Liveness.gone_nodes``)."""
-        return self._liveness.gone_nodes()
+        """The other launchers that left or stopped beating (``Liveness.gone_nodes``). Raises
+        ``NodeLostError`` when the control store is gone (read on every supervisor tick of the
+        restart by node: node 0's death must end this node with 75, as ``action`` does)."""
+        try:
+            return self._liveness.gone_nodes()
+        except Exception as exc:
+            raise store_lost(exc) from exc
 
     def job_gone(self, k: int) -> bool:
         """True when every node reported no process left in round ``k``."""

@@ -93,6 +93,7 @@ class RankLifetime:
             reaper=self.reaper,
             url=self.store_url,
             clock=self.clock,
+            end_client=None if self.node is None else self.node.new_client,
         )
         self.health = startup.health_checker(cfg)
         self._watchdog = watchdog = startup.new_watchdog(

@@ -21,10 +21,29 @@ class NodePath:
     ``(identity % world_size) // local_world_size``, respawned identities included)."""
 
     def __init__(
-        self, local: Store, *, node: int, world_size: int, local_world_size: int, clock: Clock
+        self,
+        local: Store,
+        *,
+        node: int,
+        world_size: int,
+        local_world_size: int,
+        clock: Clock,
+        new_client: Callable[[], Store] | None = None,
     ) -> None:
         self.local, self.node, self.clock = local, node, clock
         self._w, self._n = world_size, local_world_size
+        self._new_client = new_client
+
+    def new_client(self) -> Store:
+        """Another client of the node store, for a blocking wait of its own: each iteration's
+        monitor waits there for the iteration's end, which the relay copies from the job's
+        store (one job-store wait per node instead of one per rank)."""
+        if self._new_client is None:
+            raise ConfigError(
+                "this NodePath was built on a store client alone (a test's): give it "
+                "new_client= to open the monitors' clients"
+            )
+        return self._new_client()
 
     @classmethod
     def from_environ(
@@ -47,10 +66,17 @@ class NodePath:
                 f"{node_barrier.NODE_STORE_ENV}={raw!r}: expected host:port (the launcher's "
                 "node store); unset it to use the per-rank restart path"
             )
-        local = TCPStoreClient(host, int(port), timeout=timeout, clock=clock)
-        node = rank // local_world_size
+
+        def open_client() -> Store:
+            return TCPStoreClient(host, int(port), timeout=timeout, clock=clock)
+
         return cls(
-            local, node=node, world_size=world_size, local_world_size=local_world_size, clock=clock
+            open_client(),
+            node=rank // local_world_size,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            clock=clock,
+            new_client=open_client,
         )
 
     @classmethod

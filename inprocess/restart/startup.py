@@ -121,10 +121,13 @@ def rank_services(
     reaper: GroupReaper,
     url: str | None,
     clock: Clock = SYSTEM,
+    end_client: Callable[[], Store] | None = None,
 ) -> RankServices:
     """What the loop lends to every iteration of this rank (opens one more store client);
     ``url``: the etcd store's, None on the TCPStore; ``clock``: the loop's, for every
-    iteration's waits and timings."""
+    iteration's waits and timings; ``end_client``: where the monitors wait for the end of an
+    iteration (the restart by node: the node store, ``NodePath.new_client``; None: the job's
+    store, ``new_client``)."""
     return RankServices(
         config=cfg,
         me=me,
@@ -138,7 +141,7 @@ def rank_services(
         abort=reaper.abort,
         release=reaper.release,
         sections=section_clock(cfg),  # learned timeouts outlive iterations
-        clients=ClientPool(new_client),
+        clients=ClientPool(end_client or new_client),
         rendezvous=Rendezvous(
             store,
             me=me,

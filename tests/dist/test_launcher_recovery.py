@@ -241,10 +241,12 @@ def test_restart_budget_spent_ends_with_requeue_status_and_flag() -> None:
 @slow("a launcher case")
 def test_crash_looping_respawn_is_retired_and_the_job_goes_on() -> None:
     # The launcher's fault drill kills rank 0 0.3-0.6 s into the job and the reserve takes over;
-    # the job (60 x 0.05 s) runs long enough for two start-up crashes of rank 0's respawns and
-    # the backoff before the second.
+    # the job (160 x 0.05 s) runs long enough for two start-up crashes of rank 0's respawns and
+    # the backoff before the second: at load average 27-30 the third process took 4.8 s to
+    # crash, after the job of 60 steps had ended on the node path's faster restart (6.0 s
+    # after the fault instead of 9.5 s by rank).
     opts = {
-        "steps": 60,
+        "steps": 160,
         "step_time": 0.05,
         "crash_respawned": True,
         "config": {"active_world_size": 1},
@@ -268,7 +270,7 @@ def test_crash_looping_respawn_is_retired_and_the_job_goes_on() -> None:
     assert job.output.count("crashes at start-up") == 2, job.output
     assert "in 0.2 s (backoff: it died at start-up)" in job.output
     assert "slot of rank 0 retired: its process (identity 4) exited with status 3" in job.output
-    assert [r["total"] for r in results(d).values()] == [clean_loss(60, 1)], job.output
+    assert [r["total"] for r in results(d).values()] == [clean_loss(160, 1)], job.output
 
 
 def _two_nodes(job: dict[str, Any], *launcher_args: str) -> tuple[JobOutput, Path]:

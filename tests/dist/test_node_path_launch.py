@@ -1,7 +1,8 @@
-"""Issue 52: the restart by node wired into a real job (``--restart-by node``): two launchers on
-this machine play two nodes of two ranks; each hosts its node's store and relay, its ranks meet
-there (``inprocess.restart.node_path``), and the job ends with the loss of a run without faults,
-as on the per-rank path. A launcher SIGKILLed: the other node's ranks go on, no hang."""
+"""Issue 52: the restart by node wired into a real job (the launcher's default, ``--restart-by
+node``): two launchers on this machine play two nodes of two ranks; each hosts its node's store
+and relay, its ranks meet there (``inprocess.restart.node_path``), and the job ends with the
+loss of a run without faults, as on the per-rank path (``--restart-by rank``, still chosen on
+request). A launcher SIGKILLed: the other node's ranks go on, no hang."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.timeout(150)
 
 
 def _two_nodes(
-    job: dict[str, Any], *, kill_node: int | None, restart_by: str = "node"
+    job: dict[str, Any], *, kill_node: int | None, restart_by: str | None = None
 ) -> tuple[JobOutput, Path]:
+    """The job on two launchers; ``restart_by`` None: no ``--restart-by`` (the default)."""
     d = Path(tempfile.mkdtemp(prefix="node-path-"))
     job = {**job, "dir": str(d), "config": {**FAST, **job.get("config", {})}}
     opts = {
@@ -32,15 +34,16 @@ def _two_nodes(
         "job": job,
         "launcher_args": [
             *("--monitor-interval", "0.05", "--stop-grace", "2"),
-            *("--restart-by", restart_by),
+            *(() if restart_by is None else ("--restart-by", restart_by)),
         ],
     }
     return run_job([SCRIPT, "two_nodes", json.dumps(opts)], deadline=120), d
 
 
-def test_exception_and_sigkill_restart_through_the_node_path_give_the_clean_loss() -> None:
-    # 3 active + 1 reserve over two nodes: ctx.rank 1 raises at step 3 (iteration 0), then
-    # ctx.rank 2 is SIGKILLed at step 6 of iteration 1; the reserve takes its place.
+def test_a_default_launch_restarts_through_the_node_relays_and_gives_the_clean_loss() -> None:
+    # No --restart-by: the default. 3 active + 1 reserve over two nodes: ctx.rank 1 raises at
+    # step 3 (iteration 0), then ctx.rank 2 is SIGKILLed at step 6 of iteration 1; the reserve
+    # takes its place. Each launcher's log says its relay relayed both restarts.
     job, d = _two_nodes(
         {
             "steps": 10,
@@ -52,11 +55,31 @@ def test_exception_and_sigkill_restart_through_the_node_path_give_the_clean_loss
         kill_node=None,
     )
     assert job.returncode == 0, job.output
-    assert "node store on 127.0.0.1" in job.output, job.output
-    assert "restart after iteration 0 relayed" in job.output, job.output
-    assert "restart after iteration 1 relayed" in job.output, job.output
+    for node in (0, 1):
+        for it in (0, 1):
+            assert f"node {node} relay: restart after iteration {it} relayed" in job.output, (
+                job.output
+            )
     totals = {r["total"] for r in results(d).values()}
     assert totals == {clean_loss(10, 3)}, job.output
+
+
+def test_restart_by_rank_on_request_keeps_the_per_rank_path() -> None:
+    # --restart-by rank: no node store, no relay; every rank meets at the job's store, and the
+    # same job restarts to the same loss.
+    job, d = _two_nodes(
+        {
+            "steps": 8,
+            "step_time": 0.05,
+            "raise_at": {"step": 3, "rank": 1, "once": True},
+            "config": {"active_world_size": 3},
+        },
+        kill_node=None,
+        restart_by="rank",
+    )
+    assert job.returncode == 0, job.output
+    assert "relay: restart after" not in job.output, job.output
+    assert {r["total"] for r in results(d).values()} == {clean_loss(8, 3)}, job.output
 
 
 @slow("a launcher case")

@@ -57,10 +57,6 @@ def test_restart_while_budget_lasts_then_requeue() -> None:
         (["--max-restarts", "-2"], "--max-restarts (-2) must be >= 0"),
         (["--monitor-interval", "0"], "--monitor-interval (0.0) must be > 0"),
         (["--simulated-fault-rank", "5"], "--simulated-fault-rank (5) must be in [0, 2)"),
-        (
-            ["--restart-by", "node", "--store", "etcd://h:2379"],
-            "--restart-by node with --store etcd://h:2379",
-        ),
     ],
 )
 def test_bad_launcher_flags_name_the_flag_and_value(
@@ -69,6 +65,15 @@ def test_bad_launcher_flags_name_the_flag_and_value(
     with pytest.raises(SystemExit):
         parse_args(["--nproc-per-node", "2", *flags, "train.py"])
     assert message in capsys.readouterr().err
+
+
+def test_restart_by_node_is_the_default_also_on_etcd() -> None:
+    """Issue 52: a plain launch restarts by node (on the TCPStore and on etcd: the relay opens
+    an etcd client of its own); --restart-by rank still chooses the per-rank path."""
+    for store in ([], ["--store", "etcd://h:2379"]):
+        assert parse_args(["--nproc-per-node", "2", *store, "t.py"]).restart_by == "node"
+        args = parse_args(["--nproc-per-node", "2", "--restart-by", "rank", *store, "t.py"])
+        assert args.restart_by == "rank"
 
 
 def test_respawned_process_keeps_its_slot_rank_and_gets_a_generation() -> None:

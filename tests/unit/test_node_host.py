@@ -4,17 +4,25 @@ node store on 127.0.0.1 and a relay thread, on a real TCPStore job store) and th
 
 from __future__ import annotations
 
+import argparse
 import datetime
 
 import pytest
 import torch.distributed as dist
 
+from restartable.inprocess.config import RestartConfig
 from restartable.inprocess.errors import ConfigError
+from restartable.inprocess.launch.launcher_round import LauncherRound
+from restartable.inprocess.launch.node_deaths import REPORT_GRACE_S, ReportedDeaths
 from restartable.inprocess.launch.node_host import NodeHost
-from restartable.inprocess.protocol import iteration_end, keys
+from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol.environment import LaunchEnv
 from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
 from restartable.inprocess.protocol.store import C10dStore
+from restartable.inprocess.restart import startup
+from restartable.inprocess.restart.abort import GroupReaper
 from restartable.inprocess.restart.node_path import NodePath
+from tests.fake_clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,3 +87,99 @@ def test_members_are_this_nodes_ranks_respawned_identities_included() -> None:
     assert path is not None and path.node == 1
     # identity 6 = slot 2 respawned once (2 + 1 * 4): on node 1, as slot 2 is; 5: slot 1, node 0
     assert path.members([0, 1, 2, 6, 5, 7]) == (2, 6, 7)
+
+
+def test_on_the_node_path_the_monitors_wait_for_the_end_on_the_node_store() -> None:
+    # The monitors' clients (``RankServices.clients``) are the node store's: each rank's wait
+    # for the iteration's end is answered by its relay's copy, not by a get on the job store.
+    server = _job_server()
+    host = _host(server, node=0, round_=0)
+    try:
+        path = NodePath.from_environ(
+            host.env(), rank=1, world_size=2, local_world_size=2, timeout=10.0
+        )
+        assert path is not None
+        env = LaunchEnv(
+            rank=1,
+            local_rank=1,
+            world_size=2,
+            local_world_size=2,
+            master_addr="127.0.0.1",
+            master_port=int(server.port),
+            store_hosted=True,
+        )
+        job = C10dStore(server)
+        svc = startup.rank_services(
+            RestartConfig(),
+            env,
+            me=1,
+            store=job,
+            new_client=lambda: job,
+            reaper=GroupReaper(rank=1),
+            url=None,
+            end_client=path.new_client,
+        )
+        client = svc.clients.take()
+        path.local.set("only-on-the-node-store", "x")
+        assert client.get("only-on-the-node-store") == b"x"
+        job.set(keys.end_key(0), keys.OUTCOME_FAULT)
+        assert iteration_end.wait_outcome(client, 0, timeout=10.0) == keys.OUTCOME_FAULT
+        svc.clients.give(client)
+    finally:
+        host.close()
+
+
+class _Control:
+    """The part of ``JobControl`` a tick reads: how often the launchers' beats were looked at."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def gone_nodes(self) -> frozenset[int]:
+        self.looks += 1
+        return frozenset({1})
+
+
+class _Journal:
+    def follow(self, store: object) -> None:
+        pass
+
+
+def test_the_other_launchers_beats_are_read_only_when_the_relay_asks() -> None:
+    # Every look reads each other launcher's beat on the control store: on every tick of every
+    # launcher that is O(nodes^2) calls per tick, so a tick looks only after the relay asked.
+    control = _Control()
+    link = LauncherRound(
+        argparse.Namespace(),
+        control,  # type: ignore[arg-type]
+        0,
+        port=0,
+        store=None,  # type: ignore[arg-type]
+        jr=_Journal(),  # type: ignore[arg-type]
+    )
+    for _ in range(5):
+        link.on_tick()
+    assert control.looks == 0
+    assert link.relay_gone() == frozenset()  # the last look's (none yet); one look is due
+    link.on_tick()
+    link.on_tick()
+    assert control.looks == 1
+    assert link.relay_gone() == frozenset({1})
+
+
+def test_an_exited_rank_is_counted_dead_once_its_watchdog_reported_it_or_after_the_grace() -> None:
+    # The launcher sees its child exit before the watchdog's record is on the job store:
+    # counted then, the decision could be taken without the record (the restart blamed only
+    # the collateral faults). A report counts the rank after appending its record.
+    fake = FakeClock()
+    job = C10dStore(dist.HashStore())
+    exited: list[int] = [3]
+    deaths = ReportedDeaths(job, lambda: exited, clock=fake.clock())
+    deaths.iteration = 2
+    assert deaths() == []  # exited, not reported yet
+    fault_records.count_once(job, 2, 3)  # its watchdog's report (record, then count)
+    assert deaths() == [3]
+    exited.append(1)  # a rank whose watchdog died with it: counted after the grace
+    assert deaths() == [3]
+    fake.advance(REPORT_GRACE_S)
+    assert deaths() == [3, 1]
