@@ -63,7 +63,7 @@ from restartable.inprocess.launch.pool import DEFAULT_PRELOAD, WarmPool
 from restartable.inprocess.launch.rank_env import torchrun_defaults
 from restartable.inprocess.launch.rounds import JobControl
 from restartable.inprocess.launch.supervisor import NodeSupervisor, RoundEnd
-from restartable.inprocess.protocol import environment
+from restartable.inprocess.protocol import environment, node_barrier
 from restartable.inprocess.usage import EXIT_USAGE
 
 log = logging.getLogger("restartable.inprocess.launch")
@@ -152,6 +152,12 @@ def _main(args: argparse.Namespace, jr: LauncherJournal) -> int:
             args, autoresume.EXIT_REQUEUE, f"cannot reach the job's control store: {exc}"
         )
     jr.start(control.launch_id)
+    if args.restart_by == "rank" and args.nproc_per_node > node_barrier.SLOTS:
+        log.info(
+            "restart by rank: %d processes per node, more than the node path's %d",
+            args.nproc_per_node,
+            node_barrier.SLOTS,
+        )
     try:
         with _warm_pool(args) as pool:
             return _rounds(args, control, jr, pool)

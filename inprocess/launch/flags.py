@@ -118,9 +118,10 @@ def _add_recovery_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--restart-by",
         choices=("rank", "node"),
-        default="node",
+        default=None,
         help="who meets at the job's store (TCPStore or --store etcd) in a restart. node "
-        "(the default): this launcher, for its node's ranks, which wait on a store of the node "
+        "(the default up to 31 processes per node, rank above): this launcher, for its node's "
+        "ranks, which wait on a store of the node "
         "-- 3 store calls per node and restart instead of ~9 per rank, each rank's waits local; "
         "rank: every rank itself (as under plain torchrun or srun). "
         "docs/scale.md#the-node-path-one-relay-per-node",
@@ -205,6 +206,21 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.master_port = _DEFAULT_PORT
     if args.store is not None:
         _check_store(p, args)
+    _settle_restart_by(p, args)
+
+
+def _settle_restart_by(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--restart-by: node by default; rank where a node runs more processes than the node
+    barrier's local count holds (``node_barrier.SLOTS``), which the launcher then logs."""
+    from restartable.inprocess.protocol.node_barrier import SLOTS
+
+    if args.restart_by is None:
+        args.restart_by = "node" if args.nproc_per_node <= SLOTS else "rank"
+    elif args.restart_by == "node" and args.nproc_per_node > SLOTS:
+        p.error(
+            f"--restart-by node with --nproc-per-node {args.nproc_per_node}: a node's barrier "
+            f"counts at most {SLOTS} processes; give --restart-by rank (or omit the flag)"
+        )
 
 
 def _check_store(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -76,6 +76,16 @@ def test_restart_by_node_is_the_default_also_on_etcd() -> None:
         assert args.restart_by == "rank"
 
 
+def test_restart_by_rank_above_the_node_barriers_slots(capsys: pytest.CaptureFixture[str]) -> None:
+    """A node of more processes than the node barrier counts (a CPU job of 32 ranks a node)
+    restarts by rank without being asked; asking for node there names both flags."""
+    assert parse_args(["--nproc-per-node", "32", "t.py"]).restart_by == "rank"
+    assert parse_args(["--nproc-per-node", "31", "t.py"]).restart_by == "node"
+    with pytest.raises(SystemExit):
+        parse_args(["--nproc-per-node", "32", "--restart-by", "node", "t.py"])
+    assert "--restart-by node with --nproc-per-node 32" in capsys.readouterr().err
+
+
 def test_respawned_process_keeps_its_slot_rank_and_gets_a_generation() -> None:
     args = parse_args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "t.py"])
     env = rank_env(args, 1, 1234, generation=2)
