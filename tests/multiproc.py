@@ -48,7 +48,10 @@ from typing import Any
 
 import pytest
 
-from tests import rank_zygote
+if __package__:
+    from tests import rank_zygote
+else:  # imported as ``multiproc`` by a script run from tests/ (python tests/slurm_cluster.py)
+    import rank_zygote  # type: ignore[no-redef]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _POLL_S = 0.02
