@@ -54,7 +54,10 @@ class NodeHost:
         self.node, self.round, self._timeout, self._clock = node, round_, barrier_timeout, clock
         self._server = listening_server("127.0.0.1", 0, wait_for_workers=False, use_libuv=True)
         self.port = int(self._server.port)
-        self._local: Store = TCPStoreClient("127.0.0.1", self.port, timeout=SLICE_S, clock=clock)
+        # Sealed as the ranks' client is (``NodePath``): the node store listens on 127.0.0.1,
+        # where any local user may connect; a value without the job's seal is refused.
+        local = TCPStoreClient("127.0.0.1", self.port, timeout=SLICE_S, clock=clock)
+        self._local = seal(local, sealer)
         raw = job_store or TCPStoreClient(job_addr, job_port, timeout=SLICE_S, clock=clock)
         job = seal(raw, sealer)
         self._job, self._job_raw = job, raw

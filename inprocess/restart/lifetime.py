@@ -60,7 +60,9 @@ class RankLifetime:
         directory = journal.resolve_dir(cfg.journal_dir)
         self.journal = None if directory is None else journal.open_journal(directory, rank=me)
         # --restart-by node: the node's store and layout; None: the per-rank restart barrier.
-        self.node = NodePath.of_rank(os.environ, env, cfg.barrier_timeout, clock)
+        self.node = NodePath.of_rank(
+            os.environ, env, cfg.barrier_timeout, clock, sealer=job_sealer(create=False)
+        )
 
     def open(self, *, joining_job: bool) -> int:
         """Connect, start the services and the watchdog, and meet every rank once (the initial

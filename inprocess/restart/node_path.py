@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 
+from restartable.checkpoint.sealing import Sealer
 from restartable.inprocess.clock import SYSTEM, Clock
 from restartable.inprocess.errors import ConfigError, FaultRecord
 from restartable.inprocess.protocol import node_barrier
 from restartable.inprocess.protocol.environment import LaunchEnv
+from restartable.inprocess.protocol.sealed_store import seal
 from restartable.inprocess.protocol.store import Store
 from restartable.inprocess.protocol.tcpstore_client import TCPStoreClient
 
@@ -55,8 +57,11 @@ class NodePath:
         local_world_size: int,
         timeout: float,
         clock: Clock = SYSTEM,
+        sealer: Sealer | None = None,
     ) -> NodePath | None:
-        """The node path when ``RESTARTABLE_NODE_STORE`` is set (``host:port``), else None."""
+        """The node path when ``RESTARTABLE_NODE_STORE`` is set (``host:port``), else None.
+        ``sealer``: the job's (the launcher's relay seals with the same key), so that a value
+        another local user writes on the node store is refused as on the job's store."""
         raw = environ.get(node_barrier.NODE_STORE_ENV)
         if not raw:
             return None
@@ -68,7 +73,7 @@ class NodePath:
             )
 
         def open_client() -> Store:
-            return TCPStoreClient(host, int(port), timeout=timeout, clock=clock)
+            return seal(TCPStoreClient(host, int(port), timeout=timeout, clock=clock), sealer)
 
         return cls(
             open_client(),
@@ -81,7 +86,12 @@ class NodePath:
 
     @classmethod
     def of_rank(
-        cls, environ: Mapping[str, str], env: LaunchEnv, timeout: float, clock: Clock = SYSTEM
+        cls,
+        environ: Mapping[str, str],
+        env: LaunchEnv,
+        timeout: float,
+        clock: Clock = SYSTEM,
+        sealer: Sealer | None = None,
     ) -> NodePath | None:
         """``from_environ`` for the rank ``env`` describes (the restart loop's)."""
         return cls.from_environ(
@@ -91,6 +101,7 @@ class NodePath:
             local_world_size=env.local_world_size,
             timeout=timeout,
             clock=clock,
+            sealer=sealer,
         )
 
     def node_of(self, identity: int) -> int:

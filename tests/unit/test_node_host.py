@@ -10,14 +10,17 @@ import datetime
 import pytest
 import torch.distributed as dist
 
+from restartable.checkpoint.sealing import ForgedValueError, Sealer, new_secret
 from restartable.inprocess.config import RestartConfig
 from restartable.inprocess.errors import ConfigError
 from restartable.inprocess.launch.launcher_round import LauncherRound
 from restartable.inprocess.launch.node_deaths import REPORT_GRACE_S, ReportedDeaths
 from restartable.inprocess.launch.node_host import NodeHost
 from restartable.inprocess.protocol import fault_records, iteration_end, keys
+from restartable.inprocess.protocol import node_barrier as nb
 from restartable.inprocess.protocol.environment import LaunchEnv
 from restartable.inprocess.protocol.node_barrier import NODE_STORE_ENV
+from restartable.inprocess.protocol.sealed_store import seal
 from restartable.inprocess.protocol.store import C10dStore
 from restartable.inprocess.restart import startup
 from restartable.inprocess.restart.abort import GroupReaper
@@ -33,13 +36,15 @@ def _job_server() -> dist.TCPStore:
     )
 
 
-def _host(server: dist.TCPStore, *, node: int, round_: int) -> NodeHost:
+def _host(
+    server: dist.TCPStore, *, node: int, round_: int, sealer: Sealer | None = None
+) -> NodeHost:
     return NodeHost(
         node=node,
         round_=round_,
         job_addr="127.0.0.1",
         job_port=int(server.port),
-        sealer=None,
+        sealer=sealer,
         dead_local=tuple,
         gone_nodes=frozenset,
         barrier_timeout=10.0,
@@ -60,6 +65,29 @@ def test_node_host_relays_the_end_to_its_ranks_and_stops_with_the_round() -> Non
     finally:
         host.close()
     assert not host._thread.is_alive()
+
+
+def test_a_value_another_local_user_writes_on_the_node_store_is_refused() -> None:
+    # The node store listens on 127.0.0.1: a second local client (no secret) can write there.
+    # The relay and the ranks seal with the job's key, so its forged decision or end is refused
+    # as on the job's store (ForgedValueError, logged), and the relay's own values still open.
+    sealer = Sealer(bytes.fromhex(new_secret()))
+    server = _job_server()
+    host = _host(server, node=0, round_=0, sealer=sealer)
+    try:
+        env = host.env()
+        path = NodePath.from_environ(
+            env, rank=0, world_size=2, local_world_size=2, timeout=10.0, sealer=sealer
+        )
+        assert path is not None
+        stranger = C10dStore(dist.TCPStore("127.0.0.1", host.port, is_master=False))
+        stranger.set(nb.local_key(0, "order/0"), nb.ORDER_GO + '{"stop": true}')
+        with pytest.raises(ForgedValueError):
+            path.local.get(nb.local_key(0, "order/0"))
+        seal(C10dStore(server), sealer).set(keys.end_key(0), keys.OUTCOME_DONE)
+        assert iteration_end.wait_outcome(path.local, 0, timeout=10.0) == keys.OUTCOME_DONE
+    finally:
+        host.close()
 
 
 def test_node_host_close_stops_a_relay_blocked_on_a_running_iteration() -> None:
