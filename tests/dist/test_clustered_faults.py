@@ -30,7 +30,17 @@ def _clustered(kills: int, steps_n: int) -> tuple[str, Path, int]:
     # respawn_wait_timeout 25 s (default 10): a cold start took over 10 s on this 2-core
     # machine at load 7 (the test checks the wait, not how fast a cold start is).
     config = {"active_world_size": 3, "min_active_world_size": 3, "respawn_wait_timeout": 25.0}
-    opts = {"steps": steps_n, "step_time": 0.05, "kills": plan, "config": config, "mark_warm": True}
+    # Each respawn starts 6 s late (a cold start): forked from the warm pool it was sometimes in
+    # before the next decision (the restart by node's relay waits for a death report first), and
+    # then no decision was short of ranks, and nothing here waited for a respawn.
+    opts = {
+        "steps": steps_n,
+        "step_time": 0.05,
+        "kills": plan,
+        "config": config,
+        "mark_warm": True,
+        "respawn_start_delay": 6.0,
+    }
     job, d = launch(4, opts, "--max-respawns", str(kills), "--max-restarts", "0", deadline=120)
     return job.output, d, job.returncode
 

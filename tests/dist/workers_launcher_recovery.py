@@ -52,11 +52,15 @@ def main(opts: dict[str, Any]) -> None:
     respawned process waits in the pool when ``refill``, and until the reserve's warm-up ended
     (its prewarm ran: ``warm`` marker) when ``after_warm``), raise_at ({step, rank, once}: raise at
     that step; rank None: on every rank), crash_respawned (a respawned process exits 3 at
-    start-up), plain (no ``@restartable``: one process group from the environment, as under
-    torchrun)."""
-    if opts.get("crash_respawned") and os.environ.get("INPROCESS_RESPAWN_GENERATION"):
+    start-up), respawn_start_delay (a respawned process sleeps that many seconds at start-up:
+    a cold start, which the launcher's warm pool otherwise makes a fraction of a second), plain
+    (no ``@restartable``: one process group from the environment, as under torchrun)."""
+    respawned = bool(os.environ.get("INPROCESS_RESPAWN_GENERATION"))
+    if opts.get("crash_respawned") and respawned:
         print("respawned process crashes at start-up (simulated bad environment)", flush=True)
         sys.exit(3)
+    if respawned:
+        time.sleep(opts.get("respawn_start_delay", 0.0))
     import logging
 
     import torch
