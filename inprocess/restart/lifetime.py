@@ -60,9 +60,7 @@ class RankLifetime:
         directory = journal.resolve_dir(cfg.journal_dir)
         self.journal = None if directory is None else journal.open_journal(directory, rank=me)
         # --restart-by node: the node's store and layout; None: the per-rank restart barrier.
-        self.node = NodePath.of_rank(
-            os.environ, env, cfg.barrier_timeout, clock, sealer=job_sealer(create=False)
-        )
+        self.node = NodePath.of_rank(os.environ, env, cfg.barrier_timeout, clock, sealer=job_sealer)
 
     def open(self, *, joining_job: bool) -> int:
         """Connect, start the services and the watchdog, and meet every rank once (the initial

@@ -57,11 +57,12 @@ class NodePath:
         local_world_size: int,
         timeout: float,
         clock: Clock = SYSTEM,
-        sealer: Sealer | None = None,
+        sealer: Callable[[], Sealer | None] = lambda: None,
     ) -> NodePath | None:
         """The node path when ``RESTARTABLE_NODE_STORE`` is set (``host:port``), else None.
         ``sealer``: the job's (the launcher's relay seals with the same key), so that a value
-        another local user writes on the node store is refused as on the job's store."""
+        another local user writes on the node store is refused as on the job's store; called
+        only where the variable is set (without a launcher a job's secret may not exist yet)."""
         raw = environ.get(node_barrier.NODE_STORE_ENV)
         if not raw:
             return None
@@ -72,8 +73,10 @@ class NodePath:
                 "node store); unset it to use the per-rank restart path"
             )
 
+        key = sealer()
+
         def open_client() -> Store:
-            return seal(TCPStoreClient(host, int(port), timeout=timeout, clock=clock), sealer)
+            return seal(TCPStoreClient(host, int(port), timeout=timeout, clock=clock), key)
 
         return cls(
             open_client(),
@@ -91,7 +94,7 @@ class NodePath:
         env: LaunchEnv,
         timeout: float,
         clock: Clock = SYSTEM,
-        sealer: Sealer | None = None,
+        sealer: Callable[[], Sealer | None] = lambda: None,
     ) -> NodePath | None:
         """``from_environ`` for the rank ``env`` describes (the restart loop's)."""
         return cls.from_environ(

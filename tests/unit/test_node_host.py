@@ -77,7 +77,7 @@ def test_a_value_another_local_user_writes_on_the_node_store_is_refused() -> Non
     try:
         env = host.env()
         path = NodePath.from_environ(
-            env, rank=0, world_size=2, local_world_size=2, timeout=10.0, sealer=sealer
+            env, rank=0, world_size=2, local_world_size=2, timeout=10.0, sealer=lambda: sealer
         )
         assert path is not None
         stranger = C10dStore(dist.TCPStore("127.0.0.1", host.port, is_master=False))
