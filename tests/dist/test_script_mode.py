@@ -22,7 +22,12 @@ SCRIPTS = REPO_ROOT / "tests" / "dist" / "torchrun_scripts"
 FAST = {"soft_timeout": 3.0, "hard_timeout": 8.0, "heartbeat_interval": 0.5}
 # The form's command line and the line it prints when it resumes from its own file.
 FORMS = {
-    "main": (["multigpu_torchrun.py", "4", "1"], "Resuming training from snapshot at Epoch 1"),
+    # {saved}: the epoch of rank 0's last snapshot before the restart (the fault on rank 1 may
+    # interrupt rank 0 before or after its save of the epoch in flight).
+    "main": (
+        ["multigpu_torchrun.py", "4", "1"],
+        "Resuming training from snapshot at Epoch {saved}",
+    ),
     "module": (["nanogpt_train.py", "--max_iters=12"], "Resuming training from out"),
 }
 
@@ -76,7 +81,9 @@ def _assert_restarted_in_place(output: str, form: str, slots: tuple[str, ...]) -
     """Every slot in ``slots`` ran the script twice in one process, the second time as
     restart 1, resumed from the script's own file and finished."""
     starts = _starts(output)
-    resumed = FORMS[form][1]
+    before = output.split("Loading snapshot", 1)[0]
+    saved = re.findall(r"^\[rank 0\] Epoch (\d+) \| Training snapshot saved", before, re.MULTILINE)
+    resumed = FORMS[form][1].format(saved=saved[-1] if saved else "(none saved)")
     for slot in slots:
         runs = starts[slot]
         assert len(runs) == 2, (slot, runs, output)
