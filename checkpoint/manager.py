@@ -6,9 +6,10 @@ import atexit
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from restartable.checkpoint import optimizers
+from restartable.checkpoint import optimizers, quarantine
 from restartable.checkpoint.config import (
     LocalConfig,
     PersistentConfig,
@@ -95,6 +96,7 @@ class CheckpointManager:
         self._closed = False
         self._told_tiers = False  # the journal's one "tiers" record (config.tiers_record)
         self._rank_values = RankValuesCheck()  # plain values that differ between ranks
+        self._quarantine = quarantine.Pending()  # a finding's distrusted steps, until a load
         self.last_restore: Restore | None = None
         self._schedule = SaveSchedule(self._cfg, self._local_cfg)
         atexit.register(self._close_at_exit)
@@ -206,21 +208,16 @@ class CheckpointManager:
             group=self._group,
             local=self._local,
             fallback_on_corruption=self._cfg.fallback_on_corruption,
+            pending=self._quarantine,
         )
         restore = self.last_restore = restore_newest(tiers, state, self._schedule, t0)
-        if _journal.handlers:
-            fields = {"step": restore.step, "tier": restore.tier, "seconds": restore.seconds}
-            _journal.debug("restore", extra={"journal": fields})
-        if restore.step is None:
-            log.info("checkpoint: no checkpoint under %s; starting fresh", self._cfg.root)
-        elif restore.tier != "persistent":
-            log.info(
-                "checkpoint: restored step %d from the %s tier in %.3f s",
-                restore.step,
-                restore.tier,
-                restore.seconds,
-            )
+        _tell_restore(restore, self._cfg.root)
         return restore.step
+
+    def quarantine_after(self, step: int, *, finding: Mapping[str, Any] | None = None) -> None:
+        """Never restore a step after ``step`` again (silent data corruption): rank-local, at
+        the finding; see ``checkpoint.quarantine`` and docs/checkpoint.md."""
+        quarantine.request(self._quarantine, self._persistent, self._dirs, step, finding)
 
     def before_write(self) -> None:
         """Before an in-place write of the state outside an optimizer's step: see overlap_copy."""
@@ -276,6 +273,22 @@ class CheckpointManager:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise CheckpointError(f"CheckpointManager.{what}() called after close()")
+
+
+def _tell_restore(restore: Restore, root: str) -> None:
+    """Journal what ``load_latest`` restored, and log it (the persistent tier logs its own)."""
+    if _journal.handlers:
+        fields = {"step": restore.step, "tier": restore.tier, "seconds": restore.seconds}
+        _journal.debug("restore", extra={"journal": fields})
+    if restore.step is None:
+        log.info("checkpoint: no checkpoint under %s; starting fresh", root)
+    elif restore.tier != "persistent":
+        log.info(
+            "checkpoint: restored step %d from the %s tier in %.3f s",
+            restore.step,
+            restore.tier,
+            restore.seconds,
+        )
 
 
 def _check_save_args(step: object, state: object) -> None:

@@ -8,6 +8,7 @@ import logging
 import time
 from typing import Any
 
+from restartable.checkpoint import quarantine
 from restartable.checkpoint.errors import CheckpointError, ShardingMismatchError
 from restartable.checkpoint.group import BackgroundGroup
 from restartable.checkpoint.local import LocalTier
@@ -44,6 +45,7 @@ class Tiers:
     group: BackgroundGroup  # the persistent tier's
     local: LocalTier | None  # None: the local tier is off
     fallback_on_corruption: bool
+    pending: quarantine.Pending  # this process's finding to apply (checkpoint.quarantine)
 
 
 def restore_newest(
@@ -55,17 +57,22 @@ def restore_newest(
     call began). Settles and waits (bounded) for the persistent saves in flight, lists the
     committed persistent steps, asks the local tier for a step at least as new, and loads the
     persistent tier otherwise. A restore from the local tier tells ``schedule`` (a persistent
-    step may be owed).
+    step may be owed). First, with every save settled, the quarantines pending (a finding of
+    silent data corruption: ``checkpoint.quarantine``) are applied, and no tier restores a
+    step they distrust.
     """
     _settle_persistent(tiers.persistent)
     group = tiers.group.current()
-    committed = list_committed(tiers.dirs, group)
+    limit = quarantine.settle(tiers.dirs, tiers.local, group, tiers.pending)
+    if limit is not None:  # nothing in flight any more: the rolled-back run's saves commit
+        tiers.persistent.refuse_after(None)
+    committed = [c for c in list_committed(tiers.dirs, group) if limit is None or c.step <= limit]
     newest = committed[-1].step if committed else None
     if tiers.local is not None:
         # load() settles first: after a restart it cancels the background work in flight
         # instead of waiting on a peer that may be gone.
         try:
-            result = tiers.local.load(state, min_step=newest)
+            result = tiers.local.load(state, min_step=newest, max_step=limit)
         except ShardingMismatchError as e:  # raised on every rank, before any write
             log.warning(
                 "checkpoint: the local tier's shards do not fit the live mesh (%s); "
@@ -82,6 +89,7 @@ def restore_newest(
             state,
             group,
             fallback_on_corruption=tiers.fallback_on_corruption,
+            max_step=limit,
         )
     seconds = time.perf_counter() - t0
     if ckpt is None:

@@ -278,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         compute=forward,
         make_model=lambda: build_model(cfg, args.seed),
         make_store=scrubbing.store_factory() if scrub_mode == "reserve" else None,
+        checkpoints=mgr,  # a finding quarantines the checkpoints after its verified step
     )
     corruption = scrubbing.Corruption(plan, run_dir)
 

@@ -29,7 +29,13 @@ from typing import Any, Literal
 import torch
 
 from restartable.rerun import agree, scrub_inplace
-from restartable.rerun.scrub_finding import SdcFinding, SilentDataCorruption, report_finding
+from restartable.rerun.scrub_finding import (
+    Quarantines,
+    SdcFinding,
+    SilentDataCorruption,
+    quarantine,
+    report_finding,
+)
 from restartable.rerun.scrub_judge import Judge, Mismatch
 from restartable.rerun.scrub_reserve import ReserveChecker
 from restartable.rerun.scrub_rollback import Snapshots, rollback
@@ -56,6 +62,7 @@ class Scrubber:
         make_model: Callable[[], torch.nn.Module] | None = None,
         make_store: Callable[[], ScrubStore] | None = None,
         verdict_timeout: float = 30.0,
+        checkpoints: Quarantines | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode ({mode!r}) must be one of {MODES}: pick one")
@@ -66,6 +73,7 @@ class Scrubber:
         self.every, self.mode, self._compute = every, mode, compute
         self._make_model, self._make_store = make_model, make_store
         self._timeout = verdict_timeout
+        self._checkpoints = checkpoints  # a finding quarantines its later checkpoints
         self.snaps = Snapshots()
         self._checker: ReserveChecker | None = None
         self._judge: Judge | None = None
@@ -253,6 +261,7 @@ class Scrubber:
         first wait for that, so that the restart blames the suspect alone."""
         self.snaps.pending = finding.rollback_to
         self.findings.append(finding)
+        quarantine(self._checkpoints, finding)
         if finding.rank == self._rank:
             report_finding(finding)
             raise SilentDataCorruption(finding, retire=retire)

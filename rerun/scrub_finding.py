@@ -5,8 +5,9 @@ restart."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 logger = logging.getLogger(__name__)
 # The run journal's channel (see inprocess/journal.py; a name, so rerun need not import it).
@@ -68,6 +69,24 @@ def report_finding(finding: SdcFinding) -> None:
         fields["fault_rank"] = fields.pop("initial_rank")
         fields["training_rank"] = fields.pop("rank")
         _journal.debug("sdc_finding", extra={"journal": fields})
+
+
+class Quarantines(Protocol):
+    """What a finding tells the job's checkpoints: ``CheckpointManager`` is one."""
+
+    def quarantine_after(self, step: int, *, finding: Mapping[str, Any] | None = None) -> None:
+        """Never restore a checkpoint of a step after ``step`` (rank-local, never blocks)."""
+
+
+def quarantine(checkpoints: Quarantines | None, finding: SdcFinding) -> None:
+    """On every rank, when ``finding`` is settled and before the restart: every checkpoint of
+    a step after the one the job rolls back to is distrusted (trained on the corrupt
+    arithmetic, or not verified since), so no later restore may pick it: this run's after a
+    later fault, a requeued job's, the user's own resume (``checkpoint.quarantine``)."""
+    if checkpoints is None:
+        return
+    fields = {k: v for k, v in finding.as_dict().items() if k != "digests"}
+    checkpoints.quarantine_after(finding.rollback_to, finding=fields)
 
 
 class SilentDataCorruption(Exception):

@@ -65,17 +65,28 @@ def clone_tree(obj: Any) -> Any:
 def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> int:
     """COLLECTIVE (every active rank, at the start of ``train()`` after its checkpoint load):
     the step training resumes from. ``loaded``: the step restored; ``restore(state)`` loads a
-    copy taken by ``snapshot``. Returns ``loaded`` unless a finding asked for an older step."""
+    copy taken by ``snapshot``. Returns ``loaded`` unless a finding asked for another step:
+    an older one (the checkpoint restored is after the verified step), or a newer one (the
+    checkpoints after the verified step were quarantined, ``Scrubber(checkpoints=...)``, and
+    the restore found an older one: the verified copy saves re-training the steps between)."""
     rank, world = agree.rank_and_world()
     device = agree.comm_device()
     want = torch.tensor([-1 if snaps.pending is None else snaps.pending], device=device)
     agree.reduce_max_(want)
     target = int(want.item())
     snaps.pending = None
-    if target < 0 or target >= loaded:
+    if target < 0 or target == loaded:
         return loaded
     held = torch.tensor([world - rank if snaps.get(target) is not None else 0], device=device)
     agree.reduce_max_(held)
+    if int(held.item()) == 0 and target > loaded:  # older than verified: trusted too
+        logger.warning(
+            "sdc scrubbing: no rank holds the verified state of step %d; resuming from the "
+            "older checkpoint of step %d",
+            target,
+            loaded,
+        )
+        return loaded
     if int(held.item()) == 0:
         raise RuntimeError(
             f"sdc scrubbing: no rank holds the verified state of step {target} to roll back to "
@@ -90,8 +101,10 @@ def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> i
         dist.broadcast_object_list(box, src=src)
     restore(box[0])
     snaps.forget_after(target)
+    how = "rolled back from" if loaded > target else "restored over the older checkpoint of"
     logger.warning(
-        "sdc scrubbing: rolled back from step %d to the verified step %d (state of rank %d)",
+        "sdc scrubbing: %s step %d to the verified step %d (state of rank %d)",
+        how,
         loaded,
         target,
         src,

@@ -227,6 +227,14 @@ class BackgroundSaver:
                     )
         self._prunes += 1
 
+    def quarantine(self, after: int, name: str) -> list[tuple[int, Path]]:
+        """Move the directory's files of steps newer than ``after`` into
+        ``<local_dir>/quarantine/<name>/`` (see ``directory.ShardFiles.quarantine``); none
+        without a directory. Only while no job runs (the tier settled)."""
+        if self._files is None or self._dir is None:
+            return []
+        return self._files.quarantine(after, self._dir / "quarantine" / name)
+
     def close(self) -> None:
         """Close the directory's files (after the worker stopped: nothing writes any more)."""
         if self._files is not None:

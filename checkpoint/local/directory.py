@@ -248,6 +248,27 @@ class ShardFiles:
                 pass
         return removed
 
+    def quarantine(self, after: int, dest: Path) -> list[tuple[int, Path]]:
+        """Move out of the directory into ``dest`` (created private) every file holding a step
+        newer than ``after``: this process's own (closed, never reused), and those of processes
+        that are gone (nobody holds their lock). Their records stay intact (evidence); no scan
+        of the directory sees them again. Returns (step, new path) of each. Background thread
+        idle (the tier settled first)."""
+        moved: list[tuple[int, Path]] = []
+        for key in [k for k in self._held if k[0] > after]:
+            f = self._held.pop(key)
+            moved.append((key[0], _move_into(f.path, dest)))
+            os.close(f.fd)
+        for entry, fd in _opened(self._root, skip=self._prefix):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: its writer is alive
+                meta = decode_record(os.pread(fd, RECORD_SIZE, 0))
+                if meta is not None and meta.step > after:
+                    moved.append((meta.step, _move_into(Path(entry.path), dest)))
+            except OSError:
+                pass  # alive, or moved meanwhile by a co-located rank
+        return moved
+
     def close(self) -> None:
         """Close every file: the shards stay for a later process, the empty files go."""
         for f in self._free:
@@ -256,6 +277,13 @@ class ShardFiles:
             os.close(f.fd)
         self._free.clear()
         self._held.clear()
+
+
+def _move_into(path: Path, dest: Path) -> Path:
+    private_dir(dest, what="local_dir quarantine directory")
+    target = dest / path.name
+    os.replace(path, target)
+    return target
 
 
 def _remove(f: _File) -> None:
@@ -280,15 +308,16 @@ def _opened(root: Path, skip: str = "") -> Iterator[tuple[os.DirEntry[str], int]
             os.close(fd)
 
 
-def scan(root: Path) -> list[ShardMeta]:
-    """Every shard with a record in the directory (unverified: read() checks the checksum)."""
+def scan(root: Path, max_step: int | None = None) -> list[ShardMeta]:
+    """Every shard with a record in the directory (unverified: read() checks the checksum), of
+    a step up to ``max_step`` (None: any)."""
     out = []
     for entry, fd in _opened(root) if root.is_dir() else ():
         try:
             meta = decode_record(os.pread(fd, RECORD_SIZE, 0), entry.path)
         except OSError:
             continue
-        if meta is not None:
+        if meta is not None and (max_step is None or meta.step <= max_step):
             out.append(meta)
     return out
 

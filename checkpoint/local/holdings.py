@@ -77,6 +77,19 @@ class Holdings:
             self._recent = [r for r in self._recent if r < step]
             self._ok = {r for r in self._ok if r < step}
 
+    def forget_after(self, step: int) -> list[tuple[int, int]]:
+        """Free every copy (own and replicas) of a step newer than ``step``: distrusted (a
+        finding of silent data corruption). The (step, owner) of each freed; the caller made
+        sure no background work still reads them."""
+        with self._lock:
+            gone = sorted(k for k in self.held if k[0] > step)
+            for key in gone:
+                self._free.append(self.held.pop(key).buf)
+            self._confirmed = [c for c in self._confirmed if c <= step]
+            self._recent = [r for r in self._recent if r <= step]
+            self._ok = {r for r in self._ok if r <= step}
+            return gone
+
     def make_room(self) -> None:
         """Before a save takes its buffer: free the recent steps beyond the newest
         UNCONFIRMED_KEPT - 1, so that the buffer they free is the one the save reuses. Their

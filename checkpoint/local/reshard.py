@@ -46,15 +46,16 @@ def restore_resharded(
     held: Iterable[Shard],
     local_dir: Path | None,
     min_step: int | None,
+    max_step: int | None = None,
 ) -> RestoreResult | None:
-    """COLLECTIVE: fill ``state`` from the newest step >= ``min_step`` that another world size
-    saved and that every rank can read whole on its own node; its result, or None on every rank.
+    """COLLECTIVE: fill ``state`` from the newest step in [``min_step``, ``max_step``] that
+    another world size saved and every rank can read whole on its node; its result, or None.
 
     ``held``: every shard in this process's memory (any world size). Blocks on two small
     all-gathers and one all-reduce on ``pg``; reads files of ``local_dir``.
     """
     t0 = time.perf_counter()
-    memory, on_disk = _other_worlds(held, local_dir, world)
+    memory, on_disk = _other_worlds(held, local_dir, world, max_step)
     mine = [list(k) for k in sorted(set(memory) | set(on_disk))]
     inventories = [{tuple(x) for x in inv} for inv in _gather_json(pg, mine, world)]
     step_world = _newest_whole(inventories, min_step)
@@ -89,14 +90,15 @@ def restore_resharded(
 
 
 def _other_worlds(
-    held: Iterable[Shard], local_dir: Path | None, world: int
+    held: Iterable[Shard], local_dir: Path | None, world: int, max_step: int | None = None
 ) -> tuple[dict[tuple[int, int, int], Shard], dict[tuple[int, int, int], directory.ShardMeta]]:
     """The shards of other world sizes this rank can read itself, by (step, world, owner): in
     memory, and in the node-local directory (None: no directory)."""
     memory = {(s.step, s.world, s.owner): s for s in held if s.world != world}
     on_disk: dict[tuple[int, int, int], directory.ShardMeta] = {}
     if local_dir is not None:
-        on_disk = {(m.step, m.world, m.owner): m for m in directory.scan(local_dir)}
+        found = directory.scan(local_dir, max_step)
+        on_disk = {(m.step, m.world, m.owner): m for m in found}
         on_disk = {k: m for k, m in on_disk.items() if m.world != world}
     return memory, on_disk
 

@@ -81,10 +81,12 @@ def restore(
     local_dir: Path | None,
     min_step: int | None,
     replicated_owner: ReplicatedOwner | None,
+    max_step: int | None = None,
 ) -> RestoreResult | None:
-    """COLLECTIVE: see LocalTier.load(). `held` = this rank's in-memory shards for this world."""
+    """COLLECTIVE: see LocalTier.load(). `held` = this rank's in-memory shards for this world
+    (none after ``max_step``)."""
     t0 = time.perf_counter()
-    on_disk = _scan(local_dir, held, world)
+    on_disk = _scan(local_dir, held, world, max_step)
     mine = sorted(set(held) | set(on_disk))
     inventories = [[tuple(x) for x in inv] for inv in _gather(pg, mine, world)]
     bad: set[tuple[int, int, int]] = set()
@@ -121,14 +123,15 @@ def restore(
 
 
 def _scan(
-    local_dir: Path | None, held: dict[tuple[int, int], Shard], world: int
+    local_dir: Path | None, held: dict[tuple[int, int], Shard], world: int, max_step: int | None
 ) -> dict[tuple[int, int], directory.ShardMeta]:
     """The node-local directory's shards of this world size, by (step, owner). Scanned only when
     memory is empty (a fresh process or a reserve): a surviving process holds in memory
     everything it wrote, and a memory restore reads no file."""
     if local_dir is None or held:
         return {}
-    return {(m.step, m.owner): m for m in directory.scan(local_dir) if m.world == world}
+    found = directory.scan(local_dir, max_step)
+    return {(m.step, m.owner): m for m in found if m.world == world}
 
 
 def _exclude(bad: set[tuple[int, int, int]], all_bad: list[Any], step: int) -> None:

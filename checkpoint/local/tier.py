@@ -224,8 +224,19 @@ class LocalTier:
             self._snapshots.settle()
         self._in_flight.wait()
 
-    def load(self, state: dict[str, Any], *, min_step: int | None) -> RestoreResult | None:
-        """COLLECTIVE: restore the newest step >= min_step every rank can obtain, into `state`.
+    def quarantine_after(self, step: int, name: str) -> list[tuple[str, int, str]]:
+        """Rank-local: after settling, free the memory copies (own, replicas) of the steps after
+        ``step`` and move their node-local files into ``<local_dir>/quarantine/<name>/``
+        (``checkpoint.quarantine``). (tier, step, where) of each copy, for the log."""
+        self._settle()
+        gone = [("memory", s, f"rank {owner}'s copy") for s, owner in self._hold.forget_after(step)]
+        return gone + [("local_dir", s, str(p)) for s, p in self._saver.quarantine(step, name)]
+
+    def load(
+        self, state: dict[str, Any], *, min_step: int | None, max_step: int | None = None
+    ) -> RestoreResult | None:
+        """COLLECTIVE: restore the newest step in [min_step, max_step] every rank can obtain,
+        into `state` (a step after max_step is distrusted: ``quarantine_after``).
 
         Returns None (the manager falls back to the persistent tier) when no such step exists,
         e.g. the world size changed since the save or every copy of a shard was lost or corrupt.
@@ -235,7 +246,7 @@ class LocalTier:
         self._settle()
         pg = self._group.current()
         rank, world = rank_and_size(pg)
-        every = self._hold.shards()
+        every = [s for s in self._hold.shards() if max_step is None or s.step <= max_step]
         held = {(s.step, s.owner): s for s in every if s.world == world}
         fp = placement.replicated_owner if self._algo == "fully_parallel" else None
         found = restore(
@@ -246,6 +257,7 @@ class LocalTier:
             held=held,
             local_dir=self._dir,
             min_step=min_step,
+            max_step=max_step,
             replicated_owner=fp,
         )
         if found is not None:
@@ -260,6 +272,7 @@ class LocalTier:
             held=every,
             local_dir=self._dir,
             min_step=min_step,
+            max_step=max_step,
         )
 
     def close(self) -> None:

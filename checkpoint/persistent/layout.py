@@ -124,7 +124,7 @@ class CheckpointDirs:
         else:
             self.fs.makedirs(dirpath, exist_ok=True)
         body = {"format": FORMAT, "step": step, "world_size": world_size, "started": time.time()}
-        self._write_small(self.join_dir(dirpath, IN_PROGRESS_MARKER), body)
+        self.write_small(self.join_dir(dirpath, IN_PROGRESS_MARKER), body)
 
     def commit(self, dirpath: str, manifest: dict[str, Any]) -> None:
         """Write the commit marker: the single point at which the checkpoint becomes visible.
@@ -133,12 +133,12 @@ class CheckpointDirs:
         one whole-object write (an object store never shows a partial object); a torn marker on
         any filesystem fails to parse and counts as "not committed".
         """
-        self._write_small(self.join_dir(dirpath, COMMIT_MARKER), {"format": FORMAT, **manifest})
+        self.write_small(self.join_dir(dirpath, COMMIT_MARKER), {"format": FORMAT, **manifest})
 
     def join_dir(self, dirpath: str, name: str) -> str:
         return os.path.join(dirpath, name) if self.is_local else f"{dirpath}/{name}"
 
-    def _write_small(self, path: str, body: dict[str, Any]) -> None:
+    def write_small(self, path: str, body: dict[str, Any]) -> None:
         data = json.dumps(body, sort_keys=True).encode()
         if not self.is_local:
             self.fs.pipe_file(path, data)

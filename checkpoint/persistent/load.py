@@ -142,15 +142,17 @@ def load_latest(
     *,
     fallback_on_corruption: bool,
     min_step: int | None = None,
+    max_step: int | None = None,
 ) -> Committed | None:
-    """Load the newest committed checkpoint that verifies; None if there is none.
+    """Load the newest committed checkpoint that verifies (of a step up to ``max_step``, if
+    given: a newer one is distrusted, see ``checkpoint.quarantine``); None if there is none.
 
     A corrupt newest checkpoint, or one holding a file that is not plain data (a crafted
     ``.metadata`` whose checksums were fixed up), is skipped with a WARNING (or raises, without
     fallback). When every candidate is corrupt, raises ``CheckpointCorruptError`` (never
     silently starts over).
     """
-    candidates = [c for c in list_committed(dirs, group) if min_step is None or c.step >= min_step]
+    candidates = _between(list_committed(dirs, group), min_step, max_step)
     corrupt: list[str] = []
     for ckpt in reversed(candidates):
         t0 = time.perf_counter()
@@ -183,3 +185,8 @@ def load_latest(
             "every committed checkpoint is corrupt: " + " | ".join(corrupt), path=dirs.url
         )
     return None
+
+
+def _between(found: list[Committed], low: int | None, high: int | None) -> list[Committed]:
+    """The checkpoints of ``found`` whose step is in [low, high] (None: unbounded)."""
+    return [c for c in found if (low is None or c.step >= low) and (high is None or c.step <= high)]

@@ -52,6 +52,11 @@ class SaveProtocol:
         self._memo = PlanMemo()  # the worker thread's only
         self._templates = ArchiveTemplates()
         self._objects = ObjectArchives()
+        # Set by the training thread (PersistentSaver.refuse_after), read by this one before
+        # the commit: a step newer than it is distrusted (a finding of silent data corruption)
+        # and never committed. A plain int swap: the commit checks it last, and a commit that
+        # raced past the check is quarantined by the next load (checkpoint.quarantine).
+        self.refuse_after: int | None = None
 
     def clear(self) -> None:
         """Forget the reused plans (``PersistentSaver.close``, once the worker stopped)."""
@@ -270,6 +275,12 @@ class SaveProtocol:
             "committed": time.time(),
         }
         self._crash("commit", 0)
+        refused = self.refuse_after
+        if refused is not None and step > refused:
+            raise CheckpointError(
+                f"step {step} not committed: a finding of silent data corruption distrusts "
+                f"every step after {refused} (the job rolls back there)"
+            )
         self._dirs.commit(dirpath, manifest)
 
     def _retention(self, current: str) -> None:

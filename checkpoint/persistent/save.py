@@ -133,6 +133,14 @@ class PersistentSaver:
         log.debug("checkpoint: staged step %d in %.3f s", step, stats.stall_s)
         return True
 
+    def refuse_after(self, step: int | None) -> None:
+        """From now on, commit no save of a step after ``step`` (None: commit every step again).
+
+        Training thread, rank-local, never blocks: a save in flight fails at its commit (its
+        failure is reported like any failed save), or has committed already and is quarantined
+        by the next ``load_latest`` (``checkpoint.quarantine``)."""
+        self._protocol.refuse_after = step
+
     def wait(self) -> SaveStats | None:
         """Wait (bounded) for the save in flight; raise its error, if it failed.
 
