@@ -62,6 +62,16 @@ def clone_tree(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def _lowest_holder(
+    snaps: Snapshots, target: int, rank: int, world: int, device: torch.device
+) -> torch.Tensor:
+    """COLLECTIVE: ``world - r`` for the lowest rank ``r`` holding the copy of ``target``, or
+    0 when no rank holds it."""
+    held = torch.tensor([world - rank if snaps.get(target) is not None else 0], device=device)
+    agree.reduce_max_(held)
+    return held
+
+
 def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> int:
     """COLLECTIVE (every active rank, at the start of ``train()`` after its checkpoint load):
     the step training resumes from. ``loaded``: the step restored; ``restore(state)`` loads a
@@ -75,10 +85,12 @@ def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> i
     agree.reduce_max_(want)
     target = int(want.item())
     snaps.pending = None
-    if target < 0 or target == loaded:
+    if target < 0:
         return loaded
-    held = torch.tensor([world - rank if snaps.get(target) is not None else 0], device=device)
-    agree.reduce_max_(held)
+    if target == loaded:
+        logger.warning("sdc scrubbing: resumed from the verified step %d (checkpoint)", target)
+        return loaded
+    held = _lowest_holder(snaps, target, rank, world, device)
     if int(held.item()) == 0 and target > loaded:  # older than verified: trusted too
         logger.warning(
             "sdc scrubbing: no rank holds the verified state of step %d; resuming from the "

@@ -78,7 +78,37 @@ def test_persistent_sdc_is_found_its_rank_retired_and_the_loss_is_a_clean_runs(
     assert f["rollback_to"] == 25 and f["detected_at"] == 45 and f["steps_rolled_back"] == 20, f
     logs = _logs(tmp_path)
     assert "rank 1 retired after iteration 0" in logs, logs[-4000:]
-    assert "rolled back from step 45 to the verified step 25" in logs, logs[-4000:]
+    # The checkpoints after step 25 are quarantined (Scrubber(checkpoints=mgr)): the restart
+    # restores an older one, then the verified copy of step 25 over it.
+    assert "to the verified step 25" in logs, logs[-4000:]
+    assert _final_loss(tmp_path) == clean_loss
+
+
+def test_checkpoints_after_the_verified_step_are_quarantined_and_never_restored(
+    tmp_path: Path, clean_loss: float
+) -> None:
+    """A persistent checkpoint every 2 steps: 40, 42 and 44 (in flight at the finding, or
+    committed) come from the untrusted steps after 25. They move into ckpt/quarantine/<id>/
+    whole, named in the log, and the run still ends with the clean run's loss."""
+    job = _launch(tmp_path, "sdc@rank1:step40", "--persistent-every", "2")
+    assert job.returncode == 0, job.output
+    (f,) = _findings(tmp_path)
+    assert (f["step"], f["rollback_to"]) == (40, 25), f
+    (where,) = (tmp_path / "ckpt" / "quarantine").iterdir()
+    record = json.loads((where / "finding.json").read_text())
+    assert record["applied"] is True and record["after"] == 25, record
+    moved = sorted(p for p in where.iterdir() if p.name.startswith("step_"))
+    assert moved and all(int(p.name[5:15]) > 25 for p in moved), moved
+    logs = _logs(tmp_path)
+    for p in moved:
+        assert f"of the persistent tier: {p} " in logs, logs[-4000:]
+        assert (p / "_COMMITTED.json").is_file()  # whole: the user may inspect or load it
+    quarantined = [
+        r for r in journal.read(tmp_path / "journal") if r["event"] == "checkpoint_quarantined"
+    ]
+    assert {r["tier"] for r in quarantined} >= {"persistent", "memory", "local_dir"}, quarantined
+    assert all(r["step"] > 25 for r in quarantined), quarantined
+    assert "to the verified step 25" in logs, logs[-4000:]
     assert _final_loss(tmp_path) == clean_loss
 
 
