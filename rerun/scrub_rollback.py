@@ -88,7 +88,7 @@ def rollback(snaps: Snapshots, loaded: int, restore: Callable[[Any], None]) -> i
     if target < 0:
         return loaded
     if target == loaded:
-        logger.warning("sdc scrubbing: resumed from the verified step %d (checkpoint)", target)
+        logger.warning("sdc scrubbing: rolled back to the verified step %d (checkpoint)", target)
         return loaded
     held = _lowest_holder(snaps, target, rank, world, device)
     if int(held.item()) == 0 and target > loaded:  # older than verified: trusted too
