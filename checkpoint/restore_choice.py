@@ -64,8 +64,9 @@ def restore_newest(
     _settle_persistent(tiers.persistent)
     group = tiers.group.current()
     limit = quarantine.settle(tiers.dirs, tiers.local, group, tiers.pending)
-    if limit is not None:  # nothing in flight any more: the rolled-back run's saves commit
-        tiers.persistent.refuse_after(None)
+    # Nothing in flight any more and every pending quarantine applied: the saves of the run
+    # that resumes from here (the rolled-back one) commit again.
+    tiers.persistent.refuse_after(None)
     committed = [c for c in list_committed(tiers.dirs, group) if limit is None or c.step <= limit]
     newest = committed[-1].step if committed else None
     if tiers.local is not None:

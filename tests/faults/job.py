@@ -173,9 +173,9 @@ def _forward(m: torch.nn.Module, xy: tuple[torch.Tensor, torch.Tensor]) -> torch
     return torch.nn.functional.mse_loss(m(xy[0]), xy[1])
 
 
-def _scrubber(mode: str) -> Scrubber:
+def _scrubber(mode: str, mgr: CheckpointManager) -> Scrubber:
     """sdc rows: a warm reserve re-computes every step of one rank (rotating), or each rank
-    its own (in place)."""
+    its own (in place); a finding quarantines ``mgr``'s checkpoints after its verified step."""
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     return Scrubber(
         every=1,
@@ -183,6 +183,7 @@ def _scrubber(mode: str) -> Scrubber:
         compute=_forward,
         make_model=_model,
         make_store=lambda: client(host, port, timeout=30.0),
+        checkpoints=mgr,
     )
 
 
@@ -221,7 +222,7 @@ def main() -> int:
         timeout=30.0,
     )
 
-    scrub = _scrubber(job.row.get("scrub", "off"))
+    scrub = _scrubber(job.row.get("scrub", "off"), mgr)
 
     def reserve_waits() -> None:
         scrub.serve()  # sdc rows: the reserve re-computes the checked steps
