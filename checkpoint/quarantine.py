@@ -167,13 +167,18 @@ def _tell(
 
 
 def _what(finding: dict[str, Any]) -> str:
-    if not finding:
-        return "a finding of silent data corruption"
-    return (
-        f"silent data corruption on rank {finding.get('rank')} at step {finding.get('step')}, "
-        f"found at step {finding.get('detected_at')} ({finding.get('verdict')}), rolled back "
-        f"to step {finding.get('rollback_to')}"
-    )
+    """The finding in words, from whichever of its fields the caller gave."""
+    if "rank" in finding and "step" in finding:
+        text = f"silent data corruption on rank {finding['rank']} at step {finding['step']}"
+    else:
+        text = "a finding of silent data corruption"
+    if "detected_at" in finding:
+        text += f", found at step {finding['detected_at']}"
+    if "verdict" in finding:
+        text += f" ({finding['verdict']})"
+    if "rollback_to" in finding:
+        text += f", rolled back to step {finding['rollback_to']}"
+    return text
 
 
 def _brief(finding: dict[str, Any]) -> dict[str, Any]:

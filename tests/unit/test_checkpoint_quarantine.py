@@ -142,3 +142,25 @@ def test_holdings_forget_after_frees_own_copies_and_replicas() -> None:
     assert hold.forget_after(5) == [(6, 0), (6, 1)]
     assert sorted(hold.held) == [(5, 0), (5, 1)]
     assert not hold.stale(6, 2)  # nothing newer left for the next save of step 6 to free
+
+
+def test_a_remote_root_copies_then_removes(tmp_path: Path) -> None:
+    """fsspec roots (here memory://) have no atomic rename: copy into quarantine/, then delete
+    the original, commit marker first."""
+    import uuid
+
+    import fsspec
+
+    root = f"memory://quarantine-test-{uuid.uuid4().hex[:8]}"
+    state = {"w": torch.zeros(3)}
+    with CheckpointManager(root, persistent_every=1, keep=10) as mgr:
+        for step in range(1, 6):
+            state["w"].fill_(float(step))
+            mgr.save(step, state)
+        mgr.wait()
+        mgr.quarantine_after(3, finding={"step": 3, "detected_at": 5})
+        assert mgr.load_latest(state) == 3 and float(state["w"][0]) == 3.0
+        assert [c.step for c in mgr.committed()] == [1, 2, 3]
+    fs = fsspec.filesystem("memory")
+    markers = fs.glob(root.replace("memory://", "/") + "/quarantine/*/step_*/_COMMITTED.json")
+    assert sorted(m.split("/")[-2][:15] for m in markers) == ["step_0000000004", "step_0000000005"]
