@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from restartable.checkpoint.errors import CheckpointAbandoned
 from restartable.checkpoint.exchange import StoreExchange
-from restartable.checkpoint.local import directory, integrity, placement
+from restartable.checkpoint.local import directory, fence, integrity, placement
 from restartable.checkpoint.local.holdings import Holdings
 from restartable.checkpoint.local.restore import Shard
 from restartable.checkpoint.local.transport import Outgoing, transfer
@@ -233,7 +233,9 @@ class BackgroundSaver:
         without a directory. Only while no job runs (the tier settled)."""
         if self._files is None or self._dir is None:
             return []
-        return self._files.quarantine(after, self._dir / "quarantine" / name)
+        dest = self._dir / "quarantine" / name
+        fence.write(dest, after)  # first: a file written after it is the rolled-back run's
+        return self._files.quarantine(after, dest)
 
     def close(self) -> None:
         """Close the directory's files (after the worker stopped: nothing writes any more)."""

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from restartable.checkpoint.errors import CheckpointError, CheckpointStorageError
-from restartable.checkpoint.local import integrity, packing, parts
+from restartable.checkpoint.local import fence, integrity, packing, parts
 from restartable.checkpoint.private_files import NotPrivateError, open_private, private_dir
 
 _FILE = re.compile(r"^shard-\d+-[0-9a-f]{8}-\d+\.bin$")
@@ -310,14 +310,18 @@ def _opened(root: Path, skip: str = "") -> Iterator[tuple[os.DirEntry[str], int]
 
 def scan(root: Path, max_step: int | None = None) -> list[ShardMeta]:
     """Every shard with a record in the directory (unverified: read() checks the checksum), of
-    a step up to ``max_step`` (None: any)."""
+    a step up to ``max_step`` (None: any), and not behind a quarantine's fence (``fence``)."""
     out = []
+    fences = fence.read(root) if root.is_dir() else []
     for entry, fd in _opened(root) if root.is_dir() else ():
         try:
             meta = decode_record(os.pread(fd, RECORD_SIZE, 0), entry.path)
+            written = os.fstat(fd).st_mtime_ns
         except OSError:
             continue
-        if meta is not None and (max_step is None or meta.step <= max_step):
+        if meta is None or (max_step is not None and meta.step > max_step):
+            continue
+        if not fence.distrusted(fences, meta.step, written):
             out.append(meta)
     return out
 

@@ -164,3 +164,35 @@ def test_a_remote_root_copies_then_removes(tmp_path: Path) -> None:
     fs = fsspec.filesystem("memory")
     markers = fs.glob(root.replace("memory://", "/") + "/quarantine/*/step_*/_COMMITTED.json")
     assert sorted(m.split("/")[-2][:15] for m in markers) == ["step_0000000004", "step_0000000005"]
+
+
+def _meta(step: int, owner: int) -> tuple[Any, torch.Tensor]:
+    from restartable.checkpoint.local import directory, integrity
+
+    buf = torch.full((64,), step, dtype=torch.uint8)
+    return directory.ShardMeta(step, owner, 2, 64, integrity.of(buf, 64)), buf
+
+
+def test_a_file_whose_writer_is_alive_stays_but_behind_the_fence(tmp_path: Path) -> None:
+    """A retired rank still on its way out holds its files' locks: they cannot be moved. A
+    later scan (a fresh reserve's) skips their distrusted steps; a rewrite after the fence (the
+    rolled-back run's save of the same step) is read again."""
+    import time
+
+    from restartable.checkpoint.local import directory, fence
+
+    alive = directory.ShardFiles(tmp_path)  # the other, still living, process's files
+    mine = directory.ShardFiles(tmp_path)
+    for step in (4, 6):
+        alive.write(*_meta(step, 1))
+        mine.write(*_meta(step, 0))
+    dest = tmp_path / "quarantine" / "sdc-x"
+    fence.write(dest, 4)
+    moved = mine.quarantine(4, dest)
+    assert [s for s, _ in moved] == [6] and (dest / moved[0][1].name).is_file()
+    assert sorted((m.step, m.owner) for m in directory.scan(tmp_path)) == [(4, 0), (4, 1)]
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    alive.write(*_meta(6, 1))  # rewritten after the fence: the rolled-back run's step 6
+    assert (6, 1) in {(m.step, m.owner) for m in directory.scan(tmp_path)}
+    alive.close()
+    mine.close()
