@@ -234,8 +234,12 @@ class BackgroundSaver:
         if self._files is None or self._dir is None:
             return []
         dest = self._dir / "quarantine" / name
-        fence.write(dest, after)  # first: a file written after it is the rolled-back run's
-        return self._files.quarantine(after, dest)
+        try:
+            fence.write(dest, after)  # first: a file written after it is the rolled-back run's
+            return self._files.quarantine(after, dest)
+        except OSError as e:  # the load that called it restores no later step anyway
+            log.error("local_dir %s: quarantining the steps after %d failed: %s", dest, after, e)
+            return []
 
     def close(self) -> None:
         """Close the directory's files (after the worker stopped: nothing writes any more)."""
