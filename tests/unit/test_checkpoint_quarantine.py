@@ -201,11 +201,15 @@ def test_a_file_whose_writer_is_alive_stays_but_behind_the_fence(tmp_path: Path)
 def test_a_failed_move_is_logged_and_the_load_still_skips_the_distrusted_steps(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    (tmp_path / "local").mkdir()
+    (tmp_path / "local" / "quarantine").write_text("in the way")  # no directory there
     state, counter, _ = _state()
-    with _mgr(tmp_path) as mgr:
+    mgr = _mgr(tmp_path)
+    try:
         _train(mgr, state, range(1, 6))
-        (tmp_path / "local" / "quarantine").write_text("in the way")  # no directory there
         mgr.quarantine_after(3, finding=FINDING)
         with caplog.at_level(logging.ERROR, logger="restartable.checkpoint"):
             assert mgr.load_latest(state) == 3 and counter.value == 3
-        assert "quarantining the steps after 3 failed" in caplog.text
+    finally:
+        mgr.close()
+    assert "quarantining the steps after 3 failed" in caplog.text
