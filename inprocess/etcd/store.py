@@ -3,10 +3,11 @@
 Semantics follow c10d's ``TCPStore``: ``get`` and ``wait`` block until their keys exist (at most
 the store's ``timeout``), ``add`` is an atomic counter, ``compare_set`` with an empty expected
 value means "set if absent". A wait reads the key; when it is missing, it opens a watch and reads
-the key again once etcd confirmed the watch, so no write between the two is missed
-(``inprocess.etcd.watch``). It implements ``inprocess.protocol.store.Store``, the fast paths in
-one transaction each. The job's keys and requests are ``inprocess.etcd.keyspace``'s, the
-read-modify-writes ``inprocess.etcd.atomic``'s.
+the key again once etcd confirmed the watch, so no write between the two is missed; the watch
+stays open while it is healthy, across waits of the same key (``inprocess.etcd.watch``). It
+implements ``inprocess.protocol.store.Store``, the fast paths in one transaction each. The job's
+keys and requests are ``inprocess.etcd.keyspace``'s, the read-modify-writes
+``inprocess.etcd.atomic``'s.
 
 Keys of a job live under ``restartable/jobs/<prefix>/k/``: a new job with another prefix never
 sees a key of an earlier one, and ``delete_all()`` removes a finished job's keys in one request.
@@ -248,7 +249,9 @@ class EtcdStore(StoreBase, dist.Store):
         return self._keys.delete_range("delete_all", self._keys.root, self._deadline())
 
     def close(self) -> None:
-        """Release the HTTP connections (idempotent); the keys stay (see ``delete_all``)."""
+        """Release the HTTP connections and end the watches (idempotent); the keys stay (see
+        ``delete_all``)."""
+        self._keys.watches.close()
         self._endpoints.close()
 
     def torch_store(self) -> EtcdStore:
