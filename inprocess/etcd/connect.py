@@ -40,7 +40,7 @@ def open_store(
 ) -> EtcdStore:
     """A new client of the job's store on etcd (one per thread or process that needs one).
 
-    Blocks at most ``connect_timeout`` seconds (default: ``timeout``, every call's bound)
-    until an endpoint answers; errors as ``EtcdStore``."""
+    ``timeout`` bounds the blocking gets and waits, ``connect_timeout`` (default: ``timeout``)
+    connecting and every other call (``EtcdStore``); errors as ``EtcdStore``'s."""
     prefix = job_prefix(url, job_id, round_=round_)
     return EtcdStore(url, prefix=prefix, timeout=timeout, connect_timeout=connect_timeout)

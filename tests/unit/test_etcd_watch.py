@@ -102,7 +102,11 @@ def test_a_waiter_whose_member_hangs_moves_to_another_after_the_idle_bound(
     monkeypatch.setattr(ws, "WATCH_IDLE_S", 1.5)
     with EtcdCluster(members=3) as c:
         waiter = EtcdStore(c.url, prefix="hang", timeout=15.0, request_timeout=1.0)
-        writer = EtcdStore(c.url, prefix="hang", timeout=15.0, request_timeout=1.0)
+        # The writer waits in short slices (0.3 s, as a relay does) but its calls are bounded
+        # apart (connect_timeout): its put fails over after a 1 s request to the hung member.
+        writer = EtcdStore(
+            c.url, prefix="hang", timeout=0.3, connect_timeout=15.0, request_timeout=1.0
+        )
         got: list[bytes] = []
         t = threading.Thread(target=lambda: got.append(waiter.get("after")), daemon=True)
         t.start()
@@ -120,5 +124,9 @@ def test_a_waiter_whose_member_hangs_moves_to_another_after_the_idle_bound(
         assert got == [b"x"], "the waiter re-armed its watch on a member that answers"
         assert took < 6.0, took
         assert len(opened) >= 2, opened
+        t1 = time.monotonic()
+        with pytest.raises(StoreTimeoutError):
+            writer.get("never")  # its blocking get keeps its own short bound
+        assert time.monotonic() - t1 < 3.0
         waiter.close()
         writer.close()
