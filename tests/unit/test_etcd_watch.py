@@ -130,3 +130,22 @@ def test_a_waiter_whose_member_hangs_moves_to_another_after_the_idle_bound(
         assert time.monotonic() - t1 < 3.0
         waiter.close()
         writer.close()
+
+
+def test_a_watch_on_a_member_that_lost_its_leader_ends_before_the_idle_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The hasleader metadata: etcd cancels the watch once its member has had no leader for a
+    # few election timeouts (3.9 s measured here), instead of keeping a stream no put reaches.
+    monkeypatch.setattr(ws, "WATCH_IDLE_S", 30.0)
+    with EtcdCluster(members=3) as c:
+        s = EtcdStore(c.url, prefix="leaderless", timeout=30.0, request_timeout=1.0)
+        stream = ws.WatchStream(s._endpoints, s._keys.k("x"))
+        assert stream.ready.wait(5) and stream.created
+        t0 = time.monotonic()
+        c.kill(c.names[1])
+        c.kill(c.names[2])
+        assert stream.done.wait(20), "the watch outlived its member's leader"
+        assert stream.value is None and time.monotonic() - t0 < 20
+        stream.close()
+        s.close()
