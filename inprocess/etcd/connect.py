@@ -30,8 +30,17 @@ def job_prefix(url: str, job_id: str | None, *, round_: int = 0) -> str:
     return prefix if round_ == 0 else f"{prefix}/round{round_}"
 
 
-def open_store(url: str, *, job_id: str | None, timeout: float, round_: int = 0) -> EtcdStore:
+def open_store(
+    url: str,
+    *,
+    job_id: str | None,
+    timeout: float,
+    round_: int = 0,
+    connect_timeout: float | None = None,
+) -> EtcdStore:
     """A new client of the job's store on etcd (one per thread or process that needs one).
 
-    Blocks at most ``timeout`` seconds until an endpoint answers; errors as ``EtcdStore``."""
-    return EtcdStore(url, prefix=job_prefix(url, job_id, round_=round_), timeout=timeout)
+    ``timeout`` bounds the blocking gets and waits, ``connect_timeout`` (default: ``timeout``)
+    connecting and every other call (``EtcdStore``); errors as ``EtcdStore``'s."""
+    prefix = job_prefix(url, job_id, round_=round_)
+    return EtcdStore(url, prefix=prefix, timeout=timeout, connect_timeout=connect_timeout)

@@ -200,8 +200,10 @@ class Endpoints:
         self.call("status (v3 API check)", _status, deadline=deadline)
 
 
-# How long a watch stream may stay silent before the client gives it up; the store re-arms its
-# watches more often than this (store._WATCH_SLICE_S), so only a hung member reaches it.
+# How long a watch stream may stay silent before the client gives it up and re-arms it
+# (``inprocess.etcd.watch``): the bound on the stall of a waiter whose member hangs without
+# closing the connection (a killed member closes it: re-armed at once; one cut off from its
+# leader cancels the watch). A healthy watch of a key nobody writes is re-armed this often.
 WATCH_IDLE_S = 5.0
 
 

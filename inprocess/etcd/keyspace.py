@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from restartable.inprocess.etcd import txn as t
 from restartable.inprocess.etcd.endpoints import Endpoints
-from restartable.inprocess.etcd.watch import KeyWait
+from restartable.inprocess.etcd.watch import Watches
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
@@ -32,6 +32,7 @@ class JobKeys:
         self.root = f"{ROOT}{prefix}/"
         self.data = self.root + "k/"
         self._where = where  # the cluster and prefix, for the wait's timeout message
+        self.watches = Watches(endpoints)
 
     def k(self, key: str | bytes) -> bytes:
         """The etcd key of store key ``key``."""
@@ -55,12 +56,12 @@ class JobKeys:
         return t.kv_value(kvs[0]) if kvs else None
 
     def await_value(self, key: str, deadline: float, bound: float) -> bytes:
-        """The key's value once it exists (a read, then watch slices: ``KeyWait``);
+        """The key's value once it exists (a read, then one watch: ``Watches``);
         ``EtcdTimeoutError`` after ``deadline`` (``bound``: the timeout, for the message)."""
-        wait = KeyWait(
-            self.endpoints, self.k(key), lambda d: self.read(key, d), name=key, where=self._where
+        what = f"{self._where}: key {key!r} did not appear within the timeout ({bound:.3g} s)"
+        return self.watches.await_value(
+            self.k(key), lambda d: self.read(key, d), deadline, what=what
         )
-        return wait.value(deadline, bound)
 
     def delete_range(self, what: str, start: str, deadline: float) -> int:
         """Delete every key under ``start``; how many were deleted."""

@@ -3,10 +3,11 @@
 Semantics follow c10d's ``TCPStore``: ``get`` and ``wait`` block until their keys exist (at most
 the store's ``timeout``), ``add`` is an atomic counter, ``compare_set`` with an empty expected
 value means "set if absent". A wait reads the key; when it is missing, it opens a watch and reads
-the key again once etcd confirmed the watch, so no write between the two is missed
-(``inprocess.etcd.watch``). It implements ``inprocess.protocol.store.Store``, the fast paths in
-one transaction each. The job's keys and requests are ``inprocess.etcd.keyspace``'s, the
-read-modify-writes ``inprocess.etcd.atomic``'s.
+the key again once etcd confirmed the watch, so no write between the two is missed; the watch
+stays open while it is healthy, across waits of the same key (``inprocess.etcd.watch``). It
+implements ``inprocess.protocol.store.Store``, the fast paths in one transaction each. The job's
+keys and requests are ``inprocess.etcd.keyspace``'s, the read-modify-writes
+``inprocess.etcd.atomic``'s.
 
 Keys of a job live under ``restartable/jobs/<prefix>/k/``: a new job with another prefix never
 sees a key of an earlier one, and ``delete_all()`` removes a finished job's keys in one request.
@@ -43,14 +44,16 @@ class EtcdStore(StoreBase, dist.Store):
 
     ``url``: ``etcd://host:port[,host:port...][/prefix]`` (``etcds://`` for TLS; credentials
     from ``credentials`` or the environment, see ``inprocess.etcd.security``). ``prefix``: the
-    job's namespace (a job id); required here or in the URL. ``timeout``: bound of every call,
-    blocking ``get`` and ``wait`` included (c10d's ``set_timeout`` changes it).
-    ``request_timeout``: bound of one HTTP request before the next endpoint is tried.
-    ``clock``: where deadlines and backoffs take their time. Connecting checks (one request)
-    that some endpoint is an etcd with the v3 API; raises ``ConfigError`` for a bad URL or
-    prefix, ``EtcdTimeoutError`` when no endpoint answers within ``timeout``,
-    ``EtcdStoreError`` when one answers without the v3 API. Safe to use from several threads;
-    ``close()`` releases the HTTP connections.
+    job's namespace (a job id); required here or in the URL. ``timeout``: bound of the blocking
+    ``get``, ``wait`` and ``wait_value`` (c10d's ``set_timeout`` changes it);
+    ``connect_timeout`` (default: ``timeout``): bound of connecting and of every other call (a
+    client that waits in short slices, the launcher's relay, still writes through a member that
+    is slow under load or hung). ``request_timeout``: bound of one HTTP request before the next
+    endpoint is tried. ``clock``: where deadlines and backoffs take their time. Connecting
+    checks (one request) that some endpoint is an etcd with the v3 API; raises ``ConfigError``
+    for a bad URL or prefix, ``EtcdTimeoutError`` when no endpoint answers within
+    ``connect_timeout``, ``EtcdStoreError`` when one answers without the v3 API. Safe to use
+    from several threads; ``close()`` releases the HTTP connections and ends the watches.
     """
 
     def __init__(
@@ -66,7 +69,8 @@ class EtcdStore(StoreBase, dist.Store):
         super().__init__()
         address = parse_url(url)
         self.prefix = _job_prefix(url, prefix if prefix is not None else address.prefix)
-        for name, value in (("timeout", timeout), ("request_timeout", request_timeout)):
+        bounds = [("timeout", timeout), ("request_timeout", request_timeout)]
+        for name, value in [*bounds, ("connect_timeout", connect_timeout or timeout)]:
             if not value > 0:
                 raise ConfigError(
                     f"EtcdStore {name} ({value}) must be > 0 seconds: pass a positive duration"
@@ -80,10 +84,15 @@ class EtcdStore(StoreBase, dist.Store):
         self._keys = JobKeys(self._endpoints, self.prefix, where=where)
         self._atomic = AtomicWrites(self._keys)  # non-idempotent writes (add, append, batch)
         self.set_timeout(datetime.timedelta(seconds=timeout))
-        bound = timeout if connect_timeout is None else connect_timeout
-        self._endpoints.probe(deadline=clock.monotonic() + bound)
+        self._call_bound = connect_timeout
+        self._endpoints.probe(deadline=self._deadline())
 
-    def _deadline(self, timeout: datetime.timedelta | None = None) -> float:
+    def _deadline(self) -> float:
+        """The deadline of a call that does not wait for a key."""
+        bound = self._bound() if self._call_bound is None else self._call_bound
+        return self._clock.monotonic() + bound
+
+    def _wait_deadline(self, timeout: datetime.timedelta | None = None) -> float:
         return self._clock.monotonic() + self._bound(timeout)
 
     def _bound(self, timeout: datetime.timedelta | None = None) -> float:
@@ -103,7 +112,7 @@ class EtcdStore(StoreBase, dist.Store):
 
     def get(self, key: str) -> bytes:
         """The key's value; blocks until it exists (at most the store's timeout)."""
-        return self._keys.await_value(key, self._deadline(), self._bound())
+        return self._keys.await_value(key, self._wait_deadline(), self._bound())
 
     def add(self, key: str, value: int) -> int:
         """Add ``value`` to the integer at ``key`` (0 when absent); return the new value."""
@@ -162,7 +171,7 @@ class EtcdStore(StoreBase, dist.Store):
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
         """Block until every key exists; ``EtcdTimeoutError`` after ``timeout`` (default: the
         store's timeout)."""
-        deadline, bound = self._deadline(timeout), self._bound(timeout)
+        deadline, bound = self._wait_deadline(timeout), self._bound(timeout)
         for key in keys:
             self._keys.await_value(key, deadline, bound)
 
@@ -238,7 +247,7 @@ class EtcdStore(StoreBase, dist.Store):
         """``wait([key], timeout)`` then ``get(key)`` in one step: the read that finds the key,
         or the watch event that reports its put, carries the value (one round trip fewer per
         released waiter)."""
-        return self._keys.await_value(key, self._deadline(timeout), timeout.total_seconds())
+        return self._keys.await_value(key, self._wait_deadline(timeout), timeout.total_seconds())
 
     # ----- the job's lifetime ------------------------------------------------------------------
 
@@ -248,7 +257,9 @@ class EtcdStore(StoreBase, dist.Store):
         return self._keys.delete_range("delete_all", self._keys.root, self._deadline())
 
     def close(self) -> None:
-        """Release the HTTP connections (idempotent); the keys stay (see ``delete_all``)."""
+        """Release the HTTP connections and end the watches (idempotent); the keys stay (see
+        ``delete_all``)."""
+        self._keys.watches.close()
         self._endpoints.close()
 
     def torch_store(self) -> EtcdStore:

@@ -1,116 +1,135 @@
-"""Blocking until a key exists on etcd: one read, then watch slices (each re-reads the key once
-its watch exists, so no put between the read and the watch is missed)."""
+"""Blocking until a key exists on etcd: one read, then one watch, kept while it is healthy.
+
+A wait reads the key; when it is absent it opens a watch (``WatchStream``) and reads the key
+again once etcd confirmed the watch, so no put between the read and the watch is missed. The
+watch then stays open until the key's put, the stream's end (a killed member, a member that
+lost its leader, ``WATCH_IDLE_S`` of silence: re-armed, on the next member when opening fails),
+or the wait's deadline, which the waiter keeps by a timed wait on the stream's event. A watch
+still healthy at the deadline is kept (``Watches``) for the next wait of the same key: a caller
+that waits in short slices (a launcher's relay re-checking between its 1 s ``get`` calls) costs
+etcd nothing between its slices.
+
+Until 2 December 2026 every wait re-armed its watch every second (a new connection, a watch
+and a read per waiter and second): 128 relays waiting for an iteration's end spent 2.1-2.7 s of
+CPU on it, and the three members theirs (docs/scale.md, "On etcd").
+"""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+import threading
+from collections.abc import Callable
 
-from restartable.inprocess.etcd import txn as t
-from restartable.inprocess.etcd.endpoints import Endpoints, Transient, classify
+from restartable.inprocess.etcd.endpoints import Endpoints
 from restartable.inprocess.etcd.errors import EtcdTimeoutError
+from restartable.inprocess.etcd.watch_stream import WatchStream
 
-log = logging.getLogger(__name__)
-
-# A watch is re-armed this often while a wait goes on: a watch whose member died ends silently
-# in etcd3gw, so this bounds the stall a lost member adds to a waiter (the issue's "short
-# stall"), at the cost of one range + one watch request per waiter per period.
-WATCH_SLICE_S = 1.0
+# Streams kept for later waits at most (each a connection and a thread; a kept stream of a key
+# nobody waits for again ends by itself after ``WATCH_IDLE_S`` of silence or at the key's put).
+MAX_KEPT = 64
 
 
-class KeyWait:
-    """One wait for one key (``key``: its full etcd key; ``read(deadline)``: the key's value or
-    None, one range request). ``name`` and ``where`` only word the timeout error."""
+class Watches:
+    """The watches of one store client (thread-safe): ``await_value`` blocks on one, keeps it
+    for the key's next wait when its deadline passes first; ``close()`` ends them all."""
 
-    def __init__(
+    def __init__(self, endpoints: Endpoints) -> None:
+        self.endpoints = endpoints
+        self._lock = threading.Lock()
+        self._kept: dict[bytes, WatchStream] = {}
+        self._open: set[WatchStream] = set()
+
+    def await_value(
         self,
-        endpoints: Endpoints,
         key: bytes,
         read: Callable[[float], bytes | None],
+        deadline: float,
         *,
-        name: str,
-        where: str,
-    ) -> None:
-        self.endpoints, self.key, self.read = endpoints, key, read
-        self.name, self.where = name, where
-
-    def value(self, deadline: float, bound: float) -> bytes:
-        """The key's value once it exists; ``EtcdTimeoutError`` after ``deadline`` (the
-        endpoints' ``clock.monotonic()``; ``bound``: the timeout in seconds, for the message)."""
-        value = self.read(deadline)
+        what: str,
+    ) -> bytes:
+        """The value of ``key`` (its full etcd key) once it exists: ``read(deadline)`` is one
+        range request (None: absent). ``EtcdTimeoutError`` naming ``what`` (the key, the cluster
+        and the bound) after ``deadline`` (the endpoints' ``clock.monotonic()``)."""
+        stream = self._take(key)
+        value = None if stream is not None else read(deadline)
         while value is None:
-            value = self._slice(deadline, bound)
+            left = deadline - self.endpoints.clock.monotonic()
+            if left <= 0:
+                if stream is not None:
+                    self._keep(key, stream)
+                raise EtcdTimeoutError(f"etcd store {what}")
+            if stream is None:
+                stream, value = self._arm(key, read, deadline, left)
+            elif stream.done.wait(left):  # else the deadline, checked by the clock above
+                self._drop(stream)
+                value, stream = stream.value, None  # None: it ended; re-armed (a read first)
         return value
 
-    def _slice(self, deadline: float, bound: float) -> bytes | None:
-        """The value, or None after one watch slice or a failed watch with the key still absent.
+    def _arm(
+        self, key: bytes, read: Callable[[float], bytes | None], deadline: float, left: float
+    ) -> tuple[WatchStream | None, bytes | None]:
+        """Open a watch and read the key once it is confirmed: (the stream, None) while the key
+        is absent, (None, its value) when present, (None, None) when the deadline came first.
+        A watch that ended unconfirmed (the member refused or dropped it, or did not answer)
+        moves the endpoints on and the key is read instead: paced by their fail-over, which
+        raises naming them when none answers, where a failed watch alone would be retried at
+        once."""
+        stream = WatchStream(self.endpoints, key)
+        with self._lock:
+            self._open.add(stream)
+        stream.ready.wait(left)
+        if stream.created:
+            try:
+                value = read(deadline)
+            except BaseException:
+                self._drop(stream)
+                raise
+            if value is None:
+                return stream, None
+            self._drop(stream)
+            return None, value
+        self._drop(stream)
+        if not stream.done.is_set():
+            return None, None  # the deadline: the caller raises
+        if stream.error is not None:
+            self.endpoints.failed(stream.index, stream.error)
+        else:
+            self.endpoints.fail_over(stream.index)
+        return None, read(deadline)
 
-        The watch starts at the current revision and the key is read once etcd confirmed it: a
-        put before that confirmation is seen by the read, a later one by the watch. Not a watch
-        from the revision of an earlier read: etcd serves a watch that starts in the past from
-        its catch-up loop, which runs every 100 ms (measured here: woken 38-77 ms after the put
-        instead of 4-5 ms; the job's other writes move the revision on between the read and the
-        watch almost every time)."""
-        left = deadline - self.endpoints.clock.monotonic()
-        if left <= 0:
-            raise EtcdTimeoutError(
-                f"etcd store {self.where}: key {self.name!r} did not appear within the timeout "
-                f"({bound:.3g} s)"
-            )
-        index, client = self.endpoints.current()
-        body = {"create_request": {"key": t.b64(self.key), "filters": ["NODELETE"]}}
+    def _take(self, key: bytes) -> WatchStream | None:
+        """The kept watch of ``key`` when it is still alive (a put after the previous wait's
+        read reaches it); a kept one that ended or saw a put is dropped (the put's value may be
+        stale by now: the wait reads the key instead)."""
+        with self._lock:
+            stream = self._kept.pop(key, None)
+        if stream is not None and not stream.alive():
+            self._drop(stream)
+            return None
+        return stream
 
-        def open_watch() -> Any:
-            self.endpoints.authenticate(index, client)
-            return client.session.post(
-                client.get_url("/watch"),
-                json=body,
-                stream=True,
-                timeout=(self.endpoints.request_timeout, min(left, WATCH_SLICE_S)),
-            )
+    def _keep(self, key: bytes, stream: WatchStream) -> None:
+        if not stream.alive():
+            self._drop(stream)
+            return
+        with self._lock:
+            for k, s in list(self._kept.items()):  # ended ones, then the oldest past the bound
+                if not s.alive() or len(self._kept) >= MAX_KEPT:
+                    self._kept.pop(k)
+                    self._open.discard(s)
+                    s.close()
+            other = self._kept.pop(key, None)
+            self._kept[key] = stream
+        if other is not None:  # two waiters of one key timed out together: one stream kept
+            self._drop(other)
 
-        try:
-            stream = classify(open_watch)
-        except Transient as exc:
-            log.debug("etcd watch on %s failed: %s", self.endpoints.address.endpoints[index], exc)
-            self.endpoints.failed(index, exc)
-            # A read instead: paced by the endpoints' fail-over, which raises, naming them, when
-            # none answers (a failed watch alone would be retried at once).
-            return self.read(deadline)
-        with contextlib.closing(stream):
-            return self._watched(stream, deadline, index)
+    def _drop(self, stream: WatchStream) -> None:
+        with self._lock:
+            self._open.discard(stream)
+        stream.close()
 
-    def _watched(self, stream: Any, deadline: float, index: int) -> bytes | None:
-        messages = _messages(stream)
-        try:
-            created = any(m.get("result", {}).get("created") for m in messages)
-            value = self.read(deadline)
-            if value is not None or not created:  # not created: the stream ended first
-                return value
-            for m in messages:
-                for event in m.get("result", {}).get("events", []):
-                    return t.unb64(event.get("kv", {}).get("value", ""))
-        except _requests_errors() as exc:  # the slice's read timeout, or a broken stream
-            where = self.endpoints.address.endpoints[index]
-            log.debug("etcd watch slice on %s ended: %r", where, exc)
-        return None
-
-
-def _messages(stream: Any) -> Iterator[dict[str, Any]]:
-    """The JSON messages of a gateway watch stream (one per line), as they arrive."""
-    pending = b""
-    for chunk in stream.iter_content(chunk_size=None):
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield json.loads(line)
-
-
-def _requests_errors() -> tuple[type[BaseException], ...]:
-    import requests
-
-    return (requests.exceptions.RequestException,)
+    def close(self) -> None:
+        """End every watch of this client, kept or in use (their waits re-arm if they go on)."""
+        with self._lock:
+            streams, self._open, self._kept = list(self._open), set(), {}
+        for s in streams:
+            s.close()

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 RESTART_BY = ("rank", "node")  # --restart-by's values; "rank": no local store, no relay
 SLICE_S = 1.0  # the relay's job client timeout: how often a blocked get re-checks / stops
+# The relay's clients' bound to connect and for each answer (not SLICE_S: a store server slow
+# under load would fail a launcher's round at its first connection, as a 5 s connect failed a
+# test under CI load); the blocking gets keep their SLICE_S.
+CONNECT_TIMEOUT_S = 30.0
 
 
 class NodeHost:
@@ -56,9 +60,9 @@ class NodeHost:
         self.port = int(self._server.port)
         # Sealed as the ranks' client is (``NodePath``): the node store listens on 127.0.0.1,
         # where any local user may connect; a value without the job's seal is refused.
-        local = TCPStoreClient("127.0.0.1", self.port, timeout=SLICE_S, clock=clock)
+        local = _client("127.0.0.1", self.port, clock)
         self._local = seal(local, sealer)
-        raw = job_store or TCPStoreClient(job_addr, job_port, timeout=SLICE_S, clock=clock)
+        raw = job_store or _client(job_addr, job_port, clock)
         job = seal(raw, sealer)
         self._job, self._job_raw = job, raw
         # A child that exited counts once its watchdog's report is in (``node_deaths``).
@@ -117,6 +121,12 @@ class NodeHost:
                 close()
 
 
+def _client(host: str, port: int, clock: Clock) -> TCPStoreClient:
+    return TCPStoreClient(
+        host, port, timeout=SLICE_S, connect_timeout=CONNECT_TIMEOUT_S, clock=clock
+    )
+
+
 def etcd_job_client(round_env: Mapping[str, str]) -> Store:
     """The relay's client of a round's job store on etcd: the namespace the round's ranks
     open (``round_env``: ``JobControl.round_store_env``'s INPROCESS_STORE and
@@ -124,4 +134,4 @@ def etcd_job_client(round_env: Mapping[str, str]) -> Store:
     from restartable.inprocess.etcd.connect import open_store
 
     url, job_id = round_env["INPROCESS_STORE"], round_env["INPROCESS_JOB_ID"]
-    return open_store(url, job_id=job_id, timeout=SLICE_S)
+    return open_store(url, job_id=job_id, timeout=SLICE_S, connect_timeout=CONNECT_TIMEOUT_S)

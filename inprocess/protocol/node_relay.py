@@ -199,6 +199,8 @@ class NodeRelay:
         raw = peek(self.job, key(it, "restart/nodes/full"))
         who = None if raw is None else raw.decode()
         if who == ORPHAN or (who is not None and who.isdigit() and int(who) in gone):
+            if not self._live(it):  # it could not decide either: the claim is left to one that can
+                return None
             claim = key(it, "restart/nodes/claim")
             return _TAKEOVER if self.job.compare_set(claim, "", me).decode() == me else None
         return None

@@ -44,27 +44,47 @@ class TCPStoreClient(StoreBase):
     Same call signatures and answers as torch's client for ``set``, ``get``, ``add``,
     ``append``, ``compare_set``, ``check``, ``wait``, ``multi_get``, ``multi_set``,
     ``delete_key``; the fast paths are ``StoreBase``'s, as for torch's client in a
-    ``C10dStore``. ``timeout`` bounds the connection and each call (``TimeoutError``); ``clock``
-    paces the retries of a refused connection. Calls are serialized by a lock; ``close()`` is
-    idempotent. There is no torch store under it (``torch_store`` raises ``TypeError``).
+    ``C10dStore``. ``timeout`` bounds the blocking ``get`` and ``wait`` (``TimeoutError``);
+    ``connect_timeout`` (default: ``timeout``) bounds the connection, then every answer of the
+    server (a client that waits in short slices, the launcher's relay, still connects to a
+    server slow under load); ``clock`` paces the retries of a refused connection. Calls are
+    serialized by a lock; ``close()`` is idempotent. There is no torch store under it
+    (``torch_store`` raises ``TypeError``).
     """
 
-    def __init__(self, host: str, port: int, *, timeout: float, clock: Clock = SYSTEM) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: float,
+        connect_timeout: float | None = None,
+        clock: Clock = SYSTEM,
+    ) -> None:
         self.timeout = timeout
         self._lock = threading.Lock()
-        deadline = clock.monotonic() + timeout
-        while True:  # the server may still be starting: retry refused connections
-            try:
-                self._sock = socket.create_connection((host, port), timeout=timeout)
-                break
-            except ConnectionRefusedError:
-                if clock.monotonic() >= deadline:
-                    raise
-                clock.sleep(0.05)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = os.getpid() & 0xFFFFFFFF
-        self._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
-        if struct.unpack("<I", self._recv(4))[0] != nonce:
+        bound = timeout if connect_timeout is None else connect_timeout
+        deadline = clock.monotonic() + bound
+        try:
+            while True:  # the server may still be starting: retry refused connections
+                try:
+                    self._sock = socket.create_connection((host, port), timeout=bound)
+                    break
+                except ConnectionRefusedError:
+                    if clock.monotonic() >= deadline:
+                        raise
+                    clock.sleep(0.05)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            nonce = os.getpid() & 0xFFFFFFFF
+            self._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
+            answer = self._recv(4)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"the store at {host}:{port} did not answer within the connect timeout "
+                f"({bound:.3g} s): its server is down or overloaded; raise the timeout if the "
+                "server is known to be busy"
+            ) from exc
+        if struct.unpack("<I", answer)[0] != nonce:
             raise StoreClientError(f"store at {host}:{port} answered PING with another nonce")
 
     # ----- calls -----------------------------------------------------------------------------

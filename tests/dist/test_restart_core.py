@@ -120,7 +120,14 @@ def test_same_fault_repeating_stops_the_job() -> None:
     for o in outs:
         assert o.result["seen"] == [0, 1, 2], o.output
         assert "the same fault repeated 3 times in a row" in o.result["error"]
-        assert o.result["history"] == 3
+        # The history is every fault a decision saw: rank 2's, once per iteration, and the
+        # collateral faults of its peers that were recorded before the decision (their
+        # collective failed, "Connection closed by peer", before their monitor interrupted
+        # them: a race that rank 2 wins now and then under load, on the node path's extra
+        # hop more often; 4-5 entries instead of 3 in 1 of 3-4 runs at load 15-20).
+        faults = o.result["faults"]
+        assert [f for f in faults if f[1] == 2] == [[0, 2], [1, 2], [2, 2]], o.result["error"]
+        assert all(f[0] in (0, 1, 2) and f[1] in (0, 1) for f in faults if f[1] != 2), faults
 
 
 def test_a_bug_every_rank_hits_stops_the_job_whichever_rank_records_it_first() -> None:

@@ -256,7 +256,8 @@ def always_fails(
     try:
         train()
     except RestartAbortedError as exc:
-        return {"seen": seen, "error": str(exc), "history": len(exc.history)}
+        faults = [[f.iteration, f.initial_rank] for f in exc.history]
+        return {"seen": seen, "error": str(exc), "history": len(exc.history), "faults": faults}
     return {"seen": seen, "error": None}
 
 

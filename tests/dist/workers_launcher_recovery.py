@@ -176,7 +176,8 @@ class _PlainContext:
 
 def two_nodes(opts: dict[str, Any]) -> int:
     """Test driver: two launchers playing two nodes of ``nproc`` ranks on this machine; once
-    ``kill_after_step`` is logged, SIGKILL the launcher of node ``kill_node`` (default 1; its
+    ``kill_after_step`` is logged (or, with ``kill_when_raised``: that many seconds after the
+    job's ``raise_at`` raised), SIGKILL the launcher of node ``kill_node`` (default 1; its
     ranks die with it); print the other node's output and return its status (each node's
     output goes to ``dir/node<n>.log``)."""
     import socket
@@ -210,10 +211,15 @@ def two_nodes(opts: dict[str, Any]) -> int:
     steps = d / "steps.jsonl"
     end = time.monotonic() + 60
     while time.monotonic() < end:
-        lines = steps.read_text().splitlines() if steps.exists() else []
-        if any(json.loads(x)["step"] >= opts["kill_after_step"] for x in lines):
-            break
-        time.sleep(0.05)
+        if opts.get("kill_when_raised") is not None:  # mid-restart: the fault is being handled
+            if (d / "raised").exists():
+                time.sleep(opts["kill_when_raised"])
+                break
+        else:
+            lines = steps.read_text().splitlines() if steps.exists() else []
+            if any(json.loads(x)["step"] >= opts["kill_after_step"] for x in lines):
+                break
+        time.sleep(0.01)
     killed = opts.get("kill_node", 1)  # None: no launcher killed, both end on their own
     if killed is not None:
         procs[killed].kill()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 
 import pytest
@@ -262,3 +263,49 @@ def test_on_etcd_a_rank_death_releases_every_live_rank():
         job.join()
     assert set(job.decisions) == {0, 2, 3, 4, 5}
     assert set(job.decisions.values()) == {"[1]"}
+
+
+def test_an_orphan_count_is_taken_over_at_the_periodic_recheck_by_a_node_with_a_live_rank(
+    server, monkeypatch
+):
+    # Node 2's ranks all died, its launcher lives: its relay completes the count last, with no
+    # live rank to decide (restart/nodes/full = "orphan"). No node went, so the waiting relays
+    # find the orphan at their periodic re-read of restart/nodes/full (FULL_RECHECK_S, here
+    # 1.5 s; not every 0.3 s slice), and one with a live rank takes over. Node 2's relay reads
+    # it first (its first re-check): it must leave the claim (it took it, and the job hung
+    # until the timeout, before 2 December 2026).
+    from restartable.inprocess.protocol import node_relay
+
+    monkeypatch.setattr(node_relay, "FULL_RECHECK_S", 1.5)
+    job = Job(tcp(server), nodes=3, per_node=2)
+    reads: dict[int, int] = {}
+    peek = node_relay.peek
+
+    def counted(store: Store, k: str) -> bytes | None:
+        if k.endswith("restart/nodes/full"):
+            node = next(i for i, r in enumerate(job.relays) if r.job is store)
+            reads[node] = reads.get(node, 0) + 1
+        return peek(store, k)
+
+    monkeypatch.setattr(node_relay, "peek", counted)
+    nb.start_node_iteration(job.local[2], 0, members=job.ranks(2), nodes=3)
+    job.dead.update(job.ranks(2))  # they started the iteration, then died
+    job.serve((0, 1))
+    kill(job, 4)
+    raw = job.shared
+    for _ in range(int(TEST_TIMEOUT_S / 0.01)):  # nodes 0 and 1 counted, wait for the decision
+        if raw.add(keys.key(0, "restart/nodes/n"), 0) >= 2:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(2 * SLICE_S)  # ... and read restart/nodes/full once (absent)
+    t0 = time.monotonic()
+    job.start(lambda: job.relays[2].serve(0, timeout=TEST_TIMEOUT_S))
+    job.join()
+    took = time.monotonic() - t0
+    assert raw.get(keys.key(0, "restart/nodes/full")) == node_relay.ORPHAN.encode()
+    assert raw.get(keys.key(0, "restart/nodes/claim")) in (b"0", b"1")
+    assert set(job.decisions) == {0, 1, 2, 3}
+    assert set(job.decisions.values()) == {"[4]"}
+    assert took < 1.5 + 4 * SLICE_S + 2.0, took  # found at the periodic re-read
+    # Re-read at most every FULL_RECHECK_S, not every slice (~2 reads each, not ~6).
+    assert max(reads.get(k, 0) for k in (0, 1)) <= 3, reads

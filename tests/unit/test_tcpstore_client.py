@@ -116,3 +116,17 @@ def test_connecting_to_a_closed_port_fails_within_the_timeout() -> None:
         with pytest.raises(OSError):
             TCPStoreClient("127.0.0.1", port, timeout=0.3)
         assert time.monotonic() - t0 < 3
+
+
+def test_a_server_that_never_answers_fails_the_connection_naming_it_and_the_bound() -> None:
+    # A listening socket nobody serves: the kernel completes the handshake, the PING is never
+    # answered. The connect bound is its own (a relay's 1 s call slice must not bound it).
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        port = mute.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            TCPStoreClient("127.0.0.1", port, timeout=0.05, connect_timeout=0.5)
+        assert 0.4 < time.monotonic() - t0 < 3.0
+    assert f"127.0.0.1:{port}" in str(err.value) and "(0.5 s)" in str(err.value)
