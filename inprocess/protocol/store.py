@@ -59,9 +59,7 @@ class Store(Protocol):
         """``try_get`` of each key (etcd: one consistent snapshot); never blocks."""
 
     def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
-        """``wait([key], timeout)`` then ``get(key)``: the key's value once it exists. The
-        timeout error comes after at most ``timeout`` (a client may raise it at its own,
-        shorter, timeout: callers wait in a loop to their deadline)."""
+        """``wait([key], timeout)`` then ``get(key)``: the key's value once it exists."""
 
     def count_arrival(self, key: str, member: str | None = None) -> int:
         """Count one arrival at counter ``key``; return how many arrivals are counted.
@@ -183,16 +181,6 @@ class C10dStore(StoreBase):
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta) -> None:
         self.inner.wait(list(keys), timeout)
-
-    def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
-        """One call where the client's own timeout is within ``timeout``: c10d's ``get`` waits
-        for the key itself, bounded by it (its timeout error may then come sooner than
-        ``timeout``; every caller re-arms until its own deadline). Each call releases and
-        re-takes the GIL: the node path's ranks wait on their node store this way."""
-        own = getattr(self.inner, "timeout", None)
-        if isinstance(own, datetime.timedelta) and own <= timeout:
-            return bytes(self.inner.get(key))
-        return StoreBase.wait_value(self, key, timeout)
 
     def delete_key(self, key: str) -> bool:
         return bool(self.inner.delete_key(key))

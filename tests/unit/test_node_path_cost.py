@@ -1,6 +1,7 @@
 """What the node path's rank side costs (issue 52, docs/scale.md "the node path"): the published
 assignment decoded only as far as a released rank needs it, a death report that counts nothing
-on the job store where the ranks meet by node, and one blocking call per local wait."""
+on the job store where the ranks meet by node, and the torch-free client's wait for a value
+(what a rank's node-store client does) in two round trips."""
 
 from __future__ import annotations
 
@@ -126,38 +127,6 @@ def test_a_death_report_counts_the_rank_on_the_job_store_only_on_the_per_rank_pa
     assert store.log == ["append", "append", "check", "get", *counted, *["compare_set"] * 3]
     assert store.get("restartable/it0/end") == b"fault"
     assert fault_records.read_faults(store, 0)[0].initial_rank == 1
-
-
-def test_a_c10d_wait_value_is_one_get_when_the_clients_timeout_is_within_the_wait() -> None:
-    raw = dist.HashStore()
-    raw.set_timeout(datetime.timedelta(seconds=0.3))
-    raw.set("k", "v")
-    calls: list[str] = []
-    store = C10dStore(_Spy(raw, calls))  # type: ignore[arg-type]
-    assert store.wait_value("k", datetime.timedelta(seconds=60)) == b"v"
-    assert calls == ["get"]
-    calls.clear()
-    assert store.wait_value("k", datetime.timedelta(seconds=0.1)) == b"v"  # shorter: wait + get
-    assert calls == ["wait", "get"]
-    # An absent key: the client's own (shorter) timeout ends the wait, with a timeout error.
-    with pytest.raises(Exception, match=r"(?i)timeout"):
-        store.wait_value("never", datetime.timedelta(seconds=60))
-
-
-class _Spy:
-    """A torch store whose ``wait`` and ``get`` calls are recorded."""
-
-    def __init__(self, inner: dist.Store, calls: list[str]) -> None:
-        self._inner, self._calls = inner, calls
-        self.timeout = inner.timeout
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
-        self._calls.append("wait")
-        self._inner.wait(keys, timeout)
-
-    def get(self, key: str) -> bytes:
-        self._calls.append("get")
-        return self._inner.get(key)
 
 
 @pytest.fixture
