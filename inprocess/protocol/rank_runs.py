@@ -16,28 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from restartable.inprocess.protocol.ranks import Assignment, decode_ranks
+from restartable.inprocess.protocol.ranks import Assignment, decode_ranks, parse_runs
 
 _LISTS = ("active", "reserve", "retired")
-
-
-def _runs(text: str) -> list[tuple[int, int]]:
-    """The runs of ``text`` (``encode_ranks``' form) as inclusive ``(first, last)`` pairs;
-    ``ValueError`` as ``decode_ranks`` for anything else."""
-    out = []
-    for part in text.split(","):
-        if not part:
-            continue
-        first, sep, last = part.partition("-")
-        try:
-            lo, hi = int(first), int(last) if sep else int(first)
-        except ValueError:
-            lo, hi = 0, -1
-        if hi < lo:
-            decode_ranks(text)  # raises the eager form's error, naming the bad part
-            raise ValueError(f"rank list {text!r}: part {part!r} is not a run")
-        out.append((lo, hi))
-    return out
 
 
 class EncodedAssignment(Assignment):
@@ -50,8 +31,8 @@ class EncodedAssignment(Assignment):
     def __init__(self, active: str, reserve: str, retired: str) -> None:
         # Frozen dataclass: its own __setattr__ refuses; the fields are filled on first access.
         object.__setattr__(self, "_encoded", (active, reserve, retired))
-        object.__setattr__(self, "_active_runs", _runs(active))
-        _runs(reserve), _runs(retired)  # refuse a malformed list now, as the eager form did
+        object.__setattr__(self, "_active_runs", parse_runs(active))
+        parse_runs(reserve), parse_runs(retired)  # refuse a malformed list now, as before
 
     def __getattr__(self, name: str) -> Any:
         """A field not decoded yet (only those three reach here: the others exist)."""
