@@ -213,7 +213,9 @@ def _decide(store: Any, assignment: Any, config: Any, node_of: Any, faults: list
     return decision.to_json()
 
 
-def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str, float]:
+def _phase_start(
+    me: int, store: Any, shared: tuple[Any, Any, Any], *, by_node: bool = False
+) -> dict[str, float]:
     from restartable.inprocess.protocol import job_keys
 
     assignment = shared[0]
@@ -222,6 +224,7 @@ def _phase_start(me: int, store: Any, shared: tuple[Any, Any, Any]) -> dict[str,
         0,
         participants=len(assignment.active) + len(assignment.reserve),
         reserves=assignment.reserve,
+        by_node=by_node,
     )
     return {}
 

@@ -50,7 +50,7 @@ class Node:
 def _start(me: int, store: Any, node: Node, shared: Any, state: dict[Any, Any]) -> dict[str, float]:
     from restartable.inprocess.protocol import node_barrier
 
-    rs._phase_start(me, store, shared)
+    rs._phase_start(me, store, shared, by_node=True)
     assignment, _, node_of = shared
     members = [r for r in node.ranks if r in set(assignment.active + assignment.reserve)]
     node_barrier.start_node_iteration(node.local, 0, members=members, nodes=max(node_of) + 1)

@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from restartable.inprocess.clock import SYSTEM, Clock
 from restartable.inprocess.errors import FaultRecord
-from restartable.inprocess.protocol.keys import GONE_KEY, OUTCOME_FAULT, key, peek
+from restartable.inprocess.protocol.keys import BY_NODE, GONE_KEY, OUTCOME_FAULT, key, peek
 from restartable.inprocess.protocol.store import Store
 
 # The run journal's channel (``inprocess.journal`` writes what reaches it), used the way
@@ -132,11 +132,15 @@ def count_once(
     ``set_participants``), so the last of either completes the barrier at once. Whoever
     completes it writes ``restart/full`` = ``by`` (first writer wins): that rank decides.
     One ``count_arrival`` (two ``add`` calls on a TCPStore, one transaction on etcd), plus one
-    read for a report. Never blocks.
+    read for a report. A report in an iteration whose ranks meet by node (``restart/expected``
+    marked ``keys.BY_NODE``) only reads: nobody counts ranks on the job store there (the dead
+    rank's relay counts it on its node's store, and its node on the job store). Never blocks.
     """
     if expected is None:
-        n = store.count_arrival(key(iteration, "restart/n"), str(initial_rank))
         raw = peek(store, key(iteration, "restart/expected"))
+        if raw is not None and raw.startswith(BY_NODE.encode()):
+            return False
+        n = store.count_arrival(key(iteration, "restart/n"), str(initial_rank))
         if raw is None:
             return False  # no live rank has started the iteration: one of them completes it
         expected = int(raw)

@@ -60,17 +60,23 @@ class Admission:
 
 
 def start_iteration(
-    store: Store, iteration: int, *, participants: int, reserves: Sequence[int]
+    store: Store,
+    iteration: int,
+    *,
+    participants: int,
+    reserves: Sequence[int],
+    by_node: bool = False,
 ) -> None:
     """Every rank, at the start of each iteration, in one write (one transaction on etcd):
     the iteration a newcomer starts looking at, how many ranks take part in it (the restart
-    barrier's count) and its warm reserves (``inprocess.restart.demotion``)."""
+    barrier's count; ``by_node``: marked as met by node, ``keys.participants_item``) and its
+    warm reserves (``inprocess.restart.demotion``)."""
     keys.set_many(
         store,
         dict(
             [
                 (ITERATION_KEY, str(iteration)),
-                keys.participants_item(iteration, participants),
+                keys.participants_item(iteration, participants, by_node=by_node),
                 keys.reserves_item(iteration, reserves),
             ]
         ),

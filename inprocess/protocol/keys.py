@@ -42,6 +42,8 @@ from restartable.inprocess.protocol.store import Store
 
 ROOT = "restartable/"
 GONE_KEY = ROOT + "gone"
+# ``restart/expected``'s prefix when the iteration's ranks meet by node (``participants_item``).
+BY_NODE = "node:"
 # The values of an iteration's ``end`` key.
 OUTCOME_FAULT = "fault"
 OUTCOME_DONE = "done"
@@ -95,10 +97,13 @@ def describe_keys(iteration: int) -> Sequence[str]:
     return [key(iteration, k) for k in ("faults", "end", "join/go", "restart/go")]
 
 
-def participants_item(iteration: int, count: int) -> tuple[str, str]:
+def participants_item(iteration: int, count: int, *, by_node: bool = False) -> tuple[str, str]:
     """The key and value of how many ranks (active + reserve) take part in ``iteration``
-    (``restart_meeting.set_participants``; for one ``set_many`` with others)."""
-    return key(iteration, "restart/expected"), str(count)
+    (``restart_meeting.set_participants``; for one ``set_many`` with others). ``by_node``: the
+    ranks meet by node (``node_barrier``), marked ``BY_NODE`` + count: nobody counts ranks on
+    the job store then, and a death report reads the mark instead of counting
+    (``fault_records.count_once``)."""
+    return key(iteration, "restart/expected"), f"{BY_NODE if by_node else ''}{count}"
 
 
 def gone_ranks(store: Store) -> set[int]:

@@ -19,6 +19,8 @@ Keys and call order, in the NODE-LOCAL store (a store on the node only; every ke
                     then counts the node
 * ``node/order/j``  the relay's j-th order: ``decide:<rank>`` (that rank takes the decision and
                     publishes it on the job store) or ``go:<decision>`` (the end of the barrier)
+* ``node/decided``  the decider rank's publish's answer (the decision published first), which
+                    its relay relays instead of reading ``restart/go`` from the job store
 
 A rank's calls to the job store in a restart: none, unless its relay names it the decider (it
 then reads the faults and the respawn state and compare-and-sets ``restart/go``, as on the
@@ -145,7 +147,8 @@ def node_restart_barrier(
     rank the node's decider, it decides on the job store's fault records and publishes
     (compare-and-set: the first decision published is everyone's) before it waits on.
     Local calls: one ``add`` to arrive (one ``set`` more for the rank that completes the
-    count), then a ``wait`` and a ``get`` per order until the decision."""
+    count), then a ``wait`` and a ``get`` per order until the decision (the decider: one
+    ``set`` of ``node/decided`` more)."""
     me = str(initial_rank)
     deadline = clock.monotonic() + timeout
     count_local(local, iteration, sorted(members), initial_rank, alive=True, by=me)
@@ -161,5 +164,8 @@ def node_restart_barrier(
             return order[len(ORDER_GO) :]
         if order == ORDER_DECIDE + me:
             published = decide(read_faults(job, iteration))
-            return job.compare_set(go_key(iteration), "", published).decode()
+            got = job.compare_set(go_key(iteration), "", published).decode()
+            # The relay waits for it here, not on the job store: one job-store call fewer.
+            local.set(local_key(iteration, "decided"), got)
+            return got
         j += 1

@@ -14,15 +14,18 @@ Per iteration ``n``, ``NodeRelay.serve(n)`` on the relay, in this order; its JOB
    completes the count (expected: ``node/nodes``) makes this node decide: ``restart/nodes/full``
    = this node, and the relay orders one of its live ranks to decide (``node/order/j`` =
    ``decide:<rank>``; that rank publishes ``restart/go``).
-3. one blocking ``get`` of ``restart/go``; the decision is relayed (``go:<decision>``).
+3. one blocking ``get`` of ``restart/go``; the decision is relayed (``go:<decision>``). The
+   deciding node's relay makes no such call: its rank hands it the decision it published (or
+   found published) on the node store (``node/decided``).
 
-So 3 job-store calls per node per restart (the deciding node: one more, plus its rank's reads
-and publish), whatever the number of ranks per node. Rare cases, at the re-check after each
-slice of step 3 (``sources.gone_nodes``: nodes whose launcher is gone): a gone node is counted
-once (``restart/nodes/gone/<k>`` claims it), and a gone decider node is replaced by the first
-relay to claim ``restart/nodes/claim``. A relay that counted its node and died before the count
-was full is counted again: the decision may then be taken before the last node arrived, which
-reads the same ``restart/go`` when it does (a fault it records late ends the next iteration).
+So 3 job-store calls per node per restart (the deciding node: ``restart/nodes/full`` instead of
+the ``get``, plus its rank's reads and publish), whatever the number of ranks per node. Rare
+cases, at the re-check after each slice of step 3 (``sources.gone_nodes``: nodes whose launcher
+is gone): a gone node is counted once (``restart/nodes/gone/<k>`` claims it), and a gone
+decider node is replaced by the first relay to claim ``restart/nodes/claim``. A relay that
+counted its node and died before the count was full is counted again: the decision may then be
+taken before the last node arrived, which reads the same ``restart/go`` when it does (a fault
+it records late ends the next iteration).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ LOCAL_RECHECK_S = 0.25
 # when no node newly went (it finds an orphan count, rare): 2 job-store calls per relay each time,
 # not each slice, so that a long restart of many nodes does not load the server per slice.
 FULL_RECHECK_S = 5.0
+# The slice of the deciding node's relay's wait for its own rank's decision (on the node
+# store), after which it re-checks as after a job-store slice (its decider rank may be dead).
+DECIDED_SLICE_S = 1.0
 ORPHAN = "orphan"  # ``restart/nodes/full`` when the completing node has no live rank left
 _COMPLETED, _TAKEOVER = "completed", "takeover"  # why a re-check makes this node decide
 
@@ -118,7 +124,7 @@ class NodeRelay:
             if self.clock.monotonic() >= deadline:
                 raise StoreTimeoutError(f"{what}: no decision within its timeout")
             try:
-                decision = self.job.get(nb.go_key(iteration)).decode()
+                decision = self._await_decision(rnd)
                 break
             except Exception as exc:
                 if not is_timeout(exc):
@@ -127,6 +133,15 @@ class NodeRelay:
             if found is not None:
                 self._decide_here(rnd, takeover=found == _TAKEOVER)
         self._order(rnd, nb.ORDER_GO + decision)
+
+    def _await_decision(self, rnd: _Round) -> str:
+        """One slice of the wait for the decision. Where this node's rank decides, its publish's
+        answer (the decision published first: its own or a takeover's) reaches the node store
+        (``node/decided``): no job-store call; elsewhere one blocking ``get`` of ``restart/go``."""
+        if rnd.decider is None:
+            return self.job.get(nb.go_key(rnd.iteration)).decode()
+        decided = nb.local_key(rnd.iteration, "decided")
+        return wait_value(self.local, decided, DECIDED_SLICE_S).decode()
 
     def _local_barrier(self, iteration: int, deadline: float) -> str:
         """Wait until every member arrived or is dead (counting the dead); return the number of
@@ -158,6 +173,7 @@ class NodeRelay:
         live = self._live(rnd.iteration)
         full = key(rnd.iteration, "restart/nodes/full")
         if not live:
+            rnd.decider = None  # no rank of this node decides: wait for restart/go
             self.job.set(full, ORPHAN)
             return
         me = str(self.node)

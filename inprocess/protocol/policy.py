@@ -21,6 +21,7 @@ from restartable.inprocess.protocol.fault_evidence import (
     signature,
     text_origin,
 )
+from restartable.inprocess.protocol.rank_runs import EncodedAssignment
 from restartable.inprocess.protocol.ranks import (
     Assignment,
     NotEnoughRanksError,
@@ -154,13 +155,7 @@ class Decision:
             ),
             retired=tuple(Retirement(r, why) for r, why in d["retired"]),
             demoted=tuple(d["demoted"]),
-            assignment=None
-            if a is None
-            else Assignment(
-                active=_ranks(a["active"]),
-                reserve=_ranks(a["reserve"]),
-                retired=frozenset(_ranks(a["retired"])),
-            ),
+            assignment=None if a is None else _assignment(a),
             stop=d["stop"],
             collateral_omitted=int(d.get("collateral_omitted", 0)),
             stop_origin=str(d.get("stop_origin", "")),
@@ -178,6 +173,20 @@ def _published(f: FaultRecord) -> dict[str, Any]:
 def _ranks(value: str | list[int]) -> tuple[int, ...]:
     """A rank list of a published decision: runs (``encode_ranks``), or a list (older form)."""
     return decode_ranks(value) if isinstance(value, str) else tuple(value)
+
+
+def _assignment(a: dict[str, Any]) -> Assignment:
+    """A published assignment: runs are decoded on first use (``rank_runs``: every rank reads
+    the decision, and a released rank needs its own place, not every rank's); lists (the older
+    form) at once."""
+    lists = a["active"], a["reserve"], a["retired"]
+    if all(isinstance(x, str) for x in lists):
+        return EncodedAssignment(*lists)
+    return Assignment(
+        active=_ranks(a["active"]),
+        reserve=_ranks(a["reserve"]),
+        retired=frozenset(_ranks(a["retired"])),
+    )
 
 
 @dataclass(frozen=True)

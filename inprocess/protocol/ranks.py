@@ -295,6 +295,15 @@ def decode_ranks(text: str) -> tuple[int, ...]:
     Raises ``ValueError`` naming the bad part for anything else.
     """
     out: list[int] = []
+    for lo, hi in parse_runs(text):
+        out.extend(range(lo, hi + 1))
+    return tuple(out)
+
+
+def parse_runs(text: str) -> list[tuple[int, int]]:
+    """The runs of ``encode_ranks``' form as inclusive ``(first, last)`` pairs, not expanded
+    (``rank_runs``); ``ValueError`` naming the bad part, as ``decode_ranks``."""
+    out: list[tuple[int, int]] = []
     for part in text.split(","):
         if not part:
             continue
@@ -307,8 +316,8 @@ def decode_ranks(text: str) -> tuple[int, ...]:
             ) from None
         if hi < lo:
             raise ValueError(f"rank list {text!r}: run {part!r} ends before it starts")
-        out.extend(range(lo, hi + 1))
-    return tuple(out)
+        out.append((lo, hi))
+    return out
 
 
 def _pick_reserves(

@@ -95,7 +95,13 @@ class TCPStoreClient(StoreBase):
 
     def get(self, key: str) -> bytes:
         """Waits (at most ``timeout``) for ``key``, as torch's client does, then reads it."""
-        self.wait([key], datetime.timedelta(seconds=self.timeout))
+        return self.wait_value(key, datetime.timedelta(seconds=self.timeout))
+
+    def wait_value(self, key: str, timeout: datetime.timedelta) -> bytes:
+        """``StoreBase.wait_value`` in two round trips, not three: after its own ``wait`` the
+        key exists (the protocol deletes no key it waits for), so the ``GET`` needs no second
+        ``wait`` (``get``'s). The node path's ranks wait on their node store this way."""
+        self.wait([key], timeout)
         with self._lock:
             self._send(bytes([_GET]) + _str(_key(key)))
             return self._recv_bytes()

@@ -140,6 +140,7 @@ class RankLifetime:
             iteration,
             participants=len(assignment.active) + len(assignment.reserve),
             reserves=assignment.reserve,
+            by_node=self.node is not None,
         )
         if self.node is not None:
             self.node.announce(iteration, assignment.active + assignment.reserve)
