@@ -268,11 +268,16 @@ class Scrubber:
         )
 
     def _raise(self, finding: SdcFinding, digests: tuple[str, ...], *, retire: bool) -> None:
-        """The suspect raises at once (its restart tears the group down); the other ranks
-        first wait for that, so that the restart blames the suspect alone."""
+        """COLLECTIVE. Every rank records the rollback, then the suspect raises (its restart
+        tears the group down); the other ranks first wait for that, so that the restart blames
+        the suspect alone."""
         self.snaps.pending = finding.rollback_to
         self.snaps.forget_after(finding.rollback_to)  # copies of untrusted (or abandoned) states
         self.findings.append(finding)
+        # The suspect raises only once every rank holds the rollback target: the restart it
+        # starts interrupts the others, and a retired suspect takes its own record with it
+        # (a rank interrupted before it had recorded the target resumed at the corrupt step).
+        agree.reduce_max_(torch.zeros(1, dtype=torch.int64, device=agree.comm_device()))
         if finding.rank == self._rank:
             report_finding(finding)
             raise SilentDataCorruption(finding, retire=retire)
