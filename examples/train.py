@@ -352,7 +352,8 @@ def run(args: argparse.Namespace) -> int:
                     seq=cfg.seq,
                 )
                 batches = RerunDataIterator(iter([xy]))
-                # Sampled steps: judge the reserve's answers (may roll back), copy the state.
+                # Sampled steps: copy the state and start agreeing on the reserve's answers
+                # (after_step reads the verdict, and may roll back).
                 # Not step 0: torch's get_state_dict creates an unstepped AdamW's state (step
                 # 1), which would change every later update.
                 if step > 0 and scrubbing.scrubbed(args, step):
@@ -367,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
                         loss = loss * float("nan")  # a transient numerical fault on this rank
                     loss.backward()
                     rsm.validate_loss(loss)
-                scrub.after_step(loss)  # a check sent to the reserve, or made in place
+                scrub.after_step(loss)  # the verdict; a check sent to the reserve, or made in place
                 _, exit_now, _ = rsm.should_checkpoint_and_exit()
                 if exit_now:  # a verdict that needs other hardware or a person: see rerun/README
                     rsm.exit_or_raise(close=[mgr])  # the checkpoint is committed first

@@ -35,6 +35,27 @@ def reduce_max_(vec: torch.Tensor) -> None:
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
 
 
+class Pending:
+    """An all-reduce in flight (``reduce_max_async``); ``wait`` before reading its tensor."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def reduce_max_async(vec: torch.Tensor) -> Pending:
+    """Start an element-wise MAX over ranks of ``vec`` in place; returns at once. Every rank
+    must start it at the same point of its sequence of collectives, and ``wait`` for it before
+    reading ``vec`` (a no-op on a single process)."""
+    if not is_distributed():
+        return Pending(None)
+    return Pending(dist.all_reduce(vec, op=dist.ReduceOp.MAX, async_op=True))
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (fault path only: pickles and costs a collective)."""
     if not is_distributed():

@@ -6,9 +6,9 @@
         scrub.begin(model, rank=ctx.rank, world=ctx.world_size, initial_rank=ctx.initial_rank)
         start = scrub.restore(mgr.load_latest(ckpt) or 0, restore=state.load_state_dict)
         for step in range(start, steps):
-            scrub.before_step(step, batch, snapshot=state.state_dict)   # may raise
+            scrub.before_step(step, batch, snapshot=state.state_dict)   # copies, sampled steps
             loss = fwd(net, batch); loss.backward()
-            scrub.after_step(loss)                                      # may raise
+            scrub.after_step(loss)                     # the verdict: may raise (a finding)
             opt.step()
 
 ``mode="reserve"``: every ``every`` steps one active rank (rotating: each rank every
@@ -81,6 +81,7 @@ class Scrubber:
         self._rank = self._world = self._initial = 0
         self._verified = False  # in place: determinism verified at the first check
         self._open: tuple[Any, torch.Tensor, Captured, Any] | None = None
+        self._judging = False  # a sampled step's all-reduce started (reserve mode)
         self._step = 0
         self.findings: list[SdcFinding] = []
 
@@ -114,7 +115,7 @@ class Scrubber:
         if self._checker is not None:
             self._checker.stop()
         self._module, self._rank, self._world, self._initial = module, rank, world, initial_rank
-        self._open = None
+        self._open, self._judging = None, False
         if self.mode == "reserve":
             assert self._make_store is not None
             old = self._judge
@@ -137,9 +138,10 @@ class Scrubber:
         return rollback(self.snaps, loaded, restore)
 
     def before_step(self, step: int, batch: Any, *, snapshot: Callable[[], Any]) -> None:
-        """Before the step's forward pass (every rank, every step). On sampled steps: judge the
-        answers that came in (reserve mode; may raise ``SilentDataCorruption``), and prepare
-        this step's check: copy the state (``snapshot``), the RNG state, capture the gradients."""
+        """Before the step's forward pass (every rank, every step). On sampled steps: start
+        agreeing on the answers that came in (reserve mode: ``after_step`` reads the verdict),
+        and prepare this step's check: copy the state (``snapshot``), the RNG state, capture
+        the gradients."""
         self._step = step
         if self.mode == "off" or step % self.every != 0 or self._module is None:
             return
@@ -148,31 +150,30 @@ class Scrubber:
             self._open_capture(batch, rng, None)
             return
         assert self._judge is not None
-        for mismatch in self._judge.judge(step, self.every):
-            self._settle_mismatch(mismatch)
-        if self._judge.sends_now(step, self.every):
+        self._judge.launch(step, self.every)
+        self._judging = True
+        if self._judge.may_send():
             checked = self._judge.checked_rank(step, self.every)
             # The rollback copy: kept by the next rank, which a retirement of the checked one
             # leaves in the job (each rank copies its state once per rotation, not per check).
+            # Taken now, before the step changes the state; dropped if the step is not sent.
             if (checked + 1) % self._world == self._rank:
                 self.snaps.take(step, snapshot)
-                self.snaps.keep_from(self._judge.oldest_needed())
             if checked == self._rank:
                 self._open_capture(batch, rng, params_of(self._module))
 
     def after_step(self, loss: torch.Tensor) -> None:
-        """After the backward pass, before the optimizer step (every rank, every step)."""
-        if self._open is None:
-            return
-        batch, rng, captured, params = self._open
-        captured.close()
-        self._open = None
-        if self.mode == "reserve":
-            assert self._judge is not None
-            req = Request(self._step, self._rank, params, batch, rng)
-            self._judge.submit(req, captured.grads, loss)
-            return
-        self._check_in_place(batch, rng, captured, loss)
+        """After the backward pass, before the optimizer step (every rank, every step). On
+        sampled steps in reserve mode: the verdict on the answers that came in (may raise
+        ``SilentDataCorruption``), then this step's check sent to the reserve."""
+        opened, self._open = self._open, None
+        if opened is not None:
+            opened[2].close()
+        if self.mode == "reserve" and self._judging:
+            self._judging = False
+            self._judge_and_send(loss, opened)
+        elif opened is not None and self.mode == "in_place":
+            self._check_in_place(opened[0], opened[1], opened[2], loss)
 
     def close(self) -> None:
         if self._judge is not None:
@@ -181,6 +182,24 @@ class Scrubber:
             self._checker.stop()
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _judge_and_send(self, loss: torch.Tensor, opened: Any) -> None:
+        """COLLECTIVE, sampled steps in reserve mode: settle what the all-reduce started by
+        ``before_step`` found, then send this step if it is this rank's turn."""
+        assert self._judge is not None
+        for mismatch in self._judge.collect():
+            self._settle_mismatch(mismatch)
+        step = self._step
+        sends = self._judge.sends_now(step, self.every)
+        checked = self._judge.checked_rank(step, self.every)
+        if (checked + 1) % self._world == self._rank:
+            if not sends:
+                self.snaps.drop(step)
+            self.snaps.keep_from(self._judge.oldest_needed())
+        if sends and checked == self._rank and opened is not None:
+            batch, rng, captured, params = opened
+            req = Request(step, self._rank, params, batch, rng)
+            self._judge.submit(req, captured.grads, loss)
 
     def _open_capture(self, batch: Any, rng: torch.Tensor, params: Any) -> None:
         assert self._module is not None
@@ -257,11 +276,17 @@ class Scrubber:
         )
 
     def _raise(self, finding: SdcFinding, digests: tuple[str, ...], *, retire: bool) -> None:
-        """The suspect raises at once (its restart tears the group down); the other ranks
-        first wait for that, so that the restart blames the suspect alone."""
+        """COLLECTIVE. Every rank records the rollback, then the suspect raises (its restart
+        tears the group down); the other ranks first wait for that, so that the restart blames
+        the suspect alone."""
         self.snaps.pending = finding.rollback_to
+        self.snaps.forget_after(finding.rollback_to)  # copies of untrusted (or abandoned) states
         self.findings.append(finding)
         quarantine(self._checkpoints, finding)
+        # The suspect raises only once every rank holds the rollback target: the restart it
+        # starts interrupts the others, and a retired suspect takes its own record with it
+        # (a rank interrupted before it had recorded the target resumed at the corrupt step).
+        agree.reduce_max_(torch.zeros(1, dtype=torch.int64, device=agree.comm_device()))
         if finding.rank == self._rank:
             report_finding(finding)
             raise SilentDataCorruption(finding, retire=retire)

@@ -2,10 +2,12 @@
 answers turned into verdicts every rank agrees on, and the newest verified step of each rank.
 
 At each sampled step every active rank takes part in ONE MAX all-reduce of ``1 + world`` ints:
-whether a reserve serves checks (rank 0 looked in the store) and, per rank, what became of its
-outstanding request (pending, passed, unchecked, mismatch). Each rank reads only its own answer,
-without blocking; the all-reduce is the only point where the ranks meet for scrubbing, so
-every rank acts on the same verdict at the same step.
+whether a reserve serves checks (rank 0's watcher thread looks in the store) and, per rank, what
+became of its outstanding request (pending, passed, unchecked, mismatch). Each rank reads only its
+own answer, without blocking. The all-reduce is started before the step's forward pass
+(``launch``) and read after its backward pass (``collect``): it travels while the step computes,
+so the ranks do not meet for it (a blocking one cost every sampled step the ranks' arrival skew,
+about 5 ms here, docs/rerun.md), and every rank still acts on the same verdict at the same step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from restartable.rerun import agree
 from restartable.rerun.scrub_reserve import NONDETERMINISTIC
 from restartable.rerun.scrub_rollback import Snapshots
-from restartable.rerun.scrub_sender import Outstanding, Sender
+from restartable.rerun.scrub_sender import Outstanding, ReadyWatcher, Sender
 from restartable.rerun.scrub_wire import READY_KEY, Request, ScrubStore
 
 logger = logging.getLogger(__name__)
@@ -47,11 +49,14 @@ class Judge:
         self.sender = Sender(make_store, timeout=timeout)
         self.rank, self.world, self.timeout = rank, world, timeout
         self.ready = False
+        self.was_ready = False  # may_send() when the sampled step being judged began
         self.outstanding: list[int | None] = [None] * world  # the step each rank's request is of
         self.last_passed: list[int | None] = [None] * world
         self.mine: Outstanding | None = None
         self.first: int | None = None  # the first checked step (the job's copies start there)
         self.sent = self.passed = self.unchecked = 0
+        self._flight: tuple[torch.Tensor, agree.Pending, bool] | None = None  # launch's reduce
+        self._watcher = ReadyWatcher(make_store) if rank == 0 else None
 
     def resume(self, old: Judge | None, snaps: Snapshots) -> None:
         """COLLECTIVE. Carry the verified steps over a restart; a rank new to the job (a
@@ -93,10 +98,11 @@ class Judge:
         return (step // every - 1) % self.world
 
     def sends_now(self, step: int, every: int) -> bool:
-        """Whether step ``step``'s checked rank sends it (once per sampled step; every rank
-        calls it): a reserve serves, and that rank's previous request is judged."""
+        """Whether step ``step``'s checked rank sends it (once per sampled step, after
+        ``collect``; every rank calls it): a reserve served when the step began (its copies
+        were taken then) and still does, and that rank's previous request is judged."""
         rank = self.checked_rank(step, every)
-        if not self.ready or self.outstanding[rank] is not None:
+        if not (self.ready and self.was_ready) or self.outstanding[rank] is not None:
             return False
         self.outstanding[rank] = step
         self.sent += 1
@@ -118,8 +124,9 @@ class Judge:
         """The oldest step a finding may still roll back to."""
         return min(self.rollback_target(r) for r in range(self.world))
 
-    def judge(self, step: int, every: int) -> list[Mismatch]:
-        """COLLECTIVE, at each sampled step: agree on the answers; returns the mismatches.
+    def launch(self, step: int, every: int) -> None:
+        """COLLECTIVE (started, not awaited), before each sampled step's forward pass: this
+        rank's view of the answers goes into the all-reduce that ``collect`` reads.
 
         Back-pressure: when it is this rank's turn again and the reserve has not answered its
         previous request yet, this rank waits for the answer (bounded by ``timeout``), so a
@@ -129,10 +136,25 @@ class Judge:
             left = self.mine.sent_at + self.timeout - time.monotonic()
             self.mine.answered.wait(max(left, 0.0))
         vec = torch.zeros(1 + self.world, dtype=torch.int64, device=agree.comm_device())
-        vec[0] = int(self.rank == 0 and self._peek_ready())
+        if self._watcher is not None:
+            vec[0] = int(self._watcher.serving())
         if self.mine is not None:
             vec[1 + self.rank] = self._code(self.mine)
-        agree.reduce_max_(vec)
+        self._flight = (vec, agree.reduce_max_async(vec), self.may_send())
+
+    def may_send(self) -> bool:
+        """Before a sampled step (the same on every rank): whether its checked rank may send
+        it, so that it and the next rank take their copies. A reserve served at the last
+        verdict, or no check was sent yet (the first verdict may find one)."""
+        return self.ready or self.first is None
+
+    def collect(self) -> list[Mismatch]:
+        """COLLECTIVE, after the backward pass of a step ``launch`` was called for: agree on
+        the answers (waits for the all-reduce, normally long done); returns the mismatches."""
+        assert self._flight is not None, "collect() without launch(): call launch first"
+        vec, pending, self.was_ready = self._flight
+        self._flight = None
+        pending.wait()
         values = [int(v) for v in vec.tolist()]
         if bool(values[0]) != self.ready:
             logger.info(
@@ -169,6 +191,8 @@ class Judge:
 
     def close(self) -> None:
         self.sender.close()  # and its store clients
+        if self._watcher is not None:
+            self._watcher.close()
 
     def _peek_ready(self) -> bool:
         return self.sender.reader().add(READY_KEY, 0) > 0

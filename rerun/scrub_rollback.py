@@ -33,6 +33,10 @@ class Snapshots:
     def take(self, step: int, snapshot: Callable[[], Any]) -> None:
         self._by_step[step] = clone_tree(snapshot())
 
+    def drop(self, step: int) -> None:
+        """Forget the copy of ``step`` (taken before the step, which was then not checked)."""
+        self._by_step.pop(step, None)
+
     def steps(self) -> list[int]:
         return sorted(self._by_step)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from restartable.rerun.scrub_wire import (
+    READY_KEY,
     SEQ_KEY,
     Answer,
     Request,
@@ -120,3 +121,43 @@ class Sender:
         self._reader = None
         if self._thread is not None:
             self._queue.put(None)
+
+
+class ReadyWatcher:
+    """Whether a reserve serves checks, as rank 0 reports it at each sampled step, kept fresh
+    by a thread of its own (one store read every ``interval`` seconds) instead of a store round
+    trip on the training thread. The first read is made by the first ``serving`` call, on the
+    caller's thread (so the job's first sampled step sees a reserve that is there)."""
+
+    def __init__(self, make_store: Callable[[], ScrubStore], *, interval: float = 0.2) -> None:
+        self._make_store, self._interval = make_store, interval
+        self._seen = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def serving(self) -> bool:
+        if self._thread is None:
+            store = self._make_store()
+            self._seen = _serving(store)
+            self._thread = threading.Thread(
+                target=self._run, args=(store,), name="sdc-scrub-ready", daemon=True
+            )
+            self._thread.start()
+        return self._seen
+
+    def _run(self, store: ScrubStore) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._seen = _serving(store)
+            except Exception as exc:  # the store went away: no reserve can answer
+                logger.debug("sdc scrubbing: cannot read whether a reserve serves: %r", exc)
+                self._seen = False
+                return
+
+    def close(self) -> None:
+        """Stop the thread (within ``interval``); returns at once."""
+        self._stop.set()
+
+
+def _serving(store: ScrubStore) -> bool:
+    return store.add(READY_KEY, 0) > 0
