@@ -88,7 +88,6 @@ class NodeHost:
         iteration = 0
         try:
             while not self._stop.is_set():
-                self._deaths.iteration = iteration
                 outcome = self._relay.serve(
                     iteration, timeout=self._timeout, stop=self._stop.is_set
                 )

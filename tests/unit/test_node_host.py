@@ -198,14 +198,17 @@ def test_the_other_launchers_beats_are_read_only_when_the_relay_asks() -> None:
 def test_an_exited_rank_is_counted_dead_once_its_watchdog_reported_it_or_after_the_grace() -> None:
     # The launcher sees its child exit before the watchdog's record is on the job store:
     # counted then, the decision could be taken without the record (the restart blamed only
-    # the collateral faults). A report counts the rank after appending its record.
+    # the collateral faults). A report appends the record and then the rank to ``gone``; on
+    # the node path it counts nothing on the job store (the iteration is marked by node), so
+    # the relay must not wait for a count (it did: every death waited out the grace, 5 s).
     fake = FakeClock()
     job = C10dStore(dist.HashStore())
+    job.set(*keys.participants_item(2, 4, by_node=True))
     exited: list[int] = [3]
     deaths = ReportedDeaths(job, lambda: exited, clock=fake.clock())
-    deaths.iteration = 2
     assert deaths() == []  # exited, not reported yet
-    fault_records.count_once(job, 2, 3)  # its watchdog's report (record, then count)
+    fault_records.report_fault(job, iteration=2, initial_rank=3, kind="dead", detail="gone")
+    assert fault_records.read_faults(job, 2)[0].initial_rank == 3
     assert deaths() == [3]
     exited.append(1)  # a rank whose watchdog died with it: counted after the grace
     assert deaths() == [3]
