@@ -10,6 +10,10 @@
             loss = fwd(net, batch); loss.backward()
             scrub.after_step(loss)                     # the verdict: may raise (a finding)
             opt.step()
+    try:
+        train()
+    finally:
+        scrub.close()   # stops and joins its threads before the interpreter exits
 
 ``mode="reserve"``: every ``every`` steps one active rank (rotating: each rank every
 ``every * world`` steps) sends its step to a reserve, which re-computes it; a mismatch is
