@@ -10,6 +10,10 @@
             loss = fwd(net, batch); loss.backward()
             scrub.after_step(loss)                     # the verdict: may raise (a finding)
             opt.step()
+    try:
+        train()
+    finally:
+        scrub.close()   # stops and joins its threads before the interpreter exits
 
 ``mode="reserve"``: every ``every`` steps one active rank (rotating: each rank every
 ``every * world`` steps) sends its step to a reserve, which re-computes it; a mismatch is
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -46,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 Mode = Literal["off", "in_place", "reserve"]
 MODES = ("off", "in_place", "reserve")
+CLOSE_TIMEOUT_S = 10.0  # close(): a check in progress on a reserve at idle priority ends first
 _VERDICTS = {1: "transient", 2: "persistent", 3: "nondeterministic"}
 
 
@@ -175,11 +181,13 @@ class Scrubber:
         elif opened is not None and self.mode == "in_place":
             self._check_in_place(opened[0], opened[1], opened[2], loss)
 
-    def close(self) -> None:
-        if self._judge is not None:
-            self._judge.close()
-        if self._checker is not None:
-            self._checker.stop()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Once, as the process ends (after its last ``train()`` call, also a failed one):
+        stop this process's scrubbing threads and wait for them, up to ``timeout`` s in all.
+        Why wait: a (daemon) thread still inside a torch or store call when the interpreter
+        finalises is ended from C++ as it returns, which aborts the process ("terminate
+        called without an active exception", exit status -6)."""
+        _stop_threads(self._judge, self._checker, timeout)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -292,6 +300,24 @@ class Scrubber:
             raise SilentDataCorruption(finding, retire=retire)
         agree.wait_for_teardown()
         raise SilentDataCorruption(finding, retire=False)
+
+
+def _stop_threads(judge: Judge | None, checker: ReserveChecker | None, timeout: float) -> None:
+    """``Scrubber.close``: stop both, then join both within ``timeout`` s in all."""
+    end = time.monotonic() + timeout
+    if judge is not None:
+        judge.close()
+    if checker is not None:
+        checker.stop()
+    ended = judge is None or judge.join(timeout)
+    if checker is not None:
+        ended = checker.join(max(0.0, end - time.monotonic())) and ended
+    if not ended:
+        logger.warning(
+            "sdc scrubbing: a scrubbing thread did not stop within %.0f s; the process may "
+            "abort as it exits (std::terminate)",
+            timeout,
+        )
 
 
 def _initial_rank() -> int:

@@ -194,6 +194,14 @@ class Judge:
         if self._watcher is not None:
             self._watcher.close()
 
+    def join(self, timeout: float) -> bool:
+        """After ``close``: wait up to ``timeout`` s in all for the threads; whether they ended."""
+        end = time.monotonic() + timeout
+        ended = self.sender.join(timeout)
+        if self._watcher is not None:
+            ended = self._watcher.join(max(0.0, end - time.monotonic())) and ended
+        return ended
+
     def _peek_ready(self) -> bool:
         return self.sender.reader().add(READY_KEY, 0) > 0
 

@@ -88,6 +88,13 @@ class ReserveChecker:
         """Stop taking requests (the process is about to train); returns at once."""
         self._stop.set()
 
+    def join(self, timeout: float) -> bool:
+        """After ``stop``: wait up to ``timeout`` s for the thread to end (it ends after the
+        check it may be computing); whether it did."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
     def _run(self) -> None:
         priority = lowest_priority() or "its normal priority"
         try:

@@ -11,6 +11,7 @@ the store's server and costs the step its scheduling delay). The wait is the sto
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import queue
@@ -33,6 +34,8 @@ from restartable.rerun.scrub_wire import (
 from restartable.rerun.sdc_digest import digest
 
 logger = logging.getLogger(__name__)
+
+WITHDRAWN = b"withdrawn"  # what a closing sender writes as the answer it no longer awaits
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Sender:
         ] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._reader: ScrubStore | None = None  # the training thread's (rank 0 asks: a reserve?)
+        self._closing = threading.Event()
+        self._waiting: int | None = None  # the request whose answer the thread waits for
 
     def submit(
         self, request: Request, grads: dict[str, torch.Tensor | None], loss: torch.Tensor
@@ -106,21 +111,39 @@ class Sender:
         """Block this thread until the answer to ``seq`` is in the store (bounded); a missing
         answer is the judge's to report (it counts the step unchecked)."""
         left = self._timeout - (time.monotonic() - out.sent_at)
+        self._waiting = seq  # before the check: ``close`` either sees it or is seen here
         try:
-            if left > 0:
+            if left > 0 and not self._closing.is_set():
                 store.wait([result_key(seq)], datetime.timedelta(seconds=left))
-                out.answer = Answer.decode(store.get(result_key(seq)))
+                if not self._closing.is_set():  # else the answer may be ``close``'s WITHDRAWN
+                    out.answer = Answer.decode(store.get(result_key(seq)))
         except Exception as exc:  # the wait's timeout, or the store went away
             logger.debug("sdc scrubbing: no answer for request %d: %r", seq, exc)
         finally:
+            self._waiting = None
             out.answered.set()
 
     def close(self) -> None:
-        """End the thread (after the answer it may be waiting for) and drop the training
-        thread's store client."""
-        self._reader = None
-        if self._thread is not None:
+        """End the thread and drop the training thread's store client; returns after one store
+        write at most (``join`` waits for the thread). The store's wait cannot be interrupted,
+        so the answer it waits for is written here (``WITHDRAWN``, never read: a closed
+        sender's requests are judged no more): the thread then leaves its store call at once,
+        instead of up to ``timeout`` seconds later, perhaps while the interpreter finalises
+        (a daemon thread returning from C++ then aborts the process: std::terminate)."""
+        if self._thread is not None and not self._closing.is_set():
+            self._closing.set()
             self._queue.put(None)
+            seq = self._waiting
+            if seq is not None:
+                with contextlib.suppress(Exception):  # the store went away: so did the wait
+                    self.reader().set(result_key(seq), WITHDRAWN)
+        self._reader = None
+
+    def join(self, timeout: float) -> bool:
+        """After ``close``: wait up to ``timeout`` s for the thread to end; whether it did."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
 
 
 class ReadyWatcher:
@@ -157,6 +180,12 @@ class ReadyWatcher:
     def close(self) -> None:
         """Stop the thread (within ``interval``); returns at once."""
         self._stop.set()
+
+    def join(self, timeout: float) -> bool:
+        """After ``close``: wait up to ``timeout`` s for the thread to end; whether it did."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
 
 
 def _serving(store: ScrubStore) -> bool:

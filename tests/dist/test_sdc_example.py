@@ -57,6 +57,9 @@ def clean_loss(tmp_path_factory: pytest.TempPathFactory) -> float:
     job = _launch(run_dir, "none", "--active", "3")
     assert job.returncode == 0, job.output
     assert _findings(run_dir) == [], job.output
+    # The reserve's checking thread is stopped and joined before the interpreter exits: no C++
+    # abort (std::terminate, status -6) at the end of a successful run.
+    assert "terminate called" not in job.output, job.output[-3000:]
     logs = _logs(run_dir)
     assert "a reserve serves checks" in logs and "went unchecked" not in logs, logs[-3000:]
     return _final_loss(run_dir)
@@ -78,6 +81,7 @@ def test_persistent_sdc_is_found_its_rank_retired_and_the_loss_is_a_clean_runs(
     assert f["rollback_to"] == 25 and f["detected_at"] == 45 and f["steps_rolled_back"] == 20, f
     logs = _logs(tmp_path)
     assert "rank 1 retired after iteration 0" in logs, logs[-4000:]
+    assert "terminate called" not in job.output, job.output[-3000:]  # nor the retired rank
     # The checkpoints after step 25 are quarantined (Scrubber(checkpoints=mgr)): the restart
     # restores an older one, then the verified copy of step 25 over it.
     assert "to the verified step 25" in logs, logs[-4000:]
