@@ -299,6 +299,10 @@ def restart_with_blocked_save(root: str, interrupt_wait: bool = False) -> dict[s
         mgr.save(2, {"x": torch.full((100,), 2.0)})
         mgr.wait()
         steps = [c.step for c in mgr.committed()]
+        # Rank 0's process hosts the store the save's exchange reads: leaving before rank 1's
+        # last read of it ended that read with "Connection was likely closed" (once, in a
+        # clean-clone CI at load ~7). A launcher's store outlives the ranks; this one does not.
+        dist.barrier()
         dist.destroy_process_group()
     return {"rank": rank, "loaded": loaded, "settle_s": settle_s, "steps": steps}
 
