@@ -41,8 +41,9 @@ class Liveness:
         self._control, self._node_rank, self._nnodes = control, node_rank, nnodes
         self._beat_stale, self._node_timeout, self._clock = beat_stale, node_timeout, clock
         self._beats = 0  # this launcher's beat count (report_live)
-        # Another launcher's last beat value and when (this clock's monotonic) it changed.
-        self._seen: dict[int, tuple[bytes, float]] = {}
+        # Another launcher's last beat (or stand-in) value and when (this clock's monotonic) it
+        # changed, by (key name, node).
+        self._seen: dict[tuple[str, int], tuple[bytes, float]] = {}
 
     def report_live(self, k: int, n: int) -> None:
         """Node's processes still running in round ``k`` (live or due for respawn); also this
@@ -81,7 +82,7 @@ class Liveness:
         deadline = self._clock.monotonic() + self._node_timeout
         waiting = list(range(1, self._nnodes))
         while waiting and self._clock.monotonic() < deadline:
-            waiting = [n for n in waiting if self._still_there(n)]
+            waiting = [n for n in waiting if self._still_there(n, stand_in=True)]
             self._clock.sleep(_POLL_S)
 
     def last_out(self, clean: Callable[[], None]) -> None:
@@ -95,7 +96,7 @@ class Liveness:
             # Another launcher cleans (or did: the token is gone with every other key).
             if c.store.check([cleanup]) or not c.store.check([TOKEN_KEY]):
                 return
-            others = [n for n in others if self._still_there(n)]
+            others = [n for n in others if self._still_there(n, stand_in=True)]
             if not others:
                 # Two launchers leaving at once may both see the other gone: one deletes.
                 won = c.store.compare_set(cleanup, "", str(self._node_rank))
@@ -110,18 +111,32 @@ class Liveness:
             self._node_timeout,
         )
 
-    def _still_there(self, node: int) -> bool:
+    def _still_there(self, node: int, *, stand_in: bool = False) -> bool:
         """False once ``node``'s launcher left, or its beat stayed the same for ``beat_stale``
-        seconds of this launcher's monotonic clock (from the first time this one read it)."""
+        seconds of this launcher's monotonic clock (from the first time this one read it).
+        ``stand_in``: a killed launcher's stand-in (``inprocess.srun_task``, its own key
+        ``standin/{n}``) counts as there too: the waits before this launcher leaves keep the
+        store up for its read of the job's end. Never for ``gone_nodes``: a restart must count
+        a node whose launcher was killed as gone (the stand-in wrote the launcher's beat until
+        2 December 2026, and a restart waited for such a node until its timeout)."""
         c = self._control
         if c.store.check([c.key(f"left/{node}")]):
             return False
-        beat = c.store.try_get(c.key(f"beat/{node}"))
-        if beat is None:
-            return True  # not started yet: the deadline bounds the wait
+        return self._fresh("beat", node, absent=True) or (
+            stand_in and self._fresh("standin", node, absent=False)
+        )
+
+    def _fresh(self, name: str, node: int, *, absent: bool) -> bool:
+        """Whether ``node``'s key ``name`` changed within ``beat_stale`` (``absent``: the answer
+        while the key does not exist; a beat not started yet counts as fresh, the deadline
+        bounds that wait)."""
+        c = self._control
+        value = c.store.try_get(c.key(f"{name}/{node}"))
+        if value is None:
+            return absent
         now = self._clock.monotonic()
-        seen = self._seen.get(node)
-        if seen is None or seen[0] != beat:
-            self._seen[node] = (beat, now)
+        seen = self._seen.get((name, node))
+        if seen is None or seen[0] != value:
+            self._seen[(name, node)] = (value, now)
             return True
         return now - seen[1] < self._beat_stale

@@ -18,10 +18,14 @@ earlier round is ever read again):
 * ``<ns>beat/{n}``         node ``n``'s launcher's beat: a value that changes while it runs (a
                            count; the reader times it with its own monotonic clock, so no host
                            compares another host's clock)
+* ``<ns>standin/{n}``      the same kind of value, written by the ``inprocess.srun_task`` that
+                           stands in for node ``n``'s killed launcher: the waits before leaving
+                           count it, a restart's ``gone_nodes`` does not
 * ``<ns>left/{n}``         node ``n``'s launcher is leaving (node 0 waits for the live ones)
 * ``<ns>end``              the job's exit status, first launcher to end writes it (read by the
                            ``inprocess.srun_task`` of a launcher that was killed: it stands in for
-                           that launcher, beating and leaving in its name, until it read this)
+                           that launcher, beating (``standin``) and leaving in its name, until it
+                           read this)
 
 With ``--store etcd://...`` (``store_url``) no launcher hosts anything: the control keys are on
 etcd too, in the job's namespace under ``launch/<launch id>/`` (so losing any one node, node 0

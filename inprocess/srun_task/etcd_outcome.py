@@ -39,7 +39,7 @@ def launcher_job_status(a: argparse.Namespace, timeout: float, clock: Clock) -> 
         deadline = clock.monotonic() + timeout
         try:
             while clock.monotonic() < deadline:
-                store.set(f"{ns}beat/{a.node_rank}", repr(clock.wall()))
+                store.set(f"{ns}standin/{a.node_rank}", repr(clock.wall()))
                 if store.check([f"{ns}end"]):
                     return int(store.get(f"{ns}end"))
                 clock.sleep(_POLL_S)

@@ -58,8 +58,9 @@ def launcher_job_status(launch_argv: Sequence[str], timeout: float, clock: Clock
             if a.store is None and a.node_rank != 0:
                 try:
                     store = store or _connect(a, outcome)
-                    # A fresh beat: node 0's launcher waits for this node before leaving.
-                    store.set(f"launch/beat/{a.node_rank}", repr(clock.wall()))
+                    # Its own beat (not the launcher's: a restart must count this node gone):
+                    # node 0's launcher waits for it before leaving.
+                    store.set(f"launch/standin/{a.node_rank}", repr(clock.wall()))
                     if store.check(["launch/end"]):
                         return int(store.get("launch/end"))
                     lost_since = None
